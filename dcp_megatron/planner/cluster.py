@@ -1,0 +1,110 @@
+"""The hardware a plan runs on: size of the DCP domain, memory, rates, bandwidths."""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field, replace
+
+GiB = 1024 ** 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """One DCP domain (the DP×CP ranks of one TP/PP coordinate) and its physics.
+
+    Rates are *achieved* rates, not datasheet peaks. `attn_rate_points` is a table of
+    (document length, achieved causal-attention FLOP/s), interpolated linearly in log(L)
+    and clamped at both ends: attention kernels are slow on short documents.
+    """
+
+    name: str = "custom"
+    domain_size: int
+    gpus_per_node: int = 8
+    mem_bytes_per_gpu: int
+    mem_safety_frac: float = 0.10          # headroom kept free (fragmentation, NCCL buffers)
+    distributed_optimizer: bool = True     # optimizer states sharded over DP (ZeRO-1)
+    gemm_flops: float
+    attn_rate_points: tuple[tuple[int, float], ...]
+    intra_node_bw: float                   # bytes/s per GPU, one direction
+    inter_node_bw: float                   # bytes/s per GPU, one direction
+    microbatch_overhead_s: float = 0.0     # launch/sync cost paid by every micro-batch
+    collective_latency_s: float = 0.0      # per CP collective (per layer) latency
+    max_cp_size: int = 0                   # 0: up to domain_size
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.domain_size, int) or self.domain_size <= 0:
+            raise ValueError(f"ClusterSpec.domain_size must be a positive int, got {self.domain_size!r}")
+        if self.gpus_per_node <= 0:
+            raise ValueError(f"ClusterSpec.gpus_per_node must be positive, got {self.gpus_per_node}")
+        if self.mem_bytes_per_gpu <= 0:
+            raise ValueError(f"ClusterSpec.mem_bytes_per_gpu must be positive, got {self.mem_bytes_per_gpu}")
+        if not 0.0 <= self.mem_safety_frac < 1.0:
+            raise ValueError(f"ClusterSpec.mem_safety_frac must be in [0, 1), got {self.mem_safety_frac}")
+        for name in ("gemm_flops", "intra_node_bw", "inter_node_bw"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ClusterSpec.{name} must be positive, got {getattr(self, name)}")
+        if not self.attn_rate_points or any(L <= 0 or r <= 0 for L, r in self.attn_rate_points):
+            raise ValueError(f"ClusterSpec.attn_rate_points must be non-empty (length, rate>0) pairs, "
+                             f"got {self.attn_rate_points!r}")
+        if list(self.attn_rate_points) != sorted(self.attn_rate_points):
+            raise ValueError("ClusterSpec.attn_rate_points must be sorted by length")
+        if self.max_cp_size < 0:
+            raise ValueError(f"ClusterSpec.max_cp_size must be >= 0, got {self.max_cp_size}")
+
+    @property
+    def cp_size_limit(self) -> int:
+        return min(self.max_cp_size or self.domain_size, self.domain_size)
+
+    @property
+    def mem_budget_bytes(self) -> int:
+        return int(self.mem_bytes_per_gpu * (1.0 - self.mem_safety_frac))
+
+    def attn_rate(self, length: int) -> float:
+        """Achieved causal-attention FLOP/s for a document of `length` tokens."""
+        pts = self.attn_rate_points
+        if length <= pts[0][0]:
+            return pts[0][1]
+        if length >= pts[-1][0]:
+            return pts[-1][1]
+        i = bisect.bisect_right([p[0] for p in pts], length)
+        (l0, r0), (l1, r1) = pts[i - 1], pts[i]
+        t = (math.log(length) - math.log(l0)) / (math.log(l1) - math.log(l0))
+        return r0 + t * (r1 - r0)
+
+    def same_node(self, first_rank: int, size: int) -> bool:
+        return first_rank // self.gpus_per_node == (first_rank + size - 1) // self.gpus_per_node
+
+    def with_domain(self, domain_size: int, *, gpus_per_node: int | None = None) -> "ClusterSpec":
+        return replace(self, domain_size=domain_size,
+                       gpus_per_node=self.gpus_per_node if gpus_per_node is None else gpus_per_node)
+
+
+def _h200(domain_size: int = 8) -> ClusterSpec:
+    return ClusterSpec(
+        name="h200",
+        domain_size=domain_size,
+        gpus_per_node=8,                     # HGX H200: 8 GPUs per node
+        mem_bytes_per_gpu=141 * 10 ** 9,     # HBM3e 141 GB (datasheet)
+        mem_safety_frac=0.10,
+        # ~790 TFLOP/s measured on a large bf16 GEMM (989 datasheet dense); end-to-end
+        # layers reach less (norms, activations, small GEMMs): ~75% of that measured rate.
+        gemm_flops=0.75 * 790e12,
+        # Attention achieved rate by document length: H100 profile (DESIGN.md §4) scaled by
+        # the H200/H100 GEMM ratio (~1.0 at equal clocks; the HBM gain matters little here).
+        attn_rate_points=((512, 120e12), (1024, 230e12), (4096, 450e12), (32768, 590e12)),
+        intra_node_bw=900e9 / 2,             # NVLink 900 GB/s per GPU, bidirectional -> one way
+        inter_node_bw=400e9 / 8,             # 400 Gb/s InfiniBand per GPU = 50 GB/s
+        microbatch_overhead_s=2e-3,          # kernel launches, optimizer-free per-mb work
+        collective_latency_s=15e-6,          # one NCCL p2p/all-gather launch
+    )
+
+
+CLUSTER_PRESETS = {"h200": _h200}
+
+
+def cluster_preset(name: str, *, domain_size: int, gpus_per_node: int | None = None) -> ClusterSpec:
+    if name not in CLUSTER_PRESETS:
+        raise ValueError(f"unknown cluster preset {name!r}; choose one of {sorted(CLUSTER_PRESETS)}")
+    if not isinstance(domain_size, int) or domain_size <= 0:
+        raise ValueError(f"domain_size (number of GPUs in the DCP domain) must be a positive int, got {domain_size!r}")
+    return CLUSTER_PRESETS[name]().with_domain(domain_size, gpus_per_node=gpus_per_node)

@@ -1,0 +1,88 @@
+"""Shape of the transformer being trained: all the planner needs to know about the model."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    gated_mlp: bool = True  # SwiGLU: three ffn matrices instead of two
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "ffn_hidden_size", "vocab_size", "tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelShape.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.num_heads % self.tp:
+            raise ValueError(f"num_heads={self.num_heads} is not divisible by tp={self.tp}")
+        if self.num_layers % self.pp:
+            raise ValueError(f"num_layers={self.num_layers} is not divisible by pp={self.pp}")
+
+    # ---- parameter counts (whole model, before TP/PP split) ------------------------------
+    @property
+    def attn_params_per_layer(self) -> int:
+        q_out = self.num_heads * self.head_dim
+        kv_out = 2 * self.num_kv_heads * self.head_dim
+        return self.hidden_size * (q_out + kv_out) + q_out * self.hidden_size
+
+    @property
+    def mlp_params_per_layer(self) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters that take part in per-token matmuls (layers + output layer)."""
+        per_layer = self.attn_params_per_layer + self.mlp_params_per_layer
+        return self.num_layers * per_layer + self.hidden_size * self.vocab_size
+
+    @property
+    def num_params(self) -> int:
+        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
+        return self.linear_params + self.hidden_size * self.vocab_size + norms  # + embedding
+
+    # ---- FLOPs (forward + backward) ------------------------------------------------------
+    @property
+    def linear_flops_per_token(self) -> float:
+        """6 FLOPs per linear parameter per token (2 forward, 4 backward)."""
+        return 6.0 * self.linear_params
+
+    @property
+    def attn_flops_per_len2(self) -> float:
+        """Causal attention FLOPs per L^2 of one document, forward + backward.
+
+        QK^T and PV are 4·L²·d per head non-causal; causal halves that; backward is 2x
+        forward: 6·layers·heads·d_head."""
+        return 6.0 * self.num_layers * self.num_heads * self.head_dim
+
+    def with_parallel(self, *, tp: int, pp: int) -> "ModelShape":
+        return replace(self, tp=tp, pp=pp)
+
+
+MODEL_PRESETS: dict[str, ModelShape] = {
+    # The CPU demo model: small enough to train on 2 cores, byte-level vocabulary.
+    "gpt-tiny": ModelShape(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                           ffn_hidden_size=384, vocab_size=512),
+    # Llama-3 8B / 70B public configs.
+    "llama3-8b": ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                            ffn_hidden_size=14336, vocab_size=128256),
+    "llama3-70b": ModelShape(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
+                             ffn_hidden_size=28672, vocab_size=128256),
+}
+
+
+def model_preset(name: str, *, tp: int = 1, pp: int = 1) -> ModelShape:
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
+    return MODEL_PRESETS[name].with_parallel(tp=tp, pp=pp)

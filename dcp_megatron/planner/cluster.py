@@ -99,7 +99,13 @@ def _h200(domain_size: int = 8) -> ClusterSpec:
     )
 
 
-CLUSTER_PRESETS = {"h200": _h200}
+def _cpu(domain_size: int = 2) -> ClusterSpec:
+    # Constants measured on the 2-core CI machine class; see cluster_cpu.py for how.
+    from dcp_megatron.planner.cluster_cpu import cpu_cluster
+    return cpu_cluster(domain_size)
+
+
+CLUSTER_PRESETS = {"h200": _h200, "cpu": _cpu}
 
 
 def cluster_preset(name: str, *, domain_size: int, gpus_per_node: int | None = None) -> ClusterSpec:

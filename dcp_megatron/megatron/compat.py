@@ -1,0 +1,49 @@
+"""CPU compatibility for megatron-core: all CPU shims, in one place, active only without a GPU.
+
+The shims themselves live in patches/ (one file per upstream module, each entry saying why);
+this module only collects them into one `PatchRegistry`. The caller owns the registry: apply
+it once before building the model and keep it (or use it as a context manager in tests).
+"""
+from __future__ import annotations
+
+import torch
+
+from patches import (
+    core_utils,
+    distributed_param_and_grad_buffer,
+    models_rotary_pos_embedding,
+    optimizer_clip_grads,
+    optimizer_optimizer,
+    pipeline_parallel_p2p_communication,
+    pipeline_parallel_schedules,
+    tensor_parallel_random,
+    transformer_utils,
+)
+from patches.registry import Patch, PatchRegistry
+
+_CPU_PATCH_MODULES = (
+    core_utils,
+    distributed_param_and_grad_buffer,
+    models_rotary_pos_embedding,
+    optimizer_clip_grads,
+    optimizer_optimizer,
+    pipeline_parallel_p2p_communication,
+    pipeline_parallel_schedules,
+    tensor_parallel_random,
+    transformer_utils,
+)
+
+
+def needs_cpu_compat() -> bool:
+    """True when megatron-core has to run without CUDA."""
+    return not torch.cuda.is_available()
+
+
+def cpu_compat_patches() -> tuple[Patch, ...]:
+    return tuple(patch for module in _CPU_PATCH_MODULES for patch in module.CPU_PATCHES)
+
+
+def cpu_compat_registry(*, installed_version: str | None = None) -> PatchRegistry:
+    """The CPU shims as one registry (empty on a machine with a GPU: nothing to change there)."""
+    patches = cpu_compat_patches() if needs_cpu_compat() else ()
+    return PatchRegistry(patches, installed_version=installed_version)

@@ -1,0 +1,92 @@
+"""Core attention for packed (THD) documents without Transformer Engine: our `core_attention` seam.
+
+megatron-core's local `DotProductAttention` refuses packed input and context parallelism, so
+the layer spec puts this module in its place. It takes exactly the arguments Megatron's
+`Attention` passes to any core attention and computes causal attention inside each document
+of the packed micro-batch (documents never attend to each other), with grouped-query heads.
+
+Input shapes under THD (Megatron squeezes the batch dimension): query [T, heads, head_dim],
+key/value [T, kv_heads, head_dim]; `packed_seq_params.cu_seqlens_q` gives document bounds.
+The output is [T, heads * head_dim], what `Attention` feeds its output projection.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class PackedCoreAttention(MegatronModule):
+    """Per-document causal attention over a THD micro-batch (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ) -> None:
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"PackedCoreAttention supports causal masks only, got {attn_mask_type}")
+        self.layer_number = layer_number
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise ValueError("PackedCoreAttention does not support attention_bias")
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            raise ValueError("PackedCoreAttention needs THD input: pass PackedSeqParams(qkv_format='thd')")
+        cu_seqlens = packed_seq_params.cu_seqlens_q.tolist()
+        dropout_p = self.dropout_p if self.training else 0.0
+        out = packed_causal_attention(query, key, value, cu_seqlens, self.softmax_scale, dropout_p)
+        return out.reshape(out.shape[0], -1)
+
+
+def packed_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: list[int],
+    softmax_scale: float,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention inside each [cu_seqlens[i], cu_seqlens[i+1]) segment; q [T,H,D], k/v [T,Hkv,D]."""
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} key/value heads")
+    if cu_seqlens[0] != 0 or cu_seqlens[-1] != query.shape[0]:
+        raise ValueError(f"cu_seqlens {cu_seqlens[:3]}...{cu_seqlens[-1:]} do not cover {query.shape[0]} tokens")
+    repeat = num_heads // num_kv_heads
+    outputs = []
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        if end == start:
+            continue
+        # [L, H, D] -> [H, L, D] for SDPA; GQA by repeating each key/value head.
+        q = query[start:end].transpose(0, 1)
+        k = key[start:end].repeat_interleave(repeat, dim=1).transpose(0, 1)
+        v = value[start:end].repeat_interleave(repeat, dim=1).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=softmax_scale)
+        outputs.append(out.transpose(0, 1))
+    return torch.cat(outputs, dim=0)

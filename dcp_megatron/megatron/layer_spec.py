@@ -1,0 +1,54 @@
+"""The GPT block spec we build models from: megatron-core's local spec with two submodules swapped.
+
+- `core_attention` -> `PackedCoreAttention`: packed THD documents (the local
+  `DotProductAttention` asserts on `PackedSeqParams`), and the seam where context-parallel
+  attention over per-micro-batch groups enters.
+- every norm (input, pre-MLP, final) -> `sequence_parallel_norm`: the local spec's
+  `WrappedTorchNorm` asserts when sequence parallelism is on. Under sequence parallelism each
+  TP rank sees a different slice of the sequence, so norm weight gradients differ per rank;
+  marking the parameters `.sequence_parallel = True` makes `finalize_model_grads` all-reduce
+  them over the TP group.
+
+With Transformer Engine on a GPU the TE spec is the better choice; that path is phase 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from dcp_megatron.megatron.core_attention import PackedCoreAttention
+
+_NORM_CLASSES = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+
+
+def sequence_parallel_norm(config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> torch.nn.Module:
+    """A torch LayerNorm/RMSNorm built like Megatron's norms, usable with sequence parallelism."""
+    if config.normalization not in _NORM_CLASSES:
+        raise ValueError(f"normalization {config.normalization!r} is not one of {sorted(_NORM_CLASSES)}")
+    norm = _NORM_CLASSES[config.normalization](hidden_size, eps=eps, dtype=config.params_dtype)
+    for param in norm.parameters():
+        param.sequence_parallel = config.sequence_parallel
+    return norm
+
+
+def gpt_block_spec(config: TransformerConfig, num_layers_on_stage: int) -> TransformerBlockSubmodules:
+    """Block spec for the `num_layers_on_stage` layers this pipeline stage builds."""
+    layer = get_gpt_layer_local_spec(normalization=config.normalization)
+    attention = layer.submodules.self_attention
+    attention = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules, core_attention=PackedCoreAttention)
+    )
+    layer = dataclasses.replace(
+        layer,
+        submodules=dataclasses.replace(
+            layer.submodules,
+            input_layernorm=sequence_parallel_norm,
+            pre_mlp_layernorm=sequence_parallel_norm,
+            self_attention=attention,
+        ),
+    )
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers_on_stage, layer_norm=sequence_parallel_norm)

@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Plan latency of a policy at scale: prints plan_ms_p50 and plan_ms_p99 (numbers only).
+
+Default setting (issue 2): D=1024 ranks, 4,194,304-token batches cut in order from the
+built-in Wikipedia-like distribution, llama3-8b on h200, the dcp policy, 20 batches. The
+length cap is the longest document of those batches (as dcp-simulate chooses it). One
+untimed warm-up plan on the first batch comes first (first-call costs are not plan costs).
+Single-threaded numpy is advised for a one-core figure: OMP_NUM_THREADS=1.
+"""
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from dcp_megatron.planner.batcher import GlobalBatcher  # noqa: E402
+from dcp_megatron.planner.cluster import cluster_preset  # noqa: E402
+from dcp_megatron.planner.distributions import iter_builtin_lengths  # noqa: E402
+from dcp_megatron.planner.model import model_preset  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", type=int, default=1024, help="DCP domain size D")
+    parser.add_argument("--tokens-per-step", type=int, default=4_194_304)
+    parser.add_argument("--distribution", default="wikipedia")
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--cluster", default="h200")
+    parser.add_argument("--policy", default="dcp")
+    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="OUT")
+    args = parser.parse_args(argv)
+    if args.batches <= 0:
+        parser.error(f"--batches must be positive, got {args.batches}")
+
+    from dcp_megatron.planner.cost import CostModel
+    from dcp_megatron.planner.policies import make_plan
+
+    cost = CostModel(model_preset(args.model), cluster_preset(args.cluster, domain_size=args.gpus))
+    batcher = GlobalBatcher(tokens_per_step=args.tokens_per_step, max_seq_len=args.tokens_per_step, overlong="split")
+    docs = enumerate(iter_builtin_lengths(args.distribution, args.seed))
+    batches = list(itertools.islice(batcher.batches(docs), args.batches))
+    max_seq_len = max(b.max_length for b in batches)
+
+    make_plan(args.policy, batches[0].sequences, cost, max_seq_len=max_seq_len)   # warm-up
+    plan_ms = []
+    for batch in batches:
+        started = time.perf_counter()
+        make_plan(args.policy, batch.sequences, cost, max_seq_len=max_seq_len)
+        plan_ms.append(1e3 * (time.perf_counter() - started))
+    result = {"plan_ms_p50": float(np.percentile(plan_ms, 50)), "plan_ms_p99": float(np.percentile(plan_ms, 99))}
+    print(f"plan_ms_p50 {result['plan_ms_p50']:.2f}")
+    print(f"plan_ms_p99 {result['plan_ms_p99']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(result, policy=args.policy, domain_size=args.gpus, batches=args.batches,
+                           tokens_per_step=args.tokens_per_step, distribution=args.distribution), f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -62,7 +62,8 @@ class GlobalBatchStream:
         self._shuffle = bool(shuffle)
         self._planned = self._planned_lengths(source)
         self._position = DataPosition(epoch=0, offset=0, token_offset=0, step=0, next_seq_id=0)
-        self._batches: Iterator[GlobalBatch] | None = None   # the current epoch's batcher, from _position
+        self._batches: Iterator[GlobalBatch] | None = None   # the current epoch's batcher, from ...
+        self._batches_start = self._position                    # ... this position
         self._cached_order: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
 
     def _planned_lengths(self, source: DocumentSource) -> np.ndarray:
@@ -73,7 +74,8 @@ class GlobalBatchStream:
         if too_short.size:
             first = int(too_short[0])
             raise ValueError(f"{too_short.size} document(s) have fewer than {MIN_DOCUMENT_TOKENS} tokens and cannot "
-                             f"train, e.g. document {first} with {int(token_counts[first])}; drop them when preprocessing")
+                             f"train, e.g. document {first} with {int(token_counts[first])}; drop them when "
+                             f"preprocessing")
         planned = token_counts - 1
         if self._batcher.overlong == "error":
             too_long = np.flatnonzero(planned > self._batcher.max_seq_len)
@@ -117,7 +119,8 @@ class GlobalBatchStream:
 
     def next_batch(self) -> GlobalBatch:
         if self._batches is None:
-            self._batches = self._batcher.batches(self._remaining_documents())
+            self._batches_start = self._position
+            self._batches = self._batcher.batches(self._remaining_documents(self._batches_start))
         relative = next(self._batches, None)
         assert relative is not None, f"epoch {self._position.epoch} yielded no batch at {self._position}"
         batch = self._renumber(relative)
@@ -130,10 +133,9 @@ class GlobalBatchStream:
             self._cached_order = (epoch, epoch_order(self.num_documents, self._seed, epoch, shuffle=self._shuffle))
         return self._cached_order[1]
 
-    def _remaining_documents(self) -> Iterator[tuple[int, int]]:
-        """(doc_id, planned length) from the current position to the end of its epoch; a
-        partly consumed document contributes only its remaining positions."""
-        pos = self._position
+    def _remaining_documents(self, pos: DataPosition) -> Iterator[tuple[int, int]]:
+        """(doc_id, planned length) from `pos` to the end of its epoch; a partly consumed
+        document contributes only its remaining positions."""
         order = self._order(pos.epoch)
         for index in range(pos.offset, order.size):
             doc_id = int(order[index])
@@ -141,10 +143,11 @@ class GlobalBatchStream:
             yield doc_id, int(self._planned[doc_id]) - skip
 
     def _renumber(self, relative: GlobalBatch) -> GlobalBatch:
-        """Batcher output started at the current position -> run-wide step, seq ids and token offsets."""
-        pos = self._position
-        first_doc = int(self._order(pos.epoch)[pos.offset]) if pos.token_offset else None
-        sources = tuple((doc_id, offset + (pos.token_offset if doc_id == first_doc else 0), length)
+        """Batcher output -> run-wide step, seq ids and token offsets. The batcher was started at
+        `_batches_start`; if that was inside a document, the batcher saw only its remainder."""
+        pos, start = self._position, self._batches_start
+        first_doc = int(self._order(start.epoch)[start.offset]) if start.token_offset else None
+        sources = tuple((doc_id, offset + (start.token_offset if doc_id == first_doc else 0), length)
                         for doc_id, offset, length in relative.sources)
         sequences = tuple((pos.next_seq_id + i, length) for i, (_, length) in enumerate(relative.sequences))
         return GlobalBatch(step=pos.step, sequences=sequences, sources=sources)

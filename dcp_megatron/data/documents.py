@@ -6,8 +6,9 @@ doc[o : o + L] and labels doc[o + 1 : o + L + 1]; a whole document is the piece 
 So the planner's length of a document is `length(doc_id) - 1`, and a document needs at least
 two tokens to train at all (`MIN_DOCUMENT_TOKENS`).
 
-Two sources implement the protocol: `IndexedDocuments` (dcp_megatron/megatron/
-indexed_documents.py, a reader over megatron-core's .bin/.idx) and `MockDocuments` below.
+Sources implementing the protocol: `IndexedDocuments` (dcp_megatron/megatron/
+indexed_documents.py, a reader over megatron-core's .bin/.idx), `MockDocuments` and
+`InMemoryDocuments` below.
 """
 from __future__ import annotations
 
@@ -118,3 +119,29 @@ class MockDocuments:
         start, stop = check_token_range(doc_id, num_tokens, start, stop)
         rng = np.random.default_rng([self.seed, doc_id])
         return rng.integers(0, self.vocab_size, size=num_tokens, dtype=np.int64)[start:stop]
+
+
+class InMemoryDocuments:
+    """`DocumentSource` over token arrays held in memory (small corpora, tests, tools)."""
+
+    def __init__(self, documents) -> None:
+        self._documents = [np.asarray(doc, dtype=np.int64) for doc in documents]
+        for doc_id, doc in enumerate(self._documents):
+            if doc.ndim != 1:
+                raise ValueError(f"document {doc_id} must be a 1-D token array, got shape {doc.shape}")
+        self._token_counts = np.array([doc.size for doc in self._documents], dtype=np.int64)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._documents)
+
+    def length(self, doc_id: int) -> int:
+        return int(self._token_counts[check_doc_id(doc_id, self.num_documents)])
+
+    def lengths(self) -> np.ndarray:
+        return self._token_counts.copy()
+
+    def tokens(self, doc_id: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        doc_id = check_doc_id(doc_id, self.num_documents)
+        start, stop = check_token_range(doc_id, int(self._token_counts[doc_id]), start, stop)
+        return self._documents[doc_id][start:stop].copy()

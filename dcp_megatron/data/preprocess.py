@@ -111,7 +111,7 @@ def iter_input_texts(paths: Sequence[str], *, json_key: str = "text",
         if path.endswith(JSONL_SUFFIXES):
             yield from _jsonl_texts(path, json_key)
         elif split_on_blank_lines:
-            yield from (block for block in re.split(r"\n[ \t]*\n", _read_text(path)) if block.strip())
+            yield from (block for block in re.split(r"\n(?:[ \t]*\n)+", _read_text(path)) if block.strip())
         else:
             yield _read_text(path)
 

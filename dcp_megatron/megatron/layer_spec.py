@@ -3,7 +3,7 @@
 - `core_attention` -> `PackedCoreAttention`: packed THD documents (the local
   `DotProductAttention` asserts on `PackedSeqParams`), and the seam where context-parallel
   attention over per-micro-batch groups enters.
-- every norm (input, pre-MLP, final) -> `sequence_parallel_norm`: the local spec's
+- every norm (input, pre-MLP, final) -> `SequenceParallelNorm`: the local spec's
   `WrappedTorchNorm` asserts when sequence parallelism is on. Under sequence parallelism each
   TP rank sees a different slice of the sequence, so norm weight gradients differ per rank;
   marking the parameters `.sequence_parallel = True` makes `finalize_model_grads` all-reduce
@@ -25,14 +25,19 @@ from dcp_megatron.megatron.core_attention import PackedCoreAttention
 _NORM_CLASSES = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
 
 
-def sequence_parallel_norm(config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> torch.nn.Module:
-    """A torch LayerNorm/RMSNorm built like Megatron's norms, usable with sequence parallelism."""
-    if config.normalization not in _NORM_CLASSES:
-        raise ValueError(f"normalization {config.normalization!r} is not one of {sorted(_NORM_CLASSES)}")
-    norm = _NORM_CLASSES[config.normalization](hidden_size, eps=eps, dtype=config.params_dtype)
-    for param in norm.parameters():
-        param.sequence_parallel = config.sequence_parallel
-    return norm
+class SequenceParallelNorm:
+    """Builds a torch LayerNorm/RMSNorm like Megatron's norms, usable with sequence parallelism.
+
+    A class (not a function) because `build_module` only calls types; like Megatron's
+    `WrappedTorchNorm`, constructing it returns the torch norm module itself."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> torch.nn.Module:
+        if config.normalization not in _NORM_CLASSES:
+            raise ValueError(f"normalization {config.normalization!r} is not one of {sorted(_NORM_CLASSES)}")
+        norm = _NORM_CLASSES[config.normalization](hidden_size, eps=eps, dtype=config.params_dtype)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
 
 
 def gpt_block_spec(config: TransformerConfig, num_layers_on_stage: int) -> TransformerBlockSubmodules:
@@ -46,9 +51,9 @@ def gpt_block_spec(config: TransformerConfig, num_layers_on_stage: int) -> Trans
         layer,
         submodules=dataclasses.replace(
             layer.submodules,
-            input_layernorm=sequence_parallel_norm,
-            pre_mlp_layernorm=sequence_parallel_norm,
+            input_layernorm=SequenceParallelNorm,
+            pre_mlp_layernorm=SequenceParallelNorm,
             self_attention=attention,
         ),
     )
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers_on_stage, layer_norm=sequence_parallel_norm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers_on_stage, layer_norm=SequenceParallelNorm)

@@ -18,7 +18,7 @@ are never attended to, so padding cannot leak into the loss.
 
 The math is plain torch (masked matmul softmax on bounded tiles, see attention_blocks), identical
 on CPU with gloo and on GPU with NCCL; it keeps only the log-sum-exp between forward and backward.
-gloo on CPU supports all_gather_into_tensor and reduce_scatter_tensor (torch >= 2.x), both used.
+gloo on CPU supports the tensor all-gather and reduce-scatter (checked on torch 2.13), so no fallback is needed.
 """
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ from dcp_megatron.runtime.sharding import LocalShard
 
 IMPLS = ("allgather", "ring")
 
+# torch 2.13 renamed the tensor collectives (*_single); older releases on GPU clusters only have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: LocalShard,
                  group: "dist.ProcessGroup | None", *, impl: str = "allgather",
@@ -41,8 +45,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Local
     """Causal per-document attention of local rows q [T, H, D] over the group's k, v [T, H_kv, D]."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    _check_shapes(q, k, v, shard)
     group = _checked_group(group, shard)
+    _check_shapes(q, k, v, shard)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if impl == "ring" and group is not None:
         from dcp_megatron.runtime.ring_attention import RingAttention
@@ -85,7 +89,7 @@ class AllGatherAttention(torch.autograd.Function):
         kv_local = torch.stack([k, v], dim=1).contiguous()  # [T, 2, Hkv, D]: one collective for both
         if group is not None:
             kv_gathered = kv_local.new_empty((shard.cp_size * kv_local.shape[0], *kv_local.shape[1:]))
-            dist.all_gather_into_tensor(kv_gathered, kv_local, group=group)
+            _all_gather(kv_gathered, kv_local, group=group)
         else:
             kv_gathered = kv_local
         natural_index = _natural_index(shard).to(q.device)
@@ -130,7 +134,7 @@ class AllGatherAttention(torch.autograd.Function):
         dkv_gathered = dkv_natural[natural_index]
         if group is not None:
             dkv_local = dkv_gathered.new_empty((dkv_gathered.shape[0] // shard.cp_size, *dkv_gathered.shape[1:]))
-            dist.reduce_scatter_tensor(dkv_local, dkv_gathered.contiguous(), op=dist.ReduceOp.SUM, group=group)
+            _reduce_scatter(dkv_local, dkv_gathered.contiguous(), op=dist.ReduceOp.SUM, group=group)
         else:
             dkv_local = dkv_gathered
         q_dtype, k_dtype, v_dtype = ctx.input_dtypes

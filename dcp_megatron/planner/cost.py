@@ -1,0 +1,261 @@
+"""Cost model: time and per-rank memory of one micro-batch (DESIGN.md §4).
+
+A micro-batch is a list of documents packed THD and run by a CP group of c ranks in
+lock-step. Each document is padded to a multiple of 2c (zig-zag chunks), so padding is paid.
+
+time = overhead
+     + compute            Σ_docs (a·Lp + b(Lp)·Lp²) / c, per pipeline stage
+     + recompute          full k of n layers: (k/n)·(1/3)·compute; selective: attention forward
+     + exposed CP comm    K/V bytes each rank receives ((c-1)/c of the group's K/V per layer and
+                          pass; 3 passes fwd+bwd: K/V gather, again in backward, dK/dV reduce),
+                          overlapped with attention so only the excess shows, + per-collective latency
+a = linear FLOPs per token / (tp·pp·gemm rate); b(Lp) = attention FLOPs per L² / (tp·pp·attn_rate(Lp/c)):
+the attention kernel works on the rank's chunk, so short chunks run at the short-document rate.
+
+memory per rank = static (bf16 weights 2 B + fp32 grads 4 B per parameter, Adam fp32 master +
+two moments 12 B sharded over the domain with the distributed optimizer; all /(tp·pp))
++ activations per token per layer: 34·h/tp bytes (flash attention: no s² term; sequence
+parallel divides by tp); selective recompute drops the attention output (32·h); full recompute
+of k layers keeps 2·h for those layers plus one layer's working set (34·h) while recomputing
++ fp32 logits of vocab/tp per token on the last stage. Activations and logits are per local
+token (padded tokens / c). With PP, stage 0 holds pp micro-batches in flight (1F1B); the
+bound used is max(pp·activations, activations + logits).
+
+Profile JSON (`load_profile`) overrides the cluster constants; all keys optional:
+    {"gemm_flops": float FLOP/s,
+     "attn_rate_points": [[length, FLOP/s], ...]    sorted by length,
+     "intra_node_bw": bytes/s, "inter_node_bw": bytes/s,
+     "microbatch_overhead_s": s, "collective_latency_s": s,
+     "attention_times": [[length, cp_size, seconds], ...],
+     "meta": {...}}                                  free-form, ignored
+`attention_times` are measured forward+backward causal-attention seconds per document per
+rank for one pipeline stage of this model at its tp; when given they replace the FLOP/rate
+estimate: interpolated log-log in length among the rows of the largest listed cp size <= c,
+scaled by cp_row/c, extrapolated as L² beyond the table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Sequence
+
+import numpy as np
+
+from dcp_megatron.planner.cluster import ClusterSpec
+from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
+
+_PROFILE_SCALARS = ("gemm_flops", "intra_node_bw", "inter_node_bw", "microbatch_overhead_s",
+                    "collective_latency_s")
+_PROFILE_KEYS = frozenset(_PROFILE_SCALARS + ("attn_rate_points", "attention_times", "meta"))
+ACT_BYTES_PER_TOKEN_LAYER = 34      # × hidden, bf16, Korthikanti et al. without the s² term
+SELECTIVE_BYTES_PER_TOKEN_LAYER = 32  # the attention output is recomputed
+FULL_BYTES_PER_TOKEN_LAYER = 2      # the layer input only
+CP_PASSES = 3                       # K/V gather forward, again in backward, dK/dV reduce-scatter
+
+
+def load_profile(path: str) -> dict:
+    """Read and check a profile JSON (schema in the module docstring)."""
+    with open(path) as f:
+        try:
+            obj = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"profile {path}: not valid JSON ({err})") from err
+    return check_profile(obj, where=path)
+
+
+def check_profile(obj, *, where: str = "profile") -> dict:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: a profile is a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - _PROFILE_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(_PROFILE_KEYS)}")
+    for key in _PROFILE_SCALARS:
+        if key in obj and (not isinstance(obj[key], (int, float)) or obj[key] < 0
+                           or (obj[key] == 0 and key not in ("microbatch_overhead_s", "collective_latency_s"))):
+            raise ValueError(f"{where}: {key} must be a positive number, got {obj[key]!r}")
+    if "attn_rate_points" in obj:
+        pts = obj["attn_rate_points"]
+        if (not isinstance(pts, list) or not pts
+                or any(not isinstance(p, list) or len(p) != 2 or p[0] <= 0 or p[1] <= 0 for p in pts)):
+            raise ValueError(f"{where}: attn_rate_points must be a non-empty list of [length, rate>0], got {pts!r}")
+    if "attention_times" in obj:
+        rows = obj["attention_times"]
+        if (not isinstance(rows, list) or not rows
+                or any(not isinstance(r, list) or len(r) != 3 or r[0] <= 0 or r[1] <= 0 or r[2] <= 0
+                       for r in rows)):
+            raise ValueError(f"{where}: attention_times must be a non-empty list of [length, cp_size, seconds>0]")
+    return obj
+
+
+class CostModel:
+    """Scores micro-batches; the same instance scores every policy."""
+
+    def __init__(self, model: ModelShape, cluster: ClusterSpec, *, profile: dict | None = None) -> None:
+        if not isinstance(model, ModelShape):
+            raise ValueError(f"CostModel needs a ModelShape, got {type(model).__name__}")
+        if not isinstance(cluster, ClusterSpec):
+            raise ValueError(f"CostModel needs a ClusterSpec, got {type(cluster).__name__}")
+        self._attn_table: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        if profile is not None:
+            check_profile(profile)
+            changes = {k: profile[k] for k in _PROFILE_SCALARS if k in profile}
+            if "attn_rate_points" in profile:
+                changes["attn_rate_points"] = tuple(sorted((int(L), float(r)) for L, r in profile["attn_rate_points"]))
+            cluster = dataclasses.replace(cluster, **changes)
+            for L, cp, sec in sorted(profile.get("attention_times", ())):
+                self._attn_table.setdefault(int(cp), ([], []))
+                self._attn_table[int(cp)][0].append(math.log(L))
+                self._attn_table[int(cp)][1].append(math.log(sec))
+            self._attn_table = {cp: (np.array(x), np.array(y)) for cp, (x, y) in self._attn_table.items()}
+        self.model = model
+        self.cluster = cluster
+        m = model
+        self.layers_per_stage = m.num_layers // m.pp
+        split = m.tp * m.pp
+        self._linear_s_per_token = m.linear_flops_per_token / (split * cluster.gemm_flops)
+        self._attn_flops_per_len2 = m.attn_flops_per_len2 / split
+        self._rate_log_len = np.log([float(L) for L, _ in cluster.attn_rate_points])
+        self._rate_values = np.array([float(r) for _, r in cluster.attn_rate_points])
+        kv_heads_per_rank = max(m.num_kv_heads / m.tp, 1.0)
+        self._kv_bytes_per_token = 2 * kv_heads_per_rank * m.head_dim * 2 * self.layers_per_stage
+        h_per_rank = m.hidden_size / m.tp
+        self._act_per_token_layer = h_per_rank       # × bytes-per-token-layer factor
+        self._logit_bytes_per_token = 4.0 * m.vocab_size / m.tp
+        self._latency_per_mb = cluster.collective_latency_s * self.layers_per_stage * CP_PASSES
+        params = m.num_params / split
+        opt = 12.0 / cluster.domain_size if cluster.distributed_optimizer else 12.0
+        self.static_bytes = int(params * (2.0 + 4.0 + opt))
+
+    # ---- per-document pieces (vectorised) ------------------------------------------------
+    @staticmethod
+    def padded(lengths: np.ndarray, cp_size: int) -> np.ndarray:
+        step = 2 * cp_size
+        return -(-lengths // step) * step
+
+    def doc_terms(self, lengths, cp_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per document at CP size c: (local tokens per rank, compute seconds, attention seconds)."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        lp = self.padded(lengths, cp_size).astype(np.float64)
+        local = lp / cp_size
+        attn = self._attention_seconds(lp, cp_size)
+        return local, local * self._linear_s_per_token + attn, attn
+
+    def _attention_seconds(self, lp: np.ndarray, cp_size: int) -> np.ndarray:
+        if self._attn_table:
+            usable = [cp for cp in self._attn_table if cp <= cp_size] or [min(self._attn_table)]
+            cp_row = max(usable)
+            xs, ys = self._attn_table[cp_row]
+            logl = np.log(lp)
+            t = np.exp(np.interp(logl, xs, ys))
+            beyond = logl > xs[-1]
+            t = np.where(beyond, np.exp(ys[-1] + 2.0 * (logl - xs[-1])), t)
+            return t * (cp_row / cp_size)
+        rate = np.interp(np.log(lp / cp_size), self._rate_log_len, self._rate_values)
+        return self._attn_flops_per_len2 * lp * lp / (rate * cp_size)
+
+    # ---- from sums over a micro-batch's documents ----------------------------------------
+    def time_from_sums(self, local_tokens: float, compute_s: float, attn_s: float, cp_size: int,
+                       first_rank: int, recompute: Recompute) -> float:
+        if local_tokens <= 0:
+            return self.cluster.microbatch_overhead_s
+        passes = CP_PASSES
+        if recompute.kind == "full":
+            frac = recompute.full_layers / self.layers_per_stage
+            extra = frac * compute_s / 3.0
+            passes += frac
+        elif recompute.kind == "selective":
+            extra = attn_s / 3.0
+            passes += 1
+        else:
+            extra = 0.0
+        t = self.cluster.microbatch_overhead_s + compute_s + extra
+        if cp_size > 1:
+            bw = (self.cluster.intra_node_bw if self.cluster.same_node(first_rank, cp_size)
+                  else self.cluster.inter_node_bw)
+            received = passes * self._kv_bytes_per_token * local_tokens * (cp_size - 1)
+            exposed = received / bw - attn_s * passes / CP_PASSES
+            t += max(exposed, 0.0) + self._latency_per_mb
+        return t
+
+    def bytes_per_local_token(self, recompute: Recompute) -> float:
+        n = self.layers_per_stage
+        if recompute.kind == "full":
+            k = recompute.full_layers
+            per_layer = (n - k) * ACT_BYTES_PER_TOKEN_LAYER + k * FULL_BYTES_PER_TOKEN_LAYER + ACT_BYTES_PER_TOKEN_LAYER
+        elif recompute.kind == "selective":
+            per_layer = n * SELECTIVE_BYTES_PER_TOKEN_LAYER
+        else:
+            per_layer = n * ACT_BYTES_PER_TOKEN_LAYER
+        act = per_layer * self._act_per_token_layer
+        return max(self.model.pp * act, act + self._logit_bytes_per_token)
+
+    def memory_from_tokens(self, local_tokens: float, recompute: Recompute) -> int:
+        return self.static_bytes + int(math.ceil(local_tokens * self.bytes_per_local_token(recompute)))
+
+    def max_local_tokens(self, recompute: Recompute) -> int:
+        """Most local (per-rank, padded) tokens a micro-batch may hold with this recompute."""
+        room = self.cluster.mem_budget_bytes - self.static_bytes
+        return max(int(room // self.bytes_per_local_token(recompute)), 0)
+
+    def recompute_options(self) -> list[Recompute]:
+        """none, selective, full 1..n: memory falls (not strictly) along the list."""
+        n = self.layers_per_stage
+        return [NO_RECOMPUTE, SELECTIVE] + [Recompute("full", k) for k in range(1, n + 1)]
+
+    def best_recompute_from_sums(self, local_tokens: float, compute_s: float, attn_s: float,
+                                 cp_size: int) -> Recompute | None:
+        """Fastest recompute that fits: none, selective or the fewest full layers that fit."""
+        room = self.cluster.mem_budget_bytes - self.static_bytes
+        fitting = [r for r in (NO_RECOMPUTE, SELECTIVE) if local_tokens * self.bytes_per_local_token(r) <= room]
+        if not fitting or fitting[0] is not NO_RECOMPUTE:
+            k = self._fewest_full_layers(local_tokens, room)
+            if k is not None:
+                fitting.append(Recompute("full", k))
+        if not fitting:
+            return None
+        return min(fitting, key=lambda r: (self.time_from_sums(local_tokens, compute_s, attn_s, cp_size, 0, r)))
+
+    def _fewest_full_layers(self, local_tokens: float, room: float) -> int | None:
+        n = self.layers_per_stage
+        full_all = Recompute("full", n)
+        if local_tokens * self.bytes_per_local_token(full_all) > room:
+            return None
+        lo, hi = 1, n                      # memory falls as k grows: binary search the fewest
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if local_tokens * self.bytes_per_local_token(Recompute("full", mid)) <= room:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    # ---- the public API ------------------------------------------------------------------
+    def _sums(self, lengths: Sequence[int], cp_size: int) -> tuple[float, float, float]:
+        if not isinstance(cp_size, int) or cp_size <= 0:
+            raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+        if len(lengths) == 0:
+            return 0.0, 0.0, 0.0
+        arr = np.asarray(lengths, dtype=np.int64)
+        if arr.min() <= 0:
+            raise ValueError(f"document lengths must be positive, got {int(arr.min())}")
+        local, compute, attn = self.doc_terms(arr, cp_size)
+        return float(local.sum()), float(compute.sum()), float(attn.sum())
+
+    def microbatch_time(self, lengths: Sequence[int], cp_size: int, *, first_rank: int = 0,
+                        recompute: Recompute = NO_RECOMPUTE) -> float:
+        """Seconds for one pipeline stage of the micro-batch on a CP group of `cp_size` ranks."""
+        return self.time_from_sums(*self._sums(lengths, cp_size), cp_size, first_rank, recompute)
+
+    def microbatch_memory(self, lengths: Sequence[int], cp_size: int, *,
+                          recompute: Recompute = NO_RECOMPUTE) -> int:
+        """Peak bytes per rank: static state + this micro-batch's activations and logits."""
+        return self.memory_from_tokens(self._sums(lengths, cp_size)[0], recompute)
+
+    def fits(self, lengths: Sequence[int], cp_size: int, *, recompute: Recompute = NO_RECOMPUTE) -> bool:
+        return self.microbatch_memory(lengths, cp_size, recompute=recompute) <= self.cluster.mem_budget_bytes
+
+    def best_recompute(self, lengths: Sequence[int], cp_size: int) -> Recompute | None:
+        """Fastest recompute policy with which the micro-batch fits; None if none does."""
+        return self.best_recompute_from_sums(*self._sums(lengths, cp_size), cp_size)

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
                                          tokens_per_microbatch=args.seq_length)
         microbatches = [assemble_microbatch(mb, documents.tokens, pad_to_multiple=pad_to) for mb in sources]
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses (the schedule advances in train_step)
-        result = train_step(microbatches, model=model, optimizer=optimizer, lr_schedule=lr_schedule, config=config)
+        result = train_step(microbatches, model=model, optimizer=optimizer, lr_schedule=lr_schedule)
         iteration += 1
         consumed_batches += 1
         consumed_tokens += result.num_tokens

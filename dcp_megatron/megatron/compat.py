@@ -16,6 +16,8 @@ from patches import (
     optimizer_optimizer,
     pipeline_parallel_p2p_communication,
     pipeline_parallel_schedules,
+    tensor_parallel_layers,
+    tensor_parallel_mappings,
     tensor_parallel_random,
     transformer_utils,
 )
@@ -29,6 +31,8 @@ _CPU_PATCH_MODULES = (
     optimizer_optimizer,
     pipeline_parallel_p2p_communication,
     pipeline_parallel_schedules,
+    tensor_parallel_layers,
+    tensor_parallel_mappings,
     tensor_parallel_random,
     transformer_utils,
 )

@@ -55,8 +55,9 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
-        # init_weights_by_name draws every weight; skipping Megatron's draw saves start-up time.
-        perform_initialization=False,
+        # Megatron's own draw is overwritten by init_weights_by_name, but it is also where the
+        # tensor-parallel partition attributes get set, so it stays on.
+        perform_initialization=True,
         # Micro-batches hold different numbers of tokens; without this p2p receives into
         # wrongly sized buffers. The dense model then needs the all-to-all dispatcher setting
         # to pass TransformerConfig's validation (DESIGN.md section 7a).

@@ -55,7 +55,7 @@ def _global_loss(losses_reduced: list[dict]) -> tuple[float, int]:
     return float(totals[0] / totals[1].clamp(min=1)), int(totals[1])
 
 
-def train_step(microbatches: Iterable[dict], *, model, optimizer, lr_schedule, config) -> StepResult:
+def train_step(microbatches: Iterable[dict], *, model, optimizer, lr_schedule) -> StepResult:
     microbatches = list(microbatches)
     start = time.perf_counter()
     model.zero_grad_buffer()

@@ -142,6 +142,11 @@ class CostModel:
         attn = self._attention_seconds(lp, cp_size)
         return local, local * self._linear_s_per_token + attn, attn
 
+    def ideal_rank_seconds(self, lengths) -> float:
+        """Σ compute of the documents at CP size 1, unpadded: the work no layout can avoid."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        return float((lengths * self._linear_s_per_token + self._attention_seconds(lengths, 1)).sum())
+
     def _attention_seconds(self, lp: np.ndarray, cp_size: int) -> np.ndarray:
         if self._attn_table:
             usable = [cp for cp in self._attn_table if cp <= cp_size] or [min(self._attn_table)]

@@ -24,7 +24,7 @@ from dcp_megatron.runtime.cp_attention import cp_attention, packed_causal_attent
 from dcp_megatron.runtime.executor import StepExecutor, StepResult
 from dcp_megatron.runtime.loss import IGNORE_INDEX, next_token_labels, token_loss_sum
 from dcp_megatron.runtime.recompute import apply_recompute, current_recompute
-from dcp_megatron.runtime.reference_model import TinyGPT
+from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig
 from dcp_megatron.runtime.stats import predicted_busy_s
 
 TokensOf = Callable[[int, int], torch.Tensor]  # (sample_id, length) -> LongTensor [length]
@@ -133,3 +133,25 @@ def grad_max_rel_err(model: torch.nn.Module, reference: torch.nn.Module) -> floa
         diff = (p.grad - ref.grad).abs().max().item()
         worst = max(worst, diff / scale if scale > 0 else diff)
     return worst
+
+
+def parity_case(executor: StepExecutor, case_seed: int, *, impl: str = "allgather",
+                max_seq_len: int = 48) -> dict:
+    """One random layout on this rank vs the single-process reference (every rank computes both).
+
+    Returns {"max_rel_err", "loss", "ref_loss", "trace", "plan"}; identical on every rank except trace.
+    """
+    rng = random.Random(case_seed)
+    domain_size = executor.pool.domain_size
+    config = TinyGPTConfig(vocab_size=64, num_layers=rng.choice((1, 2, 3)), hidden_size=32, num_heads=4,
+                           num_kv_heads=rng.choice((1, 2)), ffn_hidden_size=48)  # GQA: 4 query heads per 1 or 2
+    batch = [(sample_id, rng.randint(1, max_seq_len)) for sample_id in range(rng.randint(domain_size, 3 * domain_size))]
+    plan = random_plan(batch, domain_size, rng, num_layers=config.num_layers)
+    tokens_of = seeded_tokens(config.vocab_size, case_seed)
+    model = TinyGPT(config, seed=case_seed)
+    reference = TinyGPT(config, seed=case_seed)
+    trace: list = []
+    result = dcp_train_step(model, executor, plan, tokens_of, impl=impl, trace=trace)
+    ref_loss = reference_train_step(reference, batch, tokens_of)
+    return {"max_rel_err": grad_max_rel_err(model, reference), "loss": result.loss, "ref_loss": ref_loss,
+            "trace": trace, "plan": plan.dumps()}

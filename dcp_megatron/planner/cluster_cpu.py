@@ -1,0 +1,54 @@
+"""The `cpu` ClusterSpec: CPU physics for plans that run on CPU ranks (tests, benchmarks, demo).
+
+Each rank is one process with one intra-op thread running TinyGPT / gpt-tiny in fp32 with the
+project's CP attention over gloo. The rates below were measured on the reference machine (2-core
+AMD EPYC VM, torch 2.13 CPU) with
+
+    .venv/bin/python tools/profile_cpu.py --json cpu_profile.json
+
+which times exactly those kernels (see its docstring). The numbers drift with machine load
+(the reference machine is shared); to score plans with this machine's own numbers, pass that
+JSON to CostModel(..., profile=load_profile(path)), which overrides these constants.
+
+Memory is a modelling choice, not the machine's RAM: a CPU rank gets a budget small enough that
+gpt-tiny documents of a few thousand tokens need CP=2 or recompute, as 100K+ token documents do
+on an H200. With 40 MiB per rank (36 MiB after the 10% margin, 11 MB of it static state), one
+rank holds at most ~1.4K local tokens without recompute and ~3.6K with full recompute of all 4
+layers, so a 4096-token document needs two ranks. Problems stay CPU-sized (seconds per step).
+"""
+from __future__ import annotations
+
+from dcp_megatron.planner.cluster import ClusterSpec
+
+MiB = 1024 ** 2
+
+# Measured with tools/profile_cpu.py (1 thread per rank, fp32, gpt-tiny); values rounded.
+CPU_GEMM_FLOPS = 31e9                    # TinyGPT linear part, forward+backward, end to end
+CPU_ATTN_RATE_POINTS = (                 # cp_attention forward+backward, causal FLOPs per second
+    (64, 0.8e9), (256, 3.7e9), (1024, 10.4e9), (4096, 17.2e9),
+)
+CPU_GLOO_BW = 1.1e9                      # bytes/s received, gloo all-gather between 2 local processes
+CPU_COLLECTIVE_LATENCY_S = 380e-6        # one small gloo all-gather between 2 local processes
+CPU_MICROBATCH_OVERHEAD_S = 14e-3        # forward+backward of a 2-token micro-batch (Python, 4 layers)
+CPU_MEM_BYTES_PER_RANK = 40 * MiB        # modelling budget, see the module docstring
+CPU_RANKS_PER_MACHINE = 64               # every rank of a CPU run is a local process: one "node"
+
+
+def cpu_cluster(domain_size: int) -> ClusterSpec:
+    """A DCP domain of `domain_size` single-thread CPU ranks on one machine."""
+    if not isinstance(domain_size, int) or domain_size <= 0:
+        raise ValueError(f"cpu_cluster domain_size must be a positive int, got {domain_size!r}")
+    return ClusterSpec(
+        name="cpu",
+        domain_size=domain_size,
+        gpus_per_node=max(CPU_RANKS_PER_MACHINE, domain_size),
+        mem_bytes_per_gpu=CPU_MEM_BYTES_PER_RANK,
+        mem_safety_frac=0.10,
+        distributed_optimizer=True,
+        gemm_flops=CPU_GEMM_FLOPS,
+        attn_rate_points=CPU_ATTN_RATE_POINTS,
+        intra_node_bw=CPU_GLOO_BW,
+        inter_node_bw=CPU_GLOO_BW,       # loopback either way: there is no second machine
+        microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S,
+        collective_latency_s=CPU_COLLECTIVE_LATENCY_S,
+    )

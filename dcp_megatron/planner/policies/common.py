@@ -1,0 +1,151 @@
+"""Pieces every policy shares: input checks, allowed group sizes, micro-batch estimates, and
+turning scheduled groups into waves."""
+from __future__ import annotations
+
+import heapq
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from dcp_megatron.planner.cluster import ClusterSpec
+from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, Wave
+
+
+def check_batch(batch: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(sample ids, lengths) as int64 arrays; ValueError on an empty batch, a non-positive
+    length or a repeated sample id."""
+    if len(batch) == 0:
+        raise ValueError("the batch is empty: a plan needs at least one sequence")
+    try:
+        arr = np.asarray(batch, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise ValueError(f"a batch is a list of (sample_id, length) integer pairs ({err})") from err
+    if arr.ndim != 2 or arr.shape[1] != 2:
+        raise ValueError(f"a batch is a list of (sample_id, length) pairs, got shape {arr.shape}")
+    ids, lengths = arr[:, 0], arr[:, 1]
+    bad = np.flatnonzero(lengths <= 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"sample {int(ids[i])} has length {int(lengths[i])}; lengths must be positive")
+    if np.unique(ids).size != ids.size:
+        uniq, counts = np.unique(ids, return_counts=True)
+        raise ValueError(f"sample id {int(uniq[counts > 1][0])} appears more than once in the batch")
+    return ids, lengths
+
+
+def pow2_sizes(limit: int) -> list[int]:
+    sizes, c = [], 1
+    while c <= limit:
+        sizes.append(c)
+        c *= 2
+    return sizes
+
+
+def candidate_sizes(cluster: ClusterSpec) -> list[int]:
+    """Group sizes the dcp policy uses: powers of two up to the limit, and the limit itself
+    when it is not one (a non-power-of-two domain such as 3, 6, 12 can then use all ranks)."""
+    limit = cluster.cp_size_limit
+    sizes = pow2_sizes(limit)
+    if sizes[-1] != limit:
+        sizes.append(limit)
+    return sizes
+
+
+def divisor_sizes(cluster: ClusterSpec) -> list[int]:
+    """Group sizes that tile the domain evenly (uniform waves), up to the CP size limit."""
+    D, limit = cluster.domain_size, cluster.cp_size_limit
+    return [c for c in range(1, limit + 1) if D % c == 0]
+
+
+def block_offsets(size: int, domain_size: int) -> range:
+    """First ranks of the blocks a group of `size` may occupy: multiples of its size (aligned)."""
+    return range(0, domain_size - size + 1, size)
+
+
+def local_tokens(lengths: np.ndarray, size: int) -> np.ndarray:
+    """Padded tokens per rank of each document at CP size `size`."""
+    step = 2 * size
+    return (-(-lengths // step) * step) // size
+
+
+def min_fitting_size(lengths: np.ndarray, ids: np.ndarray, sizes: list[int], cost) -> np.ndarray:
+    """Index into `sizes` of the smallest size at which each sequence alone fits (with full
+    recompute of every layer); ValueError naming a sequence that fits none."""
+    cap = cost.max_local_tokens(Recompute("full", cost.layers_per_stage))
+    idx = np.full(lengths.shape, len(sizes), dtype=np.int64)
+    for i in range(len(sizes) - 1, -1, -1):
+        idx[local_tokens(lengths, sizes[i]) <= cap] = i
+    bad = np.flatnonzero(idx == len(sizes))
+    if bad.size:
+        j = int(bad[np.argmax(lengths[bad])])
+        raise ValueError(f"sample {int(ids[j])} of {int(lengths[j])} tokens fits no CP group up to size "
+                         f"{sizes[-1]} even with full recompute (memory budget "
+                         f"{cost.cluster.mem_budget_bytes} bytes per rank); shorten it (GlobalBatcher "
+                         f"overlong='split' or 'truncate') or allow larger groups")
+    return idx
+
+
+def estimate_microbatch(cost, sequences: tuple, lengths: Sequence[int], size: int, first_rank: int,
+                        recompute: Recompute | None = None) -> MicroBatch:
+    """A MicroBatch with its time and memory estimated; recompute None: the fastest that fits."""
+    local, compute, attn = cost._sums(lengths, size)
+    return microbatch_from_sums(cost, sequences, local, compute, attn, size, first_rank, recompute)
+
+
+def microbatch_from_sums(cost, sequences: tuple, local: float, compute: float, attn: float, size: int,
+                         first_rank: int, recompute: Recompute | None = None) -> MicroBatch:
+    if recompute is None:
+        if local <= cost.max_local_tokens(NO_RECOMPUTE):
+            recompute = NO_RECOMPUTE
+        else:
+            recompute = cost.best_recompute_from_sums(local, compute, attn, size)
+            assert recompute is not None, f"micro-batch of {local} local tokens fits no recompute policy"
+    return MicroBatch(sequences, recompute, cost.time_from_sums(local, compute, attn, size, first_rank, recompute),
+                      cost.memory_from_tokens(local, recompute))
+
+
+def lpt_assign(item_times: Sequence[float], loads: Sequence[float]) -> tuple[list[int], list[float]]:
+    """Longest-processing-time list scheduling: items in the given order (longest first) each
+    go to the bin with the least load (ties: lowest index). Returns bin per item, final loads."""
+    heap = [(float(load), b) for b, load in enumerate(loads)]
+    heapq.heapify(heap)
+    where = []
+    for t in item_times:
+        load, b = heap[0]
+        heapq.heapreplace(heap, (load + t, b))
+        where.append(b)
+    final = [0.0] * len(loads)
+    for load, b in heap:
+        final[b] = load
+    return where, final
+
+
+def assemble_waves(domain_size: int, scheduled: Iterable[Group]) -> tuple[Wave, ...]:
+    """Waves from groups given in execution order: each group goes to the first wave after
+    every wave its members already use, so a rank's groups keep their order; ranks a wave
+    does not use get an empty singleton group there (they run nothing in it)."""
+    next_wave = [0] * domain_size
+    waves: list[list[Group]] = []
+    for g in scheduled:
+        lo, hi = g.first_rank, g.first_rank + g.size
+        w = max(next_wave[lo:hi]) if g.size > 1 else next_wave[lo]
+        next_wave[lo:hi] = [w + 1] * g.size
+        while len(waves) <= w:
+            waves.append([])
+        waves[w].append(g)
+    empty: dict[int, Group] = {}
+    out = []
+    for groups in waves:
+        groups.sort(key=lambda g: g.first_rank)
+        filled, r = [], 0
+        for g in groups:
+            for rank in range(r, g.first_rank):
+                filled.append(empty.get(rank) or empty.setdefault(rank, Group(rank, 1, ())))
+            filled.append(g)
+            r = g.first_rank + g.size
+        for rank in range(r, domain_size):
+            filled.append(empty.get(rank) or empty.setdefault(rank, Group(rank, 1, ())))
+        out.append(Wave(tuple(filled)))
+    if not out:
+        out.append(Wave(tuple(Group(r, 1, ()) for r in range(domain_size))))
+    return tuple(out)

@@ -1,0 +1,111 @@
+"""Megatron's default layout and its balanced variant (DESIGN.md §5).
+
+`static`: one (CP size c, recompute) pair for the whole run, the one a user who tuned it
+would pick: among CP sizes dividing D, the pair with the fewest rank-seconds for a micro-batch
+holding one sequence of the run's length cap, using the fastest recompute with which that
+micro-batch fits. Sequences are packed in order into micro-batches of the cap's padded tokens
+(each sequence padded to 2c), micro-batches are dealt round-robin to the D/c replicas. With
+PP = 1 counts may differ by one between replicas (the tail replicas run one fewer); with
+PP > 1 the tail is filled with empty micro-batches so every group runs one per wave.
+`static-balanced`: the same micro-batches, dealt by cost: longest first to the least loaded
+replica that still has fewer than ceil(n / replicas) (equal counts, as Megatron's dp-balanced).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, Wave
+from dcp_megatron.planner.policies.common import divisor_sizes, local_tokens, microbatch_from_sums
+
+
+class StaticLayout(NamedTuple):
+    cp_size: int
+    recompute: Recompute
+    capacity_local_tokens: int   # padded tokens per rank of a full micro-batch
+
+
+def static_layout(cost, max_seq_len: int) -> StaticLayout:
+    best = None
+    for c in divisor_sizes(cost.cluster):
+        local, compute, attn = (float(x[0]) for x in cost.doc_terms(np.array([max_seq_len]), c))
+        rc = cost.best_recompute_from_sums(local, compute, attn, c)
+        if rc is None:
+            continue
+        rank_seconds = c * cost.time_from_sums(local, compute, attn, c, 0, rc)
+        if best is None or rank_seconds < best[0]:
+            best = (rank_seconds, StaticLayout(c, rc, int(local)))
+    if best is None:
+        raise ValueError(f"max_seq_len {max_seq_len} fits no static layout: no CP size dividing the domain "
+                         f"({cost.cluster.domain_size}) up to {cost.cluster.cp_size_limit} holds it even with "
+                         f"full recompute")
+    return best[1]
+
+
+def pack_in_order(lengths: np.ndarray, layout: StaticLayout) -> list[tuple[int, int]]:
+    """[start, end) index ranges of micro-batches: next-fit in batch order by padded tokens."""
+    local = local_tokens(lengths, layout.cp_size).tolist()
+    cap = layout.capacity_local_tokens
+    ranges, start, used = [], 0, 0
+    for i, n in enumerate(local):
+        if used + n > cap and i > start:
+            ranges.append((start, i))
+            start, used = i, 0
+        used += n
+    ranges.append((start, len(local)))
+    return ranges
+
+
+def _microbatches(ids, lengths, cost, layout) -> list[tuple[tuple, float, float, float]]:
+    """(sequences, local tokens, compute s, attention s) per micro-batch, in batch order."""
+    local, compute, attn = cost.doc_terms(lengths, layout.cp_size)
+    cl, cc, ca = (np.concatenate([[0.0], np.cumsum(x)]) for x in (local, compute, attn))
+    seqs = list(zip(ids.tolist(), lengths.tolist()))
+    return [(tuple(seqs[a:b]), cl[b] - cl[a], cc[b] - cc[a], ca[b] - ca[a])
+            for a, b in pack_in_order(lengths, layout)]
+
+
+def _build(cost, layout, per_replica: list[list[tuple]]) -> tuple[Wave, ...]:
+    c, pp = layout.cp_size, cost.model.pp
+    replicas = len(per_replica)
+
+    def mb(item, first_rank):
+        seqs, loc, comp, att = item
+        return microbatch_from_sums(cost, seqs, loc, comp, att, c, first_rank, layout.recompute)
+
+    if pp == 1:
+        groups = tuple(Group(r * c, c, tuple(mb(it, r * c) for it in items)) for r, items in enumerate(per_replica))
+        return (Wave(groups),)
+    empty = ((), 0.0, 0.0, 0.0)
+    count = max(len(items) for items in per_replica)
+    return tuple(Wave(tuple(Group(r * c, c, (mb(per_replica[r][w] if w < len(per_replica[r]) else empty, r * c),))
+                            for r in range(replicas)))
+                 for w in range(count))
+
+
+def plan_static(ids, lengths, cost, *, max_seq_len: int) -> tuple[Wave, ...]:
+    layout = static_layout(cost, max_seq_len)
+    items = _microbatches(ids, lengths, cost, layout)
+    replicas = cost.cluster.domain_size // layout.cp_size
+    return _build(cost, layout, [items[r::replicas] for r in range(replicas)])
+
+
+def plan_static_balanced(ids, lengths, cost, *, max_seq_len: int) -> tuple[Wave, ...]:
+    layout = static_layout(cost, max_seq_len)
+    c = layout.cp_size
+    items = _microbatches(ids, lengths, cost, layout)
+    replicas = cost.cluster.domain_size // c
+    times = [cost.time_from_sums(loc, comp, att, c, 0, layout.recompute) for _, loc, comp, att in items]
+    order = sorted(range(len(items)), key=lambda i: (-times[i], i))
+    per_count = math.ceil(len(items) / replicas)
+    heap = [(0.0, r) for r in range(replicas)]
+    per_replica: list[list[tuple]] = [[] for _ in range(replicas)]
+    for i in order:
+        load, r = heapq.heappop(heap)
+        per_replica[r].append(items[i])
+        if len(per_replica[r]) < per_count:
+            heapq.heappush(heap, (load + times[i], r))
+    return _build(cost, layout, per_replica)

@@ -61,12 +61,18 @@ def _train_batch(step: int, world_size: int) -> list[tuple[int, int]]:
     return [(first_id + i, n) for i, n in enumerate(lengths)]
 
 
+def _counting_tokens(sample_id: int, length: int) -> torch.Tensor:
+    """Learnable documents: count up by one (mod vocab) from a per-document start."""
+    start = (sample_id * 7919) % TRAIN_CONFIG.vocab_size
+    return (start + torch.arange(length)) % TRAIN_CONFIG.vocab_size
+
+
 def _train(rank: int, world_size: int, executor: StepExecutor) -> dict:
     cost = _train_cost(world_size)
     model, reference = TinyGPT(TRAIN_CONFIG, seed=5), TinyGPT(TRAIN_CONFIG, seed=5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3)
-    tokens_of = seeded_tokens(TRAIN_CONFIG.vocab_size, seed=11)
+    tokens_of = _counting_tokens
     losses, ref_losses, cp_sizes, stats = [], [], Counter(), []
     for step in range(TRAIN_STEPS):
         batch = _train_batch(step, world_size)
@@ -134,7 +140,7 @@ def test_training_with_the_dcp_policy_matches_single_process_training(parity_res
         assert len(train["losses"]) == TRAIN_STEPS
         diffs = [abs(a - b) for a, b in zip(train["losses"], train["ref_losses"])]
         assert max(diffs) <= LOSS_TOL, diffs
-        assert train["ref_losses"][-1] < train["ref_losses"][0]    # it trained
+        assert train["ref_losses"][-1] < 0.9 * train["ref_losses"][0]    # it trained
         assert train["stats_ranks"] == [world_size] * TRAIN_STEPS  # every rank's timings gathered
     # The dcp plans used more than one CP size over the run (the dynamic path ran).
     cp_sizes = Counter()

@@ -1,20 +1,24 @@
 #!/usr/bin/env python
 """Measure the CPU constants of the `cpu` ClusterSpec and write them as a cost-model profile JSON.
 
-    .venv/bin/python tools/profile_cpu.py [--model gpt-tiny] [--json OUT] [--repeats 3]
+    .venv/bin/python tools/profile_cpu.py [--model gpt-tiny] [--json OUT] [--repeats 2]
 
-Each rank of a CPU run is one process with one intra-op thread (what tests and benchmarks use),
-running TinyGPT in fp32 with this project's CP attention, so that is what is timed:
+A CPU run is gloo ranks of one process and one intra-op thread each, running TinyGPT in fp32
+with this project's CP attention. The tool starts two such ranks and times the same work on
+both at once (as in a real step: both cores busy), all inside the model:
 
-- gemm_flops: TinyGPT forward+backward with a trivial core attention on packed 64-token
-  documents -> linear FLOPs per token (ModelShape.linear_flops_per_token) x tokens / second.
-  It is the end-to-end rate of the linear part (norms, activations and the loss included).
-- attn_rate_points: forward+backward of cp_attention (group None) on documents of length L
-  packed into ~4K-token micro-batches -> causal attention FLOPs (6 heads d_head L^2 per layer)
-  / second. Short documents run far below the long-document rate (tile overheads).
-- microbatch_overhead_s: forward+backward of a 2-token micro-batch (fixed Python/launch cost).
-- intra_node_bw, collective_latency_s: two gloo processes on this machine, all_gather_into_tensor
-  of 1 MiB .. 16 MiB (bytes received per second) and of 8 bytes (latency).
+- gemm_flops: forward+backward of the model with a trivial core attention on packed 64-token
+  documents -> linear FLOPs per token (ModelShape.linear_flops_per_token) x tokens / second,
+  the end-to-end rate of the linear part (norms, activations and the loss included).
+- attn_rate_points: forward+backward of the model on one document of length L with the real
+  CP attention (cp 1), minus the linear part -> causal attention FLOPs / second
+  (ModelShape.attn_flops_per_len2 x L^2). Short documents run far below the long-document rate.
+- attention_times (profile only): the same per rank at cp 2 (the document zig-zag sharded over
+  both ranks, K/V all-gathered) and cp 1: [length, cp, seconds per rank], which CostModel uses
+  in place of the rate estimate when the profile is passed to it.
+- microbatch_overhead_s: forward+backward of a 2-token micro-batch (fixed Python cost).
+- intra_node_bw, collective_latency_s: all_gather_into_tensor of 4..16 MiB (bytes received per
+  second) and of 8 bytes (latency) between the two ranks.
 
 The output has exactly the keys cost.load_profile accepts; dcp_megatron/planner/cluster_cpu.py
 holds the numbers this tool printed on the reference machine.
@@ -42,8 +46,8 @@ from dcp_megatron.runtime.cp_attention import cp_attention  # noqa: E402
 from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig  # noqa: E402
 from dcp_megatron.runtime.sharding import shard_microbatch  # noqa: E402
 
-ATTN_LENGTHS = (64, 256, 1024, 4096)
-GLOO_SIZES = (1 << 20, 1 << 22, 1 << 24)
+ATTN_LENGTHS = (256, 1024, 2048, 4096)
+GLOO_SIZES = (1 << 22, 1 << 24)
 
 
 def tiny_config(shape) -> TinyGPTConfig:
@@ -55,119 +59,101 @@ def tiny_config(shape) -> TinyGPTConfig:
 
 
 def best_time(fn, repeats: int) -> float:
-    fn()  # warm-up
+    """Fastest of `repeats` runs after a warm-up; both ranks start each run together."""
+    fn()
     times = []
     for _ in range(repeats):
+        dist.barrier()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
 
 
-def model_step(model: TinyGPT, lengths: list[int], attention) -> None:
-    shard = shard_microbatch(lengths, 1, 0)
+def model_step(model: TinyGPT, lengths: list[int], cp_size: int, attention: str) -> None:
+    shard = shard_microbatch(lengths, cp_size, dist.get_rank() % cp_size)
     tokens = torch.randint(model.config.vocab_size, (shard.num_local_tokens,))
-    logits = model(tokens, shard.position_ids, attention(shard))
+    if attention == "trivial":
+        attn = lambda q, k, v: q + 0.0 * (k.sum() + v.sum())  # noqa: E731
+    else:
+        attn = partial(cp_attention, shard=shard, group=dist.group.WORLD if cp_size > 1 else None)
+    logits = model(tokens, shard.position_ids, attn)
     torch.nn.functional.cross_entropy(logits, tokens).backward()
 
 
-def measure_linear(shape, repeats: int) -> float:
-    model = TinyGPT(tiny_config(shape))
-    lengths = [64] * 64
-    trivial = lambda shard: (lambda q, k, v: q + 0.0 * (k.sum() + v.sum()))  # noqa: E731
-    seconds = best_time(lambda: model_step(model, lengths, trivial), repeats)
-    return shape.linear_flops_per_token * sum(lengths) / seconds
-
-
-def measure_overhead(shape, repeats: int) -> float:
-    model = TinyGPT(tiny_config(shape))
-    local = lambda shard: partial(cp_attention, shard=shard, group=None)  # noqa: E731
-    return best_time(lambda: model_step(model, [2], local), repeats * 5)
-
-
-def measure_attention(shape, repeats: int) -> list[list[float]]:
-    points = []
-    heads, kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    for length in ATTN_LENGTHS:
-        lengths = [length] * max(1, 4096 // length)
-        shard = shard_microbatch(lengths, 1, 0)
-        rows = shard.num_local_tokens
-        q = torch.randn(rows, heads, head_dim, requires_grad=True)
-        k = torch.randn(rows, kv_heads, head_dim, requires_grad=True)
-        v = torch.randn(rows, kv_heads, head_dim, requires_grad=True)
-
-        def run():
-            cp_attention(q, k, v, shard, None).sum().backward()
-        seconds = best_time(run, repeats)
-        flops = 6.0 * heads * head_dim * length * length * len(lengths)  # one layer, forward + backward
-        points.append([length, flops / seconds])
-    return points
-
-
-def _gloo_worker(rank: int, port: int, repeats: int, results) -> None:
+def _rank(rank: int, port: int, model_name: str, repeats: int, results) -> None:
     torch.set_num_threads(1)
+    torch.manual_seed(rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    out = {}
+    shape = model_preset(model_name)
+    model = TinyGPT(tiny_config(shape))
+    out: dict = {}
+    linear_s = best_time(lambda: model_step(model, [64] * 64, 1, "trivial"), repeats)
+    out["gemm_flops"] = shape.linear_flops_per_token * 64 * 64 / linear_s
+    out["microbatch_overhead_s"] = best_time(lambda: model_step(model, [2], 1, "real"), 5 * repeats)
+    out["attention_times"] = []
+    for cp_size in (1, 2):
+        for length in ATTN_LENGTHS:
+            local = length // cp_size
+            full = best_time(lambda: model_step(model, [length], cp_size, "real"), repeats)
+            linear = best_time(lambda: model_step(model, [local], 1, "trivial"), repeats)
+            out["attention_times"].append([length, cp_size, max(full - linear, 1e-6)])
+    gloo = {}
     for nbytes in (8,) + GLOO_SIZES:
         local = torch.zeros(nbytes // 4)
         gathered = torch.empty(2 * local.numel())
-        out[nbytes] = best_time(lambda: dist.all_gather_into_tensor(gathered, local), repeats * 3)
+        gloo[nbytes] = best_time(lambda: dist.all_gather_into_tensor(gathered, local), 3 * repeats)
+    out["collective_latency_s"] = gloo[8]
+    out["intra_node_bw"] = statistics.median(n / max(gloo[n] - gloo[8], 1e-9) for n in GLOO_SIZES)
     if rank == 0:
         results.put(out)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure_gloo(repeats: int) -> tuple[float, float]:
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gpt-tiny")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", help="write the profile JSON here")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    shape = model_preset(args.model)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, port, repeats, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = results.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
-    latency = out[8]
-    # Each rank receives the other's buffer: nbytes per all-gather, beyond the fixed latency.
-    bandwidth = statistics.median(n / max(out[n] - latency, 1e-9) for n in GLOO_SIZES)
-    return bandwidth, latency
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gpt-tiny")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", help="write the profile JSON here")
-    args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    shape = model_preset(args.model)
-    gemm = measure_linear(shape, args.repeats)
-    overhead = measure_overhead(shape, args.repeats)
-    attn = measure_attention(shape, args.repeats)
-    bandwidth, latency = measure_gloo(args.repeats)
+    procs = [ctx.Process(target=_rank, args=(r, port, args.model, args.repeats, results)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    out = results.get(timeout=1800)
+    for proc in procs:
+        proc.join(timeout=60)
+    rates = [[length, shape.attn_flops_per_len2 * length * length / sec]
+             for length, cp, sec in out["attention_times"] if cp == 1]
     profile = {
-        "gemm_flops": gemm,
-        "attn_rate_points": attn,
-        "intra_node_bw": bandwidth,
-        "inter_node_bw": bandwidth,
-        "microbatch_overhead_s": overhead,
-        "collective_latency_s": latency,
-        "meta": {"model": args.model, "threads_per_rank": 1, "dtype": "float32", "torch": torch.__version__,
-                 "machine": platform.machine(), "processor": platform.processor() or platform.platform(),
-                 "cpu_count": os.cpu_count()},
+        "gemm_flops": out["gemm_flops"],
+        "attn_rate_points": rates,
+        "attention_times": out["attention_times"],
+        "intra_node_bw": out["intra_node_bw"],
+        "inter_node_bw": out["intra_node_bw"],
+        "microbatch_overhead_s": out["microbatch_overhead_s"],
+        "collective_latency_s": out["collective_latency_s"],
+        "meta": {"model": args.model, "ranks": 2, "threads_per_rank": 1, "dtype": "float32",
+                 "torch": torch.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
+                 "load_average": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S")},
     }
-    print(f"gemm_flops            {gemm / 1e9:8.2f} GFLOP/s (TinyGPT linear part, fwd+bwd, 1 thread)")
-    for length, rate in attn:
+    print(f"gemm_flops            {profile['gemm_flops'] / 1e9:8.2f} GFLOP/s (linear part, fwd+bwd, per rank)")
+    for length, rate in rates:
         print(f"attn_rate L={length:<6}   {rate / 1e9:8.2f} GFLOP/s")
-    print(f"microbatch_overhead_s {overhead * 1e3:8.2f} ms")
-    print(f"intra_node_bw         {bandwidth / 1e9:8.3f} GB/s (gloo all-gather, 2 processes)")
-    print(f"collective_latency_s  {latency * 1e6:8.1f} us")
+    for length, cp, sec in out["attention_times"]:
+        print(f"attention L={length:<6} cp={cp}  {sec * 1e3:8.1f} ms per rank")
+    print(f"microbatch_overhead_s {profile['microbatch_overhead_s'] * 1e3:8.2f} ms")
+    print(f"intra_node_bw         {profile['intra_node_bw'] / 1e9:8.3f} GB/s (gloo all-gather, 2 processes)")
+    print(f"collective_latency_s  {profile['collective_latency_s'] * 1e6:8.1f} us")
+    print(f"load average during the run: {os.getloadavg()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(profile, f, indent=1)

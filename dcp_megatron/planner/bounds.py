@@ -14,11 +14,16 @@ from typing import Sequence
 
 import numpy as np
 
-from dcp_megatron.planner.policies.common import candidate_sizes, check_batch
+from dcp_megatron.planner.policies.common import candidate_sizes, check_batch, check_static_memory
 
 
 def lower_bound(batch: Sequence[tuple[int, int]], cost) -> float:
-    _, lengths = check_batch(batch)
+    """Seconds no plan of this batch can beat (ValueError on a malformed batch)."""
+    return lower_bound_of_lengths(check_batch(batch)[1], cost)
+
+
+def lower_bound_of_lengths(lengths: np.ndarray, cost) -> float:
+    check_static_memory(cost)
     balanced = cost.ideal_rank_seconds(lengths) / cost.cluster.domain_size
     longest = int(lengths.max())
     best = math.inf

@@ -22,14 +22,16 @@ from dcp_megatron.planner.cluster import ClusterSpec
 
 MiB = 1024 ** 2
 
-# Measured with tools/profile_cpu.py (1 thread per rank, fp32, gpt-tiny); values rounded.
-CPU_GEMM_FLOPS = 31e9                    # TinyGPT linear part, forward+backward, end to end
+# Measured with tools/profile_cpu.py --repeats 5 (1 thread per rank, fp32, gpt-tiny), two runs on
+# the reference machine when it was quiet (load < 2), values rounded; under load from other jobs
+# the same tool measured about half these rates and twice the overhead and latency.
+CPU_GEMM_FLOPS = 60e9                    # TinyGPT linear part, forward+backward, end to end (58-62)
 CPU_ATTN_RATE_POINTS = (                 # cp_attention forward+backward, causal FLOPs per second
-    (64, 0.8e9), (256, 3.7e9), (1024, 10.4e9), (4096, 17.2e9),
+    (64, 1.0e9), (256, 4.4e9), (1024, 13.5e9), (4096, 17.5e9),
 )
-CPU_GLOO_BW = 1.1e9                      # bytes/s received, gloo all-gather between 2 local processes
-CPU_COLLECTIVE_LATENCY_S = 380e-6        # one small gloo all-gather between 2 local processes
-CPU_MICROBATCH_OVERHEAD_S = 14e-3        # forward+backward of a 2-token micro-batch (Python, 4 layers)
+CPU_GLOO_BW = 1.08e9                     # bytes/s received, gloo all-gather between 2 local processes
+CPU_COLLECTIVE_LATENCY_S = 200e-6        # one small gloo all-gather between 2 local processes
+CPU_MICROBATCH_OVERHEAD_S = 7.7e-3       # forward+backward of a 2-token micro-batch (Python, 4 layers)
 CPU_MEM_BYTES_PER_RANK = 40 * MiB        # modelling budget, see the module docstring
 CPU_RANKS_PER_MACHINE = 64               # every rank of a CPU run is a local process: one "node"
 

@@ -98,6 +98,8 @@ class CostModel:
         if not isinstance(cluster, ClusterSpec):
             raise ValueError(f"CostModel needs a ClusterSpec, got {type(cluster).__name__}")
         self._attn_table: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._max_local: dict[Recompute, int] = {}    # memoised per recompute policy
+        self._bytes_per_token: dict[Recompute, float] = {}
         if profile is not None:
             check_profile(profile)
             changes = {k: profile[k] for k in _PROFILE_SCALARS if k in profile}
@@ -147,6 +149,24 @@ class CostModel:
         lengths = np.asarray(lengths, dtype=np.float64)
         return float((lengths * self._linear_s_per_token + self._attention_seconds(lengths, 1)).sum())
 
+    def doc_alone_seconds(self, lengths, cp_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Each document alone in a micro-batch at CP size c, placed at rank 0, with the fastest
+        recompute that fits (inf where none does), without the per-micro-batch overhead.
+        Returns (local tokens, compute s, attention s, seconds); vectorised for planning."""
+        local, compute, attn = self.doc_terms(lengths, cp_size)
+        seconds = compute.copy()
+        if cp_size > 1:
+            bw = self.cluster.intra_node_bw if self.cluster.same_node(0, cp_size) else self.cluster.inter_node_bw
+            received = CP_PASSES * self._kv_bytes_per_token * local * (cp_size - 1)
+            seconds += np.maximum(received / bw - attn, 0.0) + self._latency_per_mb
+        overhead = self.cluster.microbatch_overhead_s
+        for j in np.flatnonzero(local > self.max_local_tokens(NO_RECOMPUTE)).tolist():
+            rc = self.best_recompute_from_sums(float(local[j]), float(compute[j]), float(attn[j]), cp_size)
+            seconds[j] = (math.inf if rc is None else
+                          self.time_from_sums(float(local[j]), float(compute[j]), float(attn[j]), cp_size, 0, rc)
+                          - overhead)
+        return local, compute, attn, seconds
+
     def _attention_seconds(self, lp: np.ndarray, cp_size: int) -> np.ndarray:
         if self._attn_table:
             usable = [cp for cp in self._attn_table if cp <= cp_size] or [min(self._attn_table)]
@@ -185,6 +205,12 @@ class CostModel:
         return t
 
     def bytes_per_local_token(self, recompute: Recompute) -> float:
+        cached = self._bytes_per_token.get(recompute)
+        if cached is None:
+            cached = self._bytes_per_token[recompute] = self._bytes_per_local_token(recompute)
+        return cached
+
+    def _bytes_per_local_token(self, recompute: Recompute) -> float:
         n = self.layers_per_stage
         if recompute.kind == "full":
             k = recompute.full_layers
@@ -201,8 +227,11 @@ class CostModel:
 
     def max_local_tokens(self, recompute: Recompute) -> int:
         """Most local (per-rank, padded) tokens a micro-batch may hold with this recompute."""
-        room = self.cluster.mem_budget_bytes - self.static_bytes
-        return max(int(room // self.bytes_per_local_token(recompute)), 0)
+        cached = self._max_local.get(recompute)
+        if cached is None:
+            room = self.cluster.mem_budget_bytes - self.static_bytes
+            cached = self._max_local[recompute] = max(int(room // self.bytes_per_local_token(recompute)), 0)
+        return cached
 
     def recompute_options(self) -> list[Recompute]:
         """none, selective, full 1..n: memory falls (not strictly) along the list."""

@@ -60,4 +60,4 @@ def rank_finish_times(plan: StepPlan) -> list[float]:
 
 
 def plan_makespan(plan: StepPlan) -> float:
-    return max(rank_finish_times(plan), default=0.0)
+    return float(max(rank_finish_times(plan), default=0.0))

@@ -3,6 +3,7 @@ turning scheduled groups into waves."""
 from __future__ import annotations
 
 import heapq
+import itertools
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -17,12 +18,16 @@ def check_batch(batch: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarra
     if len(batch) == 0:
         raise ValueError("the batch is empty: a plan needs at least one sequence")
     try:
-        arr = np.asarray(batch, dtype=np.int64)
+        if any(len(pair) != 2 for pair in batch):
+            raise ValueError("an entry is not a pair")
+        exact = np.fromiter(itertools.chain.from_iterable(batch), dtype=np.float64, count=2 * len(batch))
     except (TypeError, ValueError, OverflowError) as err:
         raise ValueError(f"a batch is a list of (sample_id, length) integer pairs ({err})") from err
-    if arr.ndim != 2 or arr.shape[1] != 2:
-        raise ValueError(f"a batch is a list of (sample_id, length) pairs, got shape {arr.shape}")
-    ids, lengths = arr[:, 0], arr[:, 1]
+    arr = exact.astype(np.int64)
+    if not np.array_equal(arr, exact):
+        j = int(np.flatnonzero(arr != exact)[0]) // 2
+        raise ValueError(f"batch entry {j} {tuple(batch[j])!r} is not a pair of integers")
+    ids, lengths = arr[0::2], arr[1::2]
     bad = np.flatnonzero(lengths <= 0)
     if bad.size:
         i = int(bad[0])
@@ -68,9 +73,17 @@ def local_tokens(lengths: np.ndarray, size: int) -> np.ndarray:
     return (-(-lengths // step) * step) // size
 
 
+def check_static_memory(cost) -> None:
+    if cost.static_bytes >= cost.cluster.mem_budget_bytes:
+        raise ValueError(f"the model's static state alone ({cost.static_bytes} bytes per rank: weights, grads, "
+                         f"optimizer) exceeds the memory budget {cost.cluster.mem_budget_bytes}; use more ranks "
+                         f"(distributed optimizer), tp or pp")
+
+
 def min_fitting_size(lengths: np.ndarray, ids: np.ndarray, sizes: list[int], cost) -> np.ndarray:
     """Index into `sizes` of the smallest size at which each sequence alone fits (with full
     recompute of every layer); ValueError naming a sequence that fits none."""
+    check_static_memory(cost)
     cap = cost.max_local_tokens(Recompute("full", cost.layers_per_stage))
     idx = np.full(lengths.shape, len(sizes), dtype=np.int64)
     for i in range(len(sizes) - 1, -1, -1):
@@ -100,8 +113,9 @@ def microbatch_from_sums(cost, sequences: tuple, local: float, compute: float, a
         else:
             recompute = cost.best_recompute_from_sums(local, compute, attn, size)
             assert recompute is not None, f"micro-batch of {local} local tokens fits no recompute policy"
-    return MicroBatch(sequences, recompute, cost.time_from_sums(local, compute, attn, size, first_rank, recompute),
-                      cost.memory_from_tokens(local, recompute))
+    return MicroBatch(sequences, recompute,
+                      float(cost.time_from_sums(local, compute, attn, size, first_rank, recompute)),
+                      int(cost.memory_from_tokens(local, recompute)))
 
 
 def lpt_assign(item_times: Sequence[float], loads: Sequence[float]) -> tuple[list[int], list[float]]:
@@ -118,6 +132,32 @@ def lpt_assign(item_times: Sequence[float], loads: Sequence[float]) -> tuple[lis
     for load, b in heap:
         final[b] = load
     return where, final
+
+
+def lpt_bins(order: Sequence[int], work: Sequence[float], tokens: Sequence[int], room: int,
+             count: int) -> list[list[int]]:
+    """Equal-work bins with a token room: each item (in the given order, largest first) to
+    the least-worked open bin (ties: lowest bin); a bin without room for the item is closed
+    (later items are no larger, so little is lost) and a new bin opens when none is left.
+    Returns the non-empty bins (item indices in assignment order)."""
+    heap = [(0.0, b) for b in range(count)]
+    used = [0] * count
+    bins: list[list[int]] = [[] for _ in range(count)]
+    for i in order:
+        need = tokens[i]
+        while heap and used[heap[0][1]] + need > room:
+            heapq.heappop(heap)
+        if heap:
+            w, b = heap[0]
+            heapq.heapreplace(heap, (w + work[i], b))
+        else:
+            b = len(bins)
+            bins.append([])
+            used.append(0)
+            heap.append((work[i], b))
+        bins[b].append(i)
+        used[b] += need
+    return [b for b in bins if b]
 
 
 def assemble_waves(domain_size: int, scheduled: Iterable[Group]) -> tuple[Wave, ...]:

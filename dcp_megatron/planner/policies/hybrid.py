@@ -15,76 +15,77 @@ a wave run an empty micro-batch with PP > 1 and nothing with PP = 1.
 """
 from __future__ import annotations
 
-import heapq
 import math
 
 import numpy as np
 
 from dcp_megatron.planner.plan import Group, MicroBatch, Wave
-from dcp_megatron.planner.policies.common import local_tokens, microbatch_from_sums, pow2_sizes
+from dcp_megatron.planner.policies.common import lpt_bins, local_tokens, microbatch_from_sums, pow2_sizes
 from dcp_megatron.planner.policies.static import static_layout
 
 
-def _buckets(order: list[int], work: list[float], local: list[int], cap: int, count: int) -> list[list[int]]:
-    """Equal-work buckets: each item (in order) to the least-worked bucket with token room."""
-    heap = [(0.0, b) for b in range(count)]
-    used = [0] * count
-    buckets: list[list[int]] = [[] for _ in range(count)]
-    for i in order:
-        skipped = []
-        while heap and used[heap[0][1]] + local[i] > cap:
-            skipped.append(heapq.heappop(heap))
-        if heap:
-            w, b = heapq.heappop(heap)
-        else:
-            b, w = len(buckets), 0.0
-            buckets.append([])
-            used.append(0)
-        buckets[b].append(i)
-        used[b] += local[i]
-        heapq.heappush(heap, (w + work[i], b))
-        for item in skipped:
-            heapq.heappush(heap, item)
-    return [b for b in buckets if b]
-
-
-def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int) -> tuple[Wave, ...]:
+def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None,
+                         must_beat: float | None = None) -> tuple[Wave, ...] | None:
+    """The plan's waves; None when `must_beat` is given and the plan would not be faster."""
     cluster = cost.cluster
     D = cluster.domain_size
-    layout = static_layout(cost, max_seq_len)
+    layout = packing[0] if packing else static_layout(cost, max_seq_len)
     cap = layout.capacity_local_tokens
     sizes = sorted(set(pow2_sizes(cluster.cp_size_limit)) | {layout.cp_size})
     cp = np.full(lengths.shape, layout.cp_size, dtype=np.int64)
     for s in reversed(sizes):
         cp[local_tokens(lengths, s) <= cap] = s
     seqs = list(zip(ids.tolist(), lengths.tolist()))
-    length_list = lengths.tolist()
     total_rank_tokens = float((local_tokens(lengths, 1)).sum())
     waves_needed = max(1, math.ceil(total_rank_tokens / (D * cap)))
     buckets: list[tuple[int, list[int]]] = []
     for s in sorted(set(cp.tolist()), reverse=True):
         members = np.flatnonzero(cp == s)
         loc = local_tokens(lengths[members], s)
-        work = (lengths[members].astype(np.float64) ** 2 / s).tolist()
-        order = sorted(range(len(members)), key=lambda i: (-work[i], int(members[i])))
+        work_arr = lengths[members].astype(np.float64) ** 2 / s
+        order = np.lexsort((members, -work_arr)).tolist()
+        work = work_arr.tolist()
+        member_list = members.tolist()
         share = float(loc.sum()) * s / total_rank_tokens
         count = min(len(members), max(math.ceil(float(loc.sum()) / cap), int(waves_needed * D * share / s)))
-        for b in _buckets(order, work, loc.tolist(), cap, max(count, 1)):
-            buckets.append((s, [int(members[i]) for i in b]))
+        for b in lpt_bins(order, work, loc.tolist(), cap, max(count, 1)):
+            buckets.append((s, [member_list[i] for i in b]))
     waves = _place(buckets, D, cluster.cp_size_limit)
-    sums = [[cost._sums([length_list[i] for i in b], size) for _, size, b in sorted(wave)] for wave in waves]
-    max_local = max(loc for wave in sums for loc, _, _ in wave)
+    placed = [(first, size, b) for wave in waves for first, size, b in sorted(wave)]
+    flat = np.fromiter((i for _, _, b in placed for i in b), dtype=np.int64, count=lengths.size)
+    counts = [len(b) for _, _, b in placed]
+    seq_group = np.empty(lengths.size, dtype=np.int64)
+    seq_group[flat] = np.repeat(np.arange(len(placed)), counts)
+    seq_size = np.empty(lengths.size, dtype=np.int64)
+    seq_size[flat] = np.repeat([size for _, size, _ in placed], counts)
+    sums = np.zeros((3, len(placed)))
+    for size in np.unique(seq_size).tolist():
+        sel = np.flatnonzero(seq_size == size)
+        for row, part in zip(sums, cost.doc_terms(lengths[sel], size)):
+            row += np.bincount(seq_group[sel], weights=part, minlength=len(placed))
     # One global setting: the least recompute with which the fullest bucket fits.
-    recompute = next(r for r in cost.recompute_options() if cost.memory_from_tokens(max_local, r)
+    recompute = next(r for r in cost.recompute_options() if cost.memory_from_tokens(float(sums[0].max()), r)
                      <= cluster.mem_budget_bytes)
-    out = []
-    for wave, wave_sums in zip(waves, sums):
+    local_s, compute_s, attn_s = (row.tolist() for row in sums)
+    if must_beat is not None:
+        finish, g = [0.0] * D, 0
+        for wave in waves:
+            for first, size, _ in sorted(wave):
+                end = max(finish[first:first + size]) + cost.time_from_sums(
+                    local_s[g], compute_s[g], attn_s[g], size, first, recompute)
+                finish[first:first + size] = [end] * size
+                g += 1
+        if max(finish) >= must_beat:
+            return None
+    out, g = [], 0
+    for wave in waves:
         groups, r = [], 0
-        for (first, size, b), (loc, comp, att) in zip(sorted(wave), wave_sums):
+        for first, size, b in sorted(wave):
             groups.extend(_idle(rank, cost) for rank in range(r, first))
-            mb = microbatch_from_sums(cost, tuple(seqs[i] for i in b), loc, comp, att, size, first, recompute)
+            mb = microbatch_from_sums(cost, tuple(map(seqs.__getitem__, b)), local_s[g], compute_s[g], attn_s[g],
+                                      size, first, recompute)
             groups.append(Group(first, size, (mb,)))
-            r = first + size
+            r, g = first + size, g + 1
         groups.extend(_idle(rank, cost) for rank in range(r, D))
         out.append(Wave(tuple(groups)))
     return tuple(out)
@@ -118,7 +119,7 @@ def _place(buckets: list[tuple[int, list[int]]], D: int, limit: int) -> list[lis
         waves[w].append((first, size, b))
     for w, wave in enumerate(waves):
         grown = True
-        while grown:
+        while grown:              # passes over the groups, smallest first, until none can grow
             grown = False
             for j in sorted(range(len(wave)), key=lambda j: (wave[j][1], wave[j][0])):
                 first, size, b = wave[j]
@@ -130,5 +131,4 @@ def _place(buckets: list[tuple[int, list[int]]], D: int, limit: int) -> list[lis
                     free[w][buddy:buddy + size] = [True] * size
                     wave[j] = (base, 2 * size, b)
                     grown = True
-                    break
     return waves

@@ -1,9 +1,11 @@
 """Megatron's default layout and its balanced variant (DESIGN.md §5).
 
 `static`: one (CP size c, recompute) pair for the whole run, the one a user who tuned it
-would pick: among CP sizes dividing D, the pair with the fewest rank-seconds for a micro-batch
-holding one sequence of the run's length cap, using the fastest recompute with which that
-micro-batch fits. Sequences are packed in order into micro-batches of the cap's padded tokens
+would pick: among CP sizes dividing D, with the fastest recompute with which a micro-batch
+holding one sequence of the run's length cap fits, the pair with the fewest rank-seconds for
+two full micro-batches: that longest sequence, and the same capacity packed with
+`TYPICAL_DOC_LEN`-token documents (a tuned user measures both; the long one alone would favour
+large groups whose communication short documents cannot hide). Sequences are packed in order into micro-batches of the cap's padded tokens
 (each sequence padded to 2c), micro-batches are dealt round-robin to the D/c replicas. With
 PP = 1 counts may differ by one between replicas (the tail replicas run one fewer); with
 PP > 1 the tail is filled with empty micro-batches so every group runs one per wave.
@@ -22,6 +24,9 @@ from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, Wave
 from dcp_megatron.planner.policies.common import divisor_sizes, local_tokens, microbatch_from_sums
 
 
+TYPICAL_DOC_LEN = 4096   # a common pretraining sequence length
+
+
 class StaticLayout(NamedTuple):
     cp_size: int
     recompute: Recompute
@@ -35,7 +40,11 @@ def static_layout(cost, max_seq_len: int) -> StaticLayout:
         rc = cost.best_recompute_from_sums(local, compute, attn, c)
         if rc is None:
             continue
-        rank_seconds = c * cost.time_from_sums(local, compute, attn, c, 0, rc)
+        typical = min(TYPICAL_DOC_LEN, max_seq_len)
+        docs = np.full(max(1, int(local * c) // int(local_tokens(np.array([typical]), c)[0] * c)), typical)
+        t_loc, t_comp, t_attn = (float(x.sum()) for x in cost.doc_terms(docs, c))
+        rank_seconds = c * (cost.time_from_sums(local, compute, attn, c, 0, rc)
+                            + cost.time_from_sums(t_loc, t_comp, t_attn, c, 0, rc))
         if best is None or rank_seconds < best[0]:
             best = (rank_seconds, StaticLayout(c, rc, int(local)))
     if best is None:
@@ -86,17 +95,38 @@ def _build(cost, layout, per_replica: list[list[tuple]]) -> tuple[Wave, ...]:
                  for w in range(count))
 
 
-def plan_static(ids, lengths, cost, *, max_seq_len: int) -> tuple[Wave, ...]:
+def static_packing(ids, lengths, cost, max_seq_len: int) -> tuple[StaticLayout, list[tuple]]:
+    """The run's static layout and this batch's micro-batches under it (shared by both policies)."""
     layout = static_layout(cost, max_seq_len)
-    items = _microbatches(ids, lengths, cost, layout)
+    return layout, _microbatches(ids, lengths, cost, layout)
+
+
+def _cannot_beat(cost, layout, items, must_beat: float | None) -> bool:
+    """True when even a perfect deal of these micro-batches is not faster than `must_beat`."""
+    if must_beat is None:
+        return False
+    c = layout.cp_size
+    times = [cost.time_from_sums(loc, comp, att, c, 0, layout.recompute) for _, loc, comp, att in items]
+    replicas = cost.cluster.domain_size // c
+    return max(max(times), sum(times) / replicas) >= must_beat
+
+
+def plan_static(ids, lengths, cost, *, max_seq_len: int, packing=None,
+                must_beat: float | None = None) -> tuple[Wave, ...] | None:
+    """The plan's waves; None when `must_beat` is given and the plan cannot be faster."""
+    layout, items = packing or static_packing(ids, lengths, cost, max_seq_len)
+    if _cannot_beat(cost, layout, items, must_beat):
+        return None
     replicas = cost.cluster.domain_size // layout.cp_size
     return _build(cost, layout, [items[r::replicas] for r in range(replicas)])
 
 
-def plan_static_balanced(ids, lengths, cost, *, max_seq_len: int) -> tuple[Wave, ...]:
-    layout = static_layout(cost, max_seq_len)
+def plan_static_balanced(ids, lengths, cost, *, max_seq_len: int, packing=None,
+                         must_beat: float | None = None) -> tuple[Wave, ...] | None:
+    layout, items = packing or static_packing(ids, lengths, cost, max_seq_len)
+    if _cannot_beat(cost, layout, items, must_beat):
+        return None
     c = layout.cp_size
-    items = _microbatches(ids, lengths, cost, layout)
     replicas = cost.cluster.domain_size // c
     times = [cost.time_from_sums(loc, comp, att, c, 0, layout.recompute) for _, loc, comp, att in items]
     order = sorted(range(len(items)), key=lambda i: (-times[i], i))

@@ -1,0 +1,71 @@
+"""Layout policies: each turns one global batch's lengths into a validated-shape StepPlan.
+
+All are scored by the same CostModel. `make_plan` fills every micro-batch's estimates, the
+plan's est_step_time_s (the per-rank timeline's makespan) and lower_bound_s. `dcp` also
+plans the baselines and returns the fastest of them (re-labelled, with
+extra["fallback"] naming it) whenever its own plan would be slower, so it never loses.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from dcp_megatron.planner.plan import StepPlan
+from dcp_megatron.planner.policies.common import candidate_sizes, check_batch, min_fitting_size
+from dcp_megatron.planner.policies.dcp import plan_dcp
+from dcp_megatron.planner.policies.hybrid import plan_megatron_hybrid
+from dcp_megatron.planner.policies.static import plan_static, plan_static_balanced, static_packing
+from dcp_megatron.planner.timeline import plan_makespan
+
+BASELINES: dict[str, Callable] = {
+    "static": plan_static,
+    "static-balanced": plan_static_balanced,
+    "megatron-hybrid": plan_megatron_hybrid,
+}
+POLICIES: tuple[str, ...] = tuple(BASELINES) + ("dcp",)
+
+
+def make_plan(policy: str, batch: Sequence[tuple[int, int]], cost, *, max_seq_len: int) -> StepPlan:
+    """Plan one global batch [(sample_id, length)] with the named policy.
+
+    max_seq_len is the run's length cap (the static layouts are chosen from it once per run);
+    ValueError for an unknown policy, bad lengths, repeated ids, or a sequence over the cap."""
+    from dcp_megatron.planner.bounds import lower_bound_of_lengths   # bounds uses policies.common
+
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    ids, lengths = check_batch(batch)
+    if not isinstance(max_seq_len, (int, np.integer)) or isinstance(max_seq_len, bool) or max_seq_len <= 0:
+        raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+    max_seq_len = int(max_seq_len)
+    longest = int(lengths.max())
+    if longest > max_seq_len:
+        j = int(lengths.argmax())
+        raise ValueError(f"sample {int(ids[j])} has {longest} tokens, over the run's max_seq_len {max_seq_len}")
+    min_fitting_size(lengths, ids, candidate_sizes(cost.cluster), cost)   # names a sequence that fits nowhere
+    bound = lower_bound_of_lengths(lengths, cost)
+    if policy != "dcp":
+        return _finish(policy, BASELINES[policy](ids, lengths, cost, max_seq_len=max_seq_len), cost, bound)
+    best = _finish("dcp", plan_dcp(ids, lengths, cost, max_seq_len=max_seq_len), cost, bound)
+    try:
+        packing = static_packing(ids, lengths, cost, max_seq_len)
+    except ValueError:
+        return best                   # no static layout holds the cap: no baseline competes
+    for name, planner in BASELINES.items():
+        # must_beat lets a baseline that cannot win skip building its plan objects
+        waves = planner(ids, lengths, cost, max_seq_len=max_seq_len, packing=packing,
+                        must_beat=best.est_step_time_s)
+        if waves is None:
+            continue
+        other = _finish("dcp", waves, cost, bound, extra={"fallback": name})
+        if other.est_step_time_s < best.est_step_time_s:
+            best = other
+    return best
+
+
+def _finish(policy: str, waves, cost, bound: float, extra: dict | None = None) -> StepPlan:
+    plan = StepPlan(domain_size=cost.cluster.domain_size, waves=waves, lower_bound_s=bound, policy=policy,
+                    extra=extra or {})
+    return StepPlan(domain_size=plan.domain_size, waves=waves, est_step_time_s=plan_makespan(plan),
+                    lower_bound_s=bound, policy=policy, extra=extra or {})

@@ -1,0 +1,151 @@
+"""`dcp`: the batch's lengths decide CP sizes, packing, micro-batch counts and recompute.
+
+1. CP size per sequence: the smallest allowed size at which it fits alone (full recompute
+   at worst); then, while a sequence alone would outlast the perfectly balanced step
+   (Σ rank-seconds / D), it moves to the next larger size if that runs it faster.
+2. PP = 1 — list scheduling: size classes largest first, each class's sequences longest
+   first onto the aligned block of its size whose ranks are free earliest (LPT). Blocks of
+   one power-of-two size class are always in sync, so no rank waits inside a block. A
+   block's sequences become micro-batches next-fit up to the per-rank tokens that fit
+   without recompute (few micro-batches: each pays a fixed overhead); a sequence too big
+   for that runs alone with the fastest recompute that fits. Groups become waves in
+   execution order (`assemble_waves`), so ranks run variable micro-batch counts.
+3. PP > 1 — see `dcp_pipeline`.
+"""
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, Wave
+from dcp_megatron.planner.policies.common import (assemble_waves, candidate_sizes, lpt_assign,
+                                                  microbatch_from_sums, min_fitting_size)
+
+
+class SizedSequences:
+    """Per sequence: index of its CP size and its alone-time pieces at that size."""
+
+    def __init__(self, lengths: np.ndarray, sizes: list[int], idx: np.ndarray, cost) -> None:
+        self.lengths, self.sizes, self.cost = lengths, sizes, cost
+        self.idx = idx.copy()
+        n = lengths.size
+        self.local, self.compute, self.attn, self.seconds = (np.zeros(n) for _ in range(4))
+        self._refresh(np.arange(n))
+
+    def _refresh(self, which: np.ndarray) -> None:
+        for k in np.unique(self.idx[which]).tolist():
+            sel = which[self.idx[which] == k]
+            parts = self.cost.doc_alone_seconds(self.lengths[sel], self.sizes[k])
+            for arr, part in zip((self.local, self.compute, self.attn, self.seconds), parts):
+                arr[sel] = part
+
+    def rank_seconds(self) -> float:
+        return float((self.seconds * np.asarray(self.sizes)[self.idx]).sum())
+
+    def move(self, which: np.ndarray, new_idx: np.ndarray) -> None:
+        self.idx[which] = new_idx
+        self._refresh(which)
+
+    def grow_long_sequences(self, domain_size: int, allowed_top: int) -> None:
+        """Larger groups for sequences that alone outlast the balanced step, while that lowers
+        the step estimate max(balanced rank-seconds / D, longest alone-time)."""
+        sizes = np.asarray(self.sizes)
+        rank_seconds = self.rank_seconds()
+        cand = np.flatnonzero((self.seconds > rank_seconds / domain_size) & (self.idx < allowed_top))
+        if not cand.size:
+            return
+        cand = cand[np.argsort(-self.seconds[cand], kind="stable")]
+        table = np.full((cand.size, len(self.sizes)), np.inf)      # alone-time at every size
+        for k in range(int(self.idx[cand].min()), allowed_top + 1):
+            sel = np.flatnonzero(self.idx[cand] <= k)
+            table[sel, k] = self.cost.doc_alone_seconds(self.lengths[cand[sel]], self.sizes[k])[3]
+        others = np.delete(self.seconds, cand)
+        longest_other = float(others.max()) if others.size else 0.0
+        new_idx = self.idx[cand].copy()
+        heap = [(-float(table[j, new_idx[j]]), j) for j in range(cand.size)]   # longest first
+        heapq.heapify(heap)
+        while heap:
+            neg_t, j = heap[0]
+            t, k = -neg_t, int(new_idx[j])
+            if k >= allowed_top:
+                break
+            t_next = float(table[j, k + 1])
+            grown = rank_seconds + t_next * sizes[k + 1] - t * sizes[k]
+            # Worth it while the sequence gets faster and the extra rank-seconds keep the
+            # balanced level below the current longest time.
+            if not (t_next < t * (1.0 - 1e-3) and grown / domain_size < max(t, longest_other)):
+                break
+            new_idx[j], rank_seconds = k + 1, grown
+            heapq.heapreplace(heap, (-t_next, j))
+        moved = new_idx != self.idx[cand]
+        if moved.any():
+            self.move(cand[moved], new_idx[moved])
+
+
+def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) -> tuple[Wave, ...]:
+    if cost.model.pp > 1:
+        from dcp_megatron.planner.policies.dcp_pipeline import plan_dcp_pipeline
+        return plan_dcp_pipeline(ids, lengths, cost)
+    cluster = cost.cluster
+    D = cluster.domain_size
+    sizes = candidate_sizes(cluster)
+    seqs = SizedSequences(lengths, sizes, min_fitting_size(lengths, ids, sizes, cost), cost)
+    seqs.grow_long_sequences(D, len(sizes) - 1)
+    cap_none = cost.max_local_tokens(NO_RECOMPUTE)
+    pairs = list(zip(ids.tolist(), lengths.tolist()))
+    local, compute, attn = seqs.local.tolist(), seqs.compute.tolist(), seqs.attn.tolist()
+    finish = [0.0] * D
+    scheduled: list[Group] = []
+    for k in range(len(sizes) - 1, -1, -1):
+        members = np.flatnonzero(seqs.idx == k)
+        if not members.size:
+            continue
+        size = sizes[k]
+        members = members[np.lexsort((ids[members], -seqs.seconds[members]))]
+        num_blocks = (D - size) // size + 1
+        starts = finish[:num_blocks] if size == 1 else [max(finish[o:o + size]) for o in range(0, num_blocks * size, size)]
+        where, _ = lpt_assign(seqs.seconds[members].tolist(), starts)
+        where = np.asarray(where, dtype=np.int64)
+        by_block = np.argsort(where, kind="stable")
+        blocks = where[by_block]
+        cuts = (np.flatnonzero(np.diff(blocks)) + 1).tolist()
+        block_local, block_compute, block_attn = (
+            np.bincount(where, weights=arr[members], minlength=num_blocks).tolist()
+            for arr in (seqs.local, seqs.compute, seqs.attn))
+        ordered = members[by_block].tolist()
+        blocks = blocks.tolist()
+        for lo, hi in zip([0] + cuts, cuts + [len(ordered)]):
+            b = blocks[lo]
+            first = b * size
+            items = ordered[lo:hi]
+            if block_local[b] <= cap_none:        # the usual case: one micro-batch
+                mbs = (microbatch_from_sums(cost, tuple(map(pairs.__getitem__, items)), block_local[b],
+                                            block_compute[b], block_attn[b], size, first),)
+                busy = mbs[0].est_time_s
+            else:
+                mbs = tuple(microbatch_from_sums(cost, tuple(map(pairs.__getitem__, chunk)),
+                                                 sum(local[i] for i in chunk), sum(compute[i] for i in chunk),
+                                                 sum(attn[i] for i in chunk), size, first)
+                            for chunk in _next_fit(items, local, cap_none))
+                busy = sum(mb.est_time_s for mb in mbs)
+            if size == 1:
+                finish[first] = starts[b] + busy
+            else:
+                finish[first:first + size] = [starts[b] + busy] * size
+            scheduled.append(Group(first, size, mbs))
+    return assemble_waves(D, scheduled)
+
+
+def _next_fit(items: list[int], local: list[float], room: float) -> list[list[int]]:
+    if len(items) == 1:
+        return [items]
+    chunks, current, used = [], [], 0.0
+    for i in items:
+        if current and used + local[i] > room:
+            chunks.append(current)
+            current, used = [], 0.0
+        current.append(i)
+        used += local[i]
+    chunks.append(current)
+    return chunks

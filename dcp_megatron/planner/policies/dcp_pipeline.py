@@ -1,0 +1,86 @@
+"""`dcp` with pipeline parallelism: every group runs exactly one micro-batch per wave.
+
+1F1B needs every rank to run the same micro-batch count, so waves are uniform:
+a wave of CP size c tiles the domain with D/c groups (c divides D), each running one
+micro-batch. Per size class:
+- sequences choose sizes as in the PP = 1 policy, among sizes dividing D;
+- a class with fewer sequences than it has groups per wave moves up to the next size (a
+  sequence that fits at c fits at any larger size), so no group idles with an empty
+  micro-batch unless even the largest size has more groups than sequences;
+- k waves hold k·D/c equal-work bins (longest first to the least-worked bin with room;
+  the per-rank token room is what fits with full recompute; k is the fewest that hold the
+  class's tokens without recompute); each bin gets the fastest recompute that fits;
+- a class whose bins would not fit that many waves moves up a size too (fewer, larger groups);
+  at the largest size the last wave may hold empty micro-batches (a group with nothing to run
+  still takes part in the pipeline schedule);
+- bins sorted by time fill the waves, so each wave's groups take about equally long.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, Wave
+from dcp_megatron.planner.policies.common import divisor_sizes, lpt_bins, microbatch_from_sums, min_fitting_size
+from dcp_megatron.planner.policies.dcp import SizedSequences
+
+
+def plan_dcp_pipeline(ids: np.ndarray, lengths: np.ndarray, cost) -> tuple[Wave, ...]:
+    D = cost.cluster.domain_size
+    sizes = divisor_sizes(cost.cluster)
+    seqs = SizedSequences(lengths, sizes, min_fitting_size(lengths, ids, sizes, cost), cost)
+    seqs.grow_long_sequences(D, len(sizes) - 1)
+    for k in range(len(sizes) - 1):
+        members = np.flatnonzero(seqs.idx == k)
+        if 0 < members.size < D // sizes[k]:
+            seqs.move(members, np.full(members.size, k + 1))
+    cap_none = cost.max_local_tokens(NO_RECOMPUTE)
+    cap_full = cost.max_local_tokens(Recompute("full", cost.layers_per_stage))
+    pairs = list(zip(ids.tolist(), lengths.tolist()))
+    classes: dict[int, tuple[np.ndarray, list[list[int]], int]] = {}
+    for k in range(len(sizes)):
+        members = np.flatnonzero(seqs.idx == k)
+        if not members.size:
+            continue
+        members = members[np.lexsort((ids[members], -seqs.seconds[members]))]
+        groups_per_wave = D // sizes[k]
+        local = seqs.local[members]
+        tokens = np.ceil(local).astype(np.int64).tolist()
+        work = seqs.seconds[members].tolist()
+        top = k == len(sizes) - 1
+        most_waves = max(1, members.size // groups_per_wave)
+        if top:                   # nowhere to move up to: allow groups with an empty micro-batch
+            most_waves = max(1, -(-members.size // groups_per_wave))
+        num_waves = min(most_waves, max(1, math.ceil(float(local.sum()) / (groups_per_wave * cap_none))))
+        while True:
+            bins = lpt_bins(range(members.size), work, tokens, cap_full, num_waves * groups_per_wave)
+            if len(bins) <= num_waves * groups_per_wave or num_waves >= most_waves:
+                break
+            num_waves += 1
+        if len(bins) > num_waves * groups_per_wave:
+            assert not top, "one sequence per bin always fits at the largest size"
+            seqs.move(members, np.full(members.size, k + 1))   # fits in fewer, larger groups
+            continue
+        classes[k] = (members, bins, num_waves)
+    waves: list[Wave] = []
+    for k in sorted(classes, reverse=True):
+        members, bins, num_waves = classes[k]
+        size, groups_per_wave = sizes[k], D // sizes[k]
+        mbs = []
+        for b in bins:
+            chosen = members[b]
+            mbs.append((tuple(pairs[i] for i in chosen.tolist()), float(seqs.local[chosen].sum()),
+                        float(seqs.compute[chosen].sum()), float(seqs.attn[chosen].sum())))
+        mbs.sort(key=lambda m: -cost.time_from_sums(m[1], m[2], m[3], size, 0, NO_RECOMPUTE))
+        mbs += [((), 0.0, 0.0, 0.0)] * (num_waves * groups_per_wave - len(mbs))
+        for w in range(num_waves):
+            groups = []
+            for g in range(groups_per_wave):
+                seqs_, loc, comp, att = mbs[w * groups_per_wave + g]
+                first = g * size
+                mb = (microbatch_from_sums(cost, seqs_, loc, comp, att, size, first) if seqs_ else
+                      MicroBatch((), est_time_s=cost.cluster.microbatch_overhead_s, est_mem_bytes=cost.static_bytes))
+                groups.append(Group(first, size, (mb,)))
+            waves.append(Wave(tuple(groups)))
+    return tuple(waves)

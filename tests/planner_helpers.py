@@ -1,0 +1,15 @@
+"""Small cost models for planner tests: memory tight enough that CP size and recompute matter."""
+from dcp_megatron.planner.cluster import ClusterSpec
+from dcp_megatron.planner.cost import CostModel
+from dcp_megatron.planner.model import model_preset
+
+
+def tiny_cluster(domain_size: int, *, gpus_per_node: int = 4, mem_bytes: int = 64 * 2 ** 20, **kw) -> ClusterSpec:
+    """gpt-tiny on a made-up GPU: ~3K tokens per rank fit without recompute, ~8K with full."""
+    return ClusterSpec(name="tiny", domain_size=domain_size, gpus_per_node=gpus_per_node, mem_bytes_per_gpu=mem_bytes,
+                       gemm_flops=1e12, attn_rate_points=((64, 2e11), (4096, 6e11)), intra_node_bw=1e10,
+                       inter_node_bw=1e9, microbatch_overhead_s=1e-4, collective_latency_s=1e-6, **kw)
+
+
+def tiny_cost(domain_size: int, *, pp: int = 1, **kw) -> CostModel:
+    return CostModel(model_preset("gpt-tiny", pp=pp), tiny_cluster(domain_size, **kw))

@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""Measured throughput of the DCP runtime on 2 CPU ranks: static CP=2 vs the dcp plan.
+
+    .venv/bin/python tools/bench_runtime.py --json bench_runtime.json [--steps 3] [--tokens-per-step 16384]
+
+Two gloo ranks (one thread each) train gpt-tiny (TinyGPT with the gpt-tiny ModelShape) on the
+same global batches under two plans, both scored with the `cpu` ClusterSpec (or --profile):
+- static: the planner's `static` policy, the layout fixed for the run from the length cap
+  (it picks CP=2 for every sequence here, since a cap-length document does not fit on one rank);
+- dcp: the planner's `dcp` policy, per batch.
+Batches: long-tailed lengths from the built-in Wikipedia-like distribution, truncated at the
+cap (the longest document the model's memory allows on the 2-rank domain, at most
+--max-seq-len), cut into global batches in stream order; and uniform batches of cap-length
+documents, where dcp has nothing to exploit and must not lose. Steps of the two plans alternate
+on the same batch, so machine-load drift hits both alike; a warm-up step per kind is not timed.
+
+Prints per-step times next to the plans' predictions, tokens/s per (kind, policy), and
+ratio_longtail / ratio_uniform (dcp tokens/s over static tokens/s); --json writes them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import socket
+import sys
+import time
+from datetime import timedelta
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from dcp_megatron.planner.batcher import GlobalBatcher  # noqa: E402
+from dcp_megatron.planner.cluster_cpu import cpu_cluster  # noqa: E402
+from dcp_megatron.planner.cost import CostModel, load_profile  # noqa: E402
+from dcp_megatron.planner.distributions import builtin_lengths  # noqa: E402
+from dcp_megatron.planner.model import model_preset  # noqa: E402
+from dcp_megatron.planner.policies import make_plan  # noqa: E402
+from dcp_megatron.runtime.executor import StepExecutor  # noqa: E402
+from dcp_megatron.runtime.group_pool import GroupPool  # noqa: E402
+from dcp_megatron.runtime.parity import dcp_train_step, seeded_tokens  # noqa: E402
+from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig  # noqa: E402
+
+WORLD = 2
+POLICIES = ("static", "dcp")
+MODEL = "gpt-tiny"
+
+
+def memory_cap(cost: CostModel, limit: int) -> int:
+    """Longest single document (<= limit) that fits on the whole domain with some recompute."""
+    lo, hi = 1, limit
+    if cost.best_recompute([hi], cost.cluster.domain_size) is not None:
+        return hi
+    while lo < hi - 1:
+        mid = (lo + hi) // 2
+        if cost.best_recompute([mid], cost.cluster.domain_size) is not None:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def make_batches(args, cap: int) -> dict[str, list[list[tuple[int, int]]]]:
+    batcher = GlobalBatcher(tokens_per_step=args.tokens_per_step, max_seq_len=cap, overlong="truncate")
+    needed = args.steps + 1
+    lengths = builtin_lengths("wikipedia", 64 * needed * max(1, args.tokens_per_step // 1024), args.seed)
+    longtail = [list(b.sequences) for _, b in zip(range(needed), batcher.batches(enumerate(lengths)))]
+    per_batch = max(1, args.tokens_per_step // cap)
+    uniform = [[(step * per_batch + i, cap) for i in range(per_batch)] for step in range(needed)]
+    return {"longtail": longtail, "uniform": uniform}
+
+
+def tiny_config() -> TinyGPTConfig:
+    s = model_preset(MODEL)
+    return TinyGPTConfig(vocab_size=s.vocab_size, num_layers=s.num_layers, hidden_size=s.hidden_size,
+                         num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, ffn_hidden_size=s.ffn_hidden_size)
+
+
+def bench_rank(rank: int, port: int, args, cost: CostModel, cap: int, batches, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=900))
+    executor = StepExecutor(GroupPool([list(range(WORLD))], timeout=timedelta(seconds=900)))
+    model = TinyGPT(tiny_config(), seed=0)
+    tokens_of = seeded_tokens(model.config.vocab_size, args.seed)
+    rows = []
+    for kind, kind_batches in batches.items():
+        for step, batch in enumerate(kind_batches):
+            for policy in POLICIES:
+                plan = make_plan(policy, batch, cost, max_seq_len=cap)
+                result = dcp_train_step(model, executor, plan, tokens_of)
+                model.zero_grad(set_to_none=True)
+                stats = result.stats
+                rows.append({"kind": kind, "step": step, "policy": policy, "timed": step > 0,
+                             "tokens": sum(n for _, n in batch), "step_s": stats.step_s,
+                             "predicted_s": stats.predicted_step_s, "imbalance": stats.imbalance,
+                             "predicted_imbalance": stats.predicted_imbalance,
+                             "cp_sizes": plan.cp_size_histogram(), "summary": plan.summary()})
+                if rank == 0:
+                    print(f"{kind:8s} step {step} {policy:6s} {stats.step_s:7.2f} s (plan {stats.predicted_step_s:6.2f})"
+                          f" imbalance {stats.imbalance:.2f}  {plan.summary()}", flush=True)
+    if rank == 0:
+        results.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def summarize(rows: list[dict]) -> dict:
+    tput = {}
+    for kind in ("longtail", "uniform"):
+        for policy in POLICIES:
+            timed = [r for r in rows if r["kind"] == kind and r["policy"] == policy and r["timed"]]
+            tput[f"{kind}/{policy}"] = sum(r["tokens"] for r in timed) / sum(r["step_s"] for r in timed)
+    return {"tokens_per_s": tput,
+            "ratio_longtail": tput["longtail/dcp"] / tput["longtail/static"],
+            "ratio_uniform": tput["uniform/dcp"] / tput["uniform/static"]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write results here")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per kind (plus one warm-up)")
+    parser.add_argument("--tokens-per-step", type=int, default=16384)
+    parser.add_argument("--max-seq-len", type=int, default=4096, help="upper bound of the length cap")
+    parser.add_argument("--profile", help="cost-model profile JSON (tools/profile_cpu.py) instead of the preset")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.tokens_per_step < 1 or args.max_seq_len < 2:
+        parser.error("--steps, --tokens-per-step must be >= 1 and --max-seq-len >= 2")
+    profile = load_profile(args.profile) if args.profile else None
+    cost = CostModel(model_preset(MODEL), cpu_cluster(WORLD), profile=profile)
+    cap = memory_cap(cost, min(args.max_seq_len, args.tokens_per_step))
+    batches = make_batches(args, cap)
+    print(f"{MODEL} on {WORLD} CPU ranks, cap {cap} tokens, {args.tokens_per_step} tokens/step, "
+          f"{args.steps} timed steps per kind", flush=True)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=bench_rank, args=(r, port, args, cost, cap, batches, results)) for r in range(WORLD)]
+    for proc in procs:
+        proc.start()
+    rows = None
+    while rows is None and not any(proc.exitcode not in (None, 0) for proc in procs):
+        try:
+            rows = results.get(timeout=1.0)
+        except queue.Empty:
+            continue
+    for proc in procs:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.terminate()
+    if rows is None:
+        print("a rank failed; no results", file=sys.stderr)
+        return 1
+    summary = summarize(rows)
+    for name, value in summary["tokens_per_s"].items():
+        print(f"tokens/s {name:18s} {value:9.1f}")
+    print(f"ratio_longtail={summary['ratio_longtail']:.3f} (target >= 1.3)")
+    print(f"ratio_uniform={summary['ratio_uniform']:.3f} (target >= 0.97)")
+    if args.json:
+        out = {"config": {"model": MODEL, "world": WORLD, "cap": cap, "tokens_per_step": args.tokens_per_step,
+                          "steps": args.steps, "seed": args.seed, "profile": args.profile,
+                          "time": time.strftime("%Y-%m-%d %H:%M:%S")},
+               **summary, "steps": rows}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,6 +17,10 @@ from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.timeline import plan_makespan, rank_timeline
 
 
+def _seconds(t: float) -> str:
+    return f"{t:.2f} s" if t >= 1.0 else f"{t * 1e3:.1f} ms"
+
+
 def _cp_colours(sizes: list[int]) -> dict[int, tuple]:
     import matplotlib
 
@@ -62,8 +66,8 @@ def draw_step_timelines(plans: Mapping[str, StepPlan], out_path: str, *, title: 
         ax.set_yticks([r + 0.5 for r in range(0, plan.domain_size, step)],
                       [str(r) for r in range(0, plan.domain_size, step)])   # rank r is the row [r, r+1)
         ax.set_ylabel("rank")
-        bound = f", lower bound {plan.lower_bound_s * 1e3:.1f} ms" if plan.lower_bound_s > 0 else ""
-        ax.set_title(f"{label}: step {makespan * 1e3:.1f} ms{bound}", fontsize=10, loc="left")
+        bound = f", lower bound {_seconds(plan.lower_bound_s)}" if plan.lower_bound_s > 0 else ""
+        ax.set_title(f"{label}: step {_seconds(makespan)}{bound}", fontsize=10, loc="left")
     axes[-1, 0].set_xlabel("time (s)")
     axes[-1, 0].set_xlim(0, max(max((plan_makespan(p) for p in plans.values()), default=0.0), 1e-9) * 1.02)
     handles = [Patch(facecolor=c, edgecolor="black", label=f"CP {size}") for size, c in colours.items()]

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 from dcp_megatron.planner.batcher import OVERLONG_MODES, GlobalBatch, GlobalBatcher
 from dcp_megatron.planner.cluster import cluster_preset

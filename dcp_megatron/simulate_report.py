@@ -87,7 +87,7 @@ def summarize(runs: dict[str, PolicyRun]) -> dict[str, dict]:
 
 _COLUMNS = (  # (header, key, format)
     ("step_s", "mean_step_s", "{:.3f}"),
-    ("Mtok/s", "tokens_per_s", None),
+    ("ktok/s", "tokens_per_s", None),
     ("vs_static", "speedup_vs_static", "{:.2f}x"),
     ("vs_best_base", "speedup_vs_best_baseline", "{:.2f}x"),
     ("worst_step", "min_step_speedup_vs_best_baseline", "{:.2f}x"),
@@ -110,7 +110,7 @@ def format_table(report: dict[str, dict]) -> str:
             if value is None:
                 row.append("-")
             elif key == "tokens_per_s":
-                row.append(f"{value / 1e6:.2f}")
+                row.append(f"{value / 1e3:.1f}")
             else:
                 row.append(fmt.format(value))
         rows.append(row)

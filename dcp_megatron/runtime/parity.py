@@ -90,8 +90,8 @@ def dcp_train_step(model: TinyGPT, executor: StepExecutor, plan: StepPlan, token
                    impl: str = "allgather", trace: list | None = None) -> StepResult:
     """One step of `plan` on this rank: forward/backward of its micro-batches, then the deferred reduction.
 
-    trace (optional) receives (wave_index, group_size, group_rank, recompute seen by the model) per
-    micro-batch: evidence of which dynamic path actually ran.
+    trace (optional) receives (wave_index, group_size, group_rank, recompute seen by the model,
+    is_last_microbatch) per micro-batch: evidence of which dynamic path actually ran.
     """
     for ctx in executor.microbatches(plan):
         apply_recompute(model, ctx.recompute)
@@ -103,7 +103,8 @@ def dcp_train_step(model: TinyGPT, executor: StepExecutor, plan: StepPlan, token
         loss_sum, num_tokens = token_loss_sum(logits, ctx.shard.take(labels, fill=IGNORE_INDEX))
         executor.backward(loss_sum, num_tokens)
         if trace is not None:
-            trace.append((ctx.wave_index, ctx.group_size, ctx.group_rank, str(current_recompute(model))))
+            trace.append((ctx.wave_index, ctx.group_size, ctx.group_rank, str(current_recompute(model)),
+                          ctx.is_last_microbatch))
     apply_recompute(model, Recompute("none"))
     return executor.finish_step(model.parameters())
 

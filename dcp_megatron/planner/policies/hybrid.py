@@ -5,7 +5,7 @@
   share of the sequence fits that;
 - workload L²/c; per CP size, sequences longest-workload first into equal-work buckets of at
   most the per-rank token cap (as many buckets as tokens and the class's share of the
-  domain need);
+  domain need), dealt in serpentine order (least-worked-first when that would overflow);
 - buckets fill waves (each wave = one Megatron micro-batch step over the whole domain) at the
   first free aligned block; idle ranks are then filled by doubling the smallest groups whose
   buddy block is free;
@@ -35,60 +35,75 @@ def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None,
     cp = np.full(lengths.shape, layout.cp_size, dtype=np.int64)
     for s in reversed(sizes):
         cp[local_tokens(lengths, s) <= cap] = s
-    seqs = list(zip(ids.tolist(), lengths.tolist()))
     total_rank_tokens = float((local_tokens(lengths, 1)).sum())
     waves_needed = max(1, math.ceil(total_rank_tokens / (D * cap)))
-    buckets: list[tuple[int, list[int]]] = []
+    bucket_of = np.empty(lengths.size, dtype=np.int64)
+    bucket_sizes: list[int] = []                 # CP size of each bucket, largest first
     for s in sorted(set(cp.tolist()), reverse=True):
         members = np.flatnonzero(cp == s)
         loc = local_tokens(lengths[members], s)
-        work_arr = lengths[members].astype(np.float64) ** 2 / s
-        order = np.lexsort((members, -work_arr)).tolist()
-        work = work_arr.tolist()
-        member_list = members.tolist()
+        work = lengths[members].astype(np.float64) ** 2 / s
+        order = np.lexsort((members, -work))
         share = float(loc.sum()) * s / total_rank_tokens
-        count = min(len(members), max(math.ceil(float(loc.sum()) / cap), int(waves_needed * D * share / s)))
-        for b in lpt_bins(order, work, loc.tolist(), cap, max(count, 1)):
-            buckets.append((s, [member_list[i] for i in b]))
-    waves = _place(buckets, D, cluster.cp_size_limit)
-    placed = [(first, size, b) for wave in waves for first, size, b in sorted(wave)]
-    flat = np.fromiter((i for _, _, b in placed for i in b), dtype=np.int64, count=lengths.size)
-    counts = [len(b) for _, _, b in placed]
-    seq_group = np.empty(lengths.size, dtype=np.int64)
-    seq_group[flat] = np.repeat(np.arange(len(placed)), counts)
-    seq_size = np.empty(lengths.size, dtype=np.int64)
-    seq_size[flat] = np.repeat([size for _, size, _ in placed], counts)
-    sums = np.zeros((3, len(placed)))
-    for size in np.unique(seq_size).tolist():
-        sel = np.flatnonzero(seq_size == size)
+        count = max(1, min(len(members), max(math.ceil(float(loc.sum()) / cap), int(waves_needed * D * share / s))))
+        local_bucket, used = _equal_work_buckets(order, work, loc, cap, count)
+        bucket_of[members] = len(bucket_sizes) + local_bucket
+        bucket_sizes += [s] * used
+    wave_of, first_of, size_of = _place(bucket_sizes, D, cluster.cp_size_limit)
+    num = len(bucket_sizes)
+    final_size = np.asarray(size_of)[bucket_of]
+    sums = np.zeros((3, num))
+    for size in np.unique(final_size).tolist():
+        sel = np.flatnonzero(final_size == size)
         for row, part in zip(sums, cost.doc_terms(lengths[sel], size)):
-            row += np.bincount(seq_group[sel], weights=part, minlength=len(placed))
+            row += np.bincount(bucket_of[sel], weights=part, minlength=num)
     # One global setting: the least recompute with which the fullest bucket fits.
     recompute = next(r for r in cost.recompute_options() if cost.memory_from_tokens(float(sums[0].max()), r)
                      <= cluster.mem_budget_bytes)
     local_s, compute_s, attn_s = (row.tolist() for row in sums)
+    run_order = sorted(range(num), key=lambda b: (wave_of[b], first_of[b]))
     if must_beat is not None:
-        finish, g = [0.0] * D, 0
-        for wave in waves:
-            for first, size, _ in sorted(wave):
-                end = max(finish[first:first + size]) + cost.time_from_sums(
-                    local_s[g], compute_s[g], attn_s[g], size, first, recompute)
-                finish[first:first + size] = [end] * size
-                g += 1
-        if max(finish) >= must_beat:
+        finish = [0.0] * D
+        for b in run_order:
+            lo, hi = first_of[b], first_of[b] + size_of[b]
+            end = max(finish[lo:hi]) + cost.time_from_sums(local_s[b], compute_s[b], attn_s[b], hi - lo, lo,
+                                                            recompute)
+            finish[lo:hi] = [end] * (hi - lo)
+        if max(finish) >= must_beat * (1 + 1e-9):     # margin: the plan's own sums may round lower
             return None
-    out, g = [], 0
-    for wave in waves:
-        groups, r = [], 0
-        for first, size, b in sorted(wave):
-            groups.extend(_idle(rank, cost) for rank in range(r, first))
-            mb = microbatch_from_sums(cost, tuple(map(seqs.__getitem__, b)), local_s[g], compute_s[g], attn_s[g],
-                                      size, first, recompute)
-            groups.append(Group(first, size, (mb,)))
-            r, g = first + size, g + 1
-        groups.extend(_idle(rank, cost) for rank in range(r, D))
-        out.append(Wave(tuple(groups)))
-    return tuple(out)
+    by_bucket = np.argsort(bucket_of, kind="stable")
+    cuts = np.flatnonzero(np.diff(bucket_of[by_bucket])) + 1
+    seqs = list(zip(ids.tolist(), lengths.tolist()))
+    contents = [part.tolist() for part in np.split(by_bucket, cuts)]
+    out: list[list[Group]] = [[] for _ in range(max(wave_of, default=0) + 1)]
+    next_rank = [0] * len(out)
+    for b in run_order:
+        w, first, size = wave_of[b], first_of[b], size_of[b]
+        out[w].extend(_idle(rank, cost) for rank in range(next_rank[w], first))
+        mb = microbatch_from_sums(cost, tuple(map(seqs.__getitem__, contents[b])), local_s[b], compute_s[b],
+                                  attn_s[b], size, first, recompute)
+        out[w].append(Group(first, size, (mb,)))
+        next_rank[w] = first + size
+    for w, groups in enumerate(out):
+        groups.extend(_idle(rank, cost) for rank in range(next_rank[w], D))
+    return tuple(Wave(tuple(groups)) for groups in out)
+
+
+def _equal_work_buckets(order: np.ndarray, work: np.ndarray, tokens: np.ndarray, cap: int,
+                        count: int) -> tuple[np.ndarray, int]:
+    """Bucket of each item, and the number of buckets. Items longest-work first are dealt to
+    `count` buckets in serpentine order (0..n-1, n-1..0, ...), which evens out work; if a
+    bucket would pass the token cap, least-worked-first with a token room (`lpt_bins`)."""
+    position = np.arange(order.size)
+    lap, seat = position // count, position % count
+    bucket = np.empty(order.size, dtype=np.int64)
+    bucket[order] = np.where(lap % 2 == 0, seat, count - 1 - seat)
+    if np.bincount(bucket, weights=tokens, minlength=count).max() <= cap:
+        return bucket, min(count, order.size)
+    bins = lpt_bins(order.tolist(), work.tolist(), tokens.tolist(), cap, count)
+    for b, items in enumerate(bins):
+        bucket[items] = b
+    return bucket, len(bins)
 
 
 def _idle(rank: int, cost) -> Group:
@@ -98,37 +113,40 @@ def _idle(rank: int, cost) -> Group:
                                       est_mem_bytes=cost.static_bytes),))
 
 
-def _place(buckets: list[tuple[int, list[int]]], D: int, limit: int) -> list[list[tuple[int, int, list[int]]]]:
-    """Buckets (largest CP size first) to the first wave with a free aligned block; then grow."""
-    waves: list[list[tuple[int, int, list[int]]]] = []
-    free: list[list[bool]] = []
+def _place(bucket_sizes: list[int], D: int, limit: int) -> tuple[list[int], list[int], list[int]]:
+    """(wave, first rank, final size) per bucket: buckets in order (largest CP size first) take
+    the first wave with a free aligned block; then, per wave, the smallest groups double into
+    free buddy blocks until none can."""
+    wave_of, first_of, size_of = [], [], list(bucket_sizes)
+    busy: list[list[bool]] = []
     cursor: dict[tuple[int, int], int] = {}   # (wave, size) -> first offset not yet known busy
-    for size, b in buckets:
-        for w, occ in enumerate(free):
+    for size in bucket_sizes:
+        for w, occupied in enumerate(busy):
             first = cursor.get((w, size), 0)
-            while first + size <= D and any(occ[first:first + size]):
+            while first + size <= D and any(occupied[first:first + size]):
                 first += size
             cursor[(w, size)] = first
             if first + size <= D:
                 break
         else:
-            waves.append([])
-            free.append([False] * D)
-            w, first = len(waves) - 1, 0
-        free[w][first:first + size] = [True] * size
-        waves[w].append((first, size, b))
-    for w, wave in enumerate(waves):
+            busy.append([False] * D)
+            w, first = len(busy) - 1, 0
+        busy[w][first:first + size] = [True] * size
+        wave_of.append(w)
+        first_of.append(first)
+    for w, occupied in enumerate(busy):
+        members = [b for b in range(len(bucket_sizes)) if wave_of[b] == w]
         grown = True
-        while grown:              # passes over the groups, smallest first, until none can grow
+        while grown and not all(occupied):
             grown = False
-            for j in sorted(range(len(wave)), key=lambda j: (wave[j][1], wave[j][0])):
-                first, size, b = wave[j]
+            for b in sorted(members, key=lambda b: (size_of[b], first_of[b])):
+                first, size = first_of[b], size_of[b]
                 if size & (size - 1) or 2 * size > limit:
                     continue
                 base = first - first % (2 * size)
                 buddy = base + size if base == first else base
-                if base + 2 * size <= D and not any(free[w][buddy:buddy + size]):
-                    free[w][buddy:buddy + size] = [True] * size
-                    wave[j] = (base, 2 * size, b)
+                if base + 2 * size <= D and not any(occupied[buddy:buddy + size]):
+                    occupied[buddy:buddy + size] = [True] * size
+                    first_of[b], size_of[b] = base, 2 * size
                     grown = True
-    return waves
+    return wave_of, first_of, size_of

@@ -1,14 +1,16 @@
-"""GPT pretraining on megatron-core over variable-length, packed documents.
+"""GPT pretraining on megatron-core over variable-length, packed documents, with DCP.
 
     torchrun --nproc-per-node 2 pretrain_scripts/pretrain_gpt.py --mock-data \
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 256 \
-        --tokens-per-step 2048 --train-iters 10 --lr 1e-3
+        --tokens-per-step 2048 --train-iters 10 --lr 1e-3 --dcp
 
-The recipe reads top to bottom: flags -> distributed start-up -> parallel state -> model
-(GPTModel, local spec with our packed core attention) -> DDP -> optimizer -> LR schedule ->
-data -> checkpoint load -> train loop -> save. Runs on CPU (gloo, fp32, CPU shims applied)
-and on GPU (NCCL). Loss is per token over the global batch; global batches depend only on
-the data, the seed and --tokens-per-step, never on the parallel layout.
+The recipe reads top to bottom: flags -> patches -> distributed start-up -> parallel state and
+the DCP group pool -> model (GPTModel, local spec with our packed/CP core attention) -> DDP ->
+optimizer -> LR schedule -> data -> cost model -> checkpoint load -> train loop -> save.
+Every step: plan the global batch (the same plan on every rank), run this rank's micro-batches
+through Megatron's schedule, step the optimizer. Without --dcp the plan is Megatron's static
+layout from the flags (--context-parallel-size C included), run by the same runtime.
+Runs on CPU (gloo, fp32, CPU shims applied) and on GPU (NCCL).
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from dcp_megatron.megatron.arguments import parse_args  # noqa: E402
-from dcp_megatron.megatron.compat import cpu_compat_registry  # noqa: E402
+from dcp_megatron.megatron.patch_set import megatron_patch_registry  # noqa: E402
+
+GROUP_TIMEOUT = timedelta(minutes=5)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,31 +34,35 @@ def main(argv: list[str] | None = None) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args = parse_args(argv, world_size=world_size, has_gpu=has_gpu)
 
-    # 2. CPU shims (nothing on a GPU machine), applied before megatron-core builds anything.
-    cpu_compat = cpu_compat_registry().apply()
+    # 2. Patches to megatron-core (version-checked), applied before it builds anything.
+    patches = megatron_patch_registry().apply()
 
     from megatron.core import parallel_state, tensor_parallel
 
     from dcp_megatron.megatron import checkpoint, model_setup
-    from dcp_megatron.megatron.microbatches import assemble_microbatch, static_dp_microbatches
-    from dcp_megatron.megatron.mock_documents import MockDocuments
+    from dcp_megatron.megatron.data_source import batch_stream, open_documents
+    from dcp_megatron.megatron.domain import build_group_pool
+    from dcp_megatron.megatron.plan_dump import PlanDumper
+    from dcp_megatron.megatron.plan_microbatches import num_rank_microbatches, rank_microbatches
+    from dcp_megatron.megatron.planning import build_cost_model, plan_step
     from dcp_megatron.megatron.train_step import format_log_line, train_step
-    from dcp_megatron.planner.batcher import GlobalBatcher
+    from dcp_megatron.runtime.group_pool import plan_blocks
 
-    # 3. Distributed start-up and Megatron's parallel state (TP x PP x CP x DP).
+    # 3. Distributed start-up, Megatron's parallel state (TP x PP x DP; its own CP stays 1) and the
+    #    pool of CP groups over each TP/PP coordinate's DP x CP domain.
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if has_gpu else torch.device("cpu")
     if has_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    torch.distributed.init_process_group(backend="nccl" if has_gpu else "gloo", timeout=timedelta(minutes=5))
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group(backend="nccl" if has_gpu else "gloo", timeout=GROUP_TIMEOUT)
     rank = torch.distributed.get_rank()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
     )
+    pool = build_group_pool(tp_size=args.tensor_model_parallel_size, pp_size=args.pipeline_model_parallel_size,
+                            timeout=GROUP_TIMEOUT)
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     is_logging_rank = rank == 0
 
     # 4. Model, DDP, optimizer, LR schedule.
@@ -64,64 +72,69 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = model_setup.build_optimizer(args, model)
     lr_schedule = model_setup.build_lr_schedule(args, optimizer)
 
-    # 5. Data: documents -> token-budget global batches (layout-independent) -> this rank's micro-batches.
-    if args.data_path is not None:
-        raise ValueError("--data-path needs the indexed-document reader (dcp_megatron/megatron/indexed_documents.py), "
-                         "which is not available yet; use --mock-data")
-    documents = MockDocuments(seed=args.seed, vocab_size=args.vocab_size, max_positions=args.seq_length)
-    batcher = GlobalBatcher(tokens_per_step=args.tokens_per_step, max_seq_len=args.seq_length)
-    pad_to = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    # 5. Data (layout-independent global batches) and the cost model the planner scores with.
+    documents = open_documents(args)
+    stream = batch_stream(args, documents)
+    vocab = model_setup.padded_vocab_size(args.vocab_size, divisible_by=args.make_vocab_size_divisible_by,
+                                          tp_size=args.tensor_model_parallel_size)
+    cost = build_cost_model(args, padded_vocab_size=vocab, domain_size=pool.domain_size, has_gpu=has_gpu)
+    rows_multiple = args.tensor_model_parallel_size if args.sequence_parallel else 1
 
-    # 6. Resume.
-    iteration, consumed_batches = 0, 0
+    # 6. Resume (model, optimizer, schedule, RNG and the data position).
+    iteration = 0
     if args.load is not None:
-        iteration, consumed_batches = checkpoint.load_checkpoint(
+        iteration, data_state = checkpoint.load_checkpoint(
             args.load, args=args, model=model, optimizer=optimizer, lr_schedule=lr_schedule)
+        if data_state is not None:
+            stream.load_state_dict(data_state)
         if is_logging_rank:
             print(f"loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
-    global_batches = batcher.batches(documents.planned_lengths())
-    for _ in range(consumed_batches):
-        next(global_batches)
 
     tensorboard = None
     if args.tensorboard_dir is not None and is_logging_rank:
         from torch.utils.tensorboard import SummaryWriter
         tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
+    dumper = PlanDumper(args.dcp_dump_plans) if args.dcp_dump_plans and is_logging_rank else None
 
-    # 7. Train.
+    # 7. Train: plan the global batch, run this rank's micro-batches, step.
     model.train()
     consumed_tokens = 0
     while iteration < args.train_iters:
-        batch = next(global_batches)
-        sources = static_dp_microbatches(batch.sources, dp_size=dp_size, dp_rank=dp_rank,
-                                         tokens_per_microbatch=args.seq_length)
-        microbatches = [assemble_microbatch(mb, documents.tokens, pad_to_multiple=pad_to) for mb in sources]
+        batch = next(stream)
+        plan = plan_step(args, batch.sequences, cost)
+        pool.ensure_groups(plan_blocks(plan))  # collective when the plan needs a new block; same on every rank
+        microbatches = rank_microbatches(plan, pool=pool, source=documents, batch=batch,
+                                         rows_multiple=rows_multiple, device=device)
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses (the schedule advances in train_step)
-        result = train_step(microbatches, model=model, optimizer=optimizer, lr_schedule=lr_schedule)
+        result = train_step(microbatches, num_microbatches=num_rank_microbatches(plan, pool.domain_rank), plan=plan,
+                            model=model, optimizer=optimizer, lr_schedule=lr_schedule, config=config,
+                            domain_group=pool.domain_group, device=device)
         iteration += 1
-        consumed_batches += 1
         consumed_tokens += result.num_tokens
         if is_logging_rank and iteration % args.log_interval == 0:
             print(format_log_line(iteration, args.train_iters, result, lr=lr, consumed_tokens=consumed_tokens),
                   flush=True)
+        if dumper is not None:
+            dumper.write(iteration, plan)
         if tensorboard is not None:
             tensorboard.add_scalar("lm loss", result.loss, iteration)
             tensorboard.add_scalar("tokens/s", result.num_tokens / result.step_time_s, iteration)
             tensorboard.add_scalar("learning rate", lr, iteration)
+            tensorboard.add_scalar("imbalance", result.imbalance, iteration)
         if args.save is not None and args.save_interval is not None and iteration % args.save_interval == 0:
-            checkpoint.save_checkpoint(args.save, iteration=iteration, consumed_batches=consumed_batches, args=args,
+            checkpoint.save_checkpoint(args.save, iteration=iteration, data_state=stream.state_dict(), args=args,
                                        model=model, optimizer=optimizer, lr_schedule=lr_schedule)
 
     # 8. Save and shut down.
     if args.save is not None:
-        checkpoint.save_checkpoint(args.save, iteration=iteration, consumed_batches=consumed_batches, args=args,
+        checkpoint.save_checkpoint(args.save, iteration=iteration, data_state=stream.state_dict(), args=args,
                                    model=model, optimizer=optimizer, lr_schedule=lr_schedule)
     if tensorboard is not None:
         tensorboard.close()
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
-    cpu_compat.remove()
+    patches.remove()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # After the first failure, how long the other ranks get to report theirs before being killed.
-_FAILURE_GRACE_S = 5.0
+_FAILURE_GRACE_S = 15.0
 
 
 def free_port() -> int:

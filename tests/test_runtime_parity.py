@@ -9,7 +9,6 @@ Launches (gloo, CPU; many cases each, launches are import-bound):
 - world 3: a rank dies mid-step; the others must stop with CollectiveFailed, not hang.
 """
 import dataclasses
-import json
 import os
 import random
 from collections import Counter

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 from typing import Sequence
 
 DCP_POLICIES = ("static", "static-balanced", "megatron-hybrid", "dcp")
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     data = parser.add_argument_group("data and schedule")
     data.add_argument("--data-path", default=None)
     data.add_argument("--mock-data", action="store_true")
+    data.add_argument("--overlong", choices=("error", "split", "truncate"), default="error",
+                      help="documents longer than --seq-length: stop with an error, split them, or truncate them")
     data.add_argument("--seq-length", type=int, required=True, help="longest training sequence (the length cap)")
     data.add_argument("--tokens-per-step", type=int, required=True, help="token budget of one global batch")
     data.add_argument("--train-iters", type=int, required=True)
@@ -95,7 +98,8 @@ def validate_args(args: argparse.Namespace, *, world_size: int, has_gpu: bool) -
     if world_size % (tp * pp * cp):
         raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                          f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}")
-    args.data_parallel_size = world_size // (tp * pp * cp)
+    # Megatron itself runs with CP 1: the runtime re-partitions the DP x CP domain (dcp_megatron/megatron/domain.py).
+    args.data_parallel_size = world_size // (tp * pp)
     args.num_query_groups = args.num_query_groups or args.num_attention_heads
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     if args.hidden_size % args.num_attention_heads:
@@ -148,13 +152,17 @@ def validate_args(args: argparse.Namespace, *, world_size: int, has_gpu: bool) -
 def _validate_dcp(args: argparse.Namespace, *, world_size: int) -> None:
     given = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
              if name.startswith("dcp_") and value is not None]
+    cp = args.context_parallel_size
+    if (args.dcp or cp > 1) and args.attention_dropout > 0:
+        raise ValueError(f"--attention-dropout {args.attention_dropout} is not supported by the context-parallel "
+                         "attention of --dcp / --context-parallel-size > 1; use 0")
     if not args.dcp:
         if given:
             raise ValueError(f"{', '.join(given)} only take effect with --dcp")
-        if args.context_parallel_size > 1:
-            raise ValueError("--context-parallel-size > 1 needs context-parallel attention over packed documents, "
-                             "which this build runs through the DCP runtime only (not wired in yet)")
         return
+    if cp > 1:
+        raise ValueError(f"--context-parallel-size {cp} conflicts with --dcp: DCP chooses the CP size of every "
+                         "sequence (cap it with --dcp-max-cp-size)")
     if args.recompute_granularity is not None:
         raise ValueError("--recompute-granularity conflicts with --dcp: DCP chooses recompute per micro-batch "
                          "(restrict it with --dcp-recompute)")
@@ -162,8 +170,15 @@ def _validate_dcp(args: argparse.Namespace, *, world_size: int) -> None:
         bad = [r for r in args.dcp_recompute.split(",") if r not in RECOMPUTE_CHOICES]
         if bad:
             raise ValueError(f"--dcp-recompute {args.dcp_recompute!r}: unknown {bad}, choose from {RECOMPUTE_CHOICES}")
-    raise ValueError("--dcp is not wired into pretrain_gpt.py yet (the DCP runtime integration is in progress); "
-                     "run without --dcp")
+        if set(args.dcp_recompute.split(",")) != set(RECOMPUTE_CHOICES):
+            raise ValueError(f"--dcp-recompute {args.dcp_recompute!r}: restricting recompute is not supported yet "
+                             "(the planner's cost model chooses among none, selective and full)")
+    if args.dcp_max_cp_size is not None and args.dcp_max_cp_size > args.data_parallel_size:
+        raise ValueError(f"--dcp-max-cp-size {args.dcp_max_cp_size} exceeds the DCP domain of "
+                         f"{args.data_parallel_size} ranks (world size / (TP x PP))")
+    if args.dcp_profile is not None and not os.path.isfile(args.dcp_profile):
+        raise ValueError(f"--dcp-profile {args.dcp_profile}: no such file")
+    args.dcp_policy = args.dcp_policy or "dcp"
 
 
 def parse_args(argv: Sequence[str] | None, *, world_size: int, has_gpu: bool) -> argparse.Namespace:

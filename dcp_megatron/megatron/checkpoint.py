@@ -2,9 +2,8 @@
 
 Layout: DIR/iter_NNNNNNN/mp_rank_TT_PPP.pt and DIR/latest_checkpointed_iteration.txt (the
 tracker is written last, so an interrupted save is never picked up). A checkpoint holds the
-model, optimizer and LR-schedule states, the iteration, the data position (global batches
-consumed: the batch stream depends only on data, seed and token budget, so skipping that
-many batches resumes it exactly), the RNG state and the model/parallel shape it was saved
+model, optimizer and LR-schedule states, the iteration, the data position (`GlobalBatchStream.state_dict()`:
+the stream depends only on data, seed and token budget, so it resumes exactly), the RNG state and the model/parallel shape it was saved
 with; loading into a different shape is an error naming both.
 """
 from __future__ import annotations
@@ -28,7 +27,7 @@ def _rank_file(directory: str, iteration: int) -> str:
     return os.path.join(directory, f"iter_{iteration:07d}", f"mp_rank_{tp:02d}_{pp:03d}.pt")
 
 
-def save_checkpoint(directory: str, *, iteration: int, consumed_batches: int, args, model, optimizer,
+def save_checkpoint(directory: str, *, iteration: int, data_state: dict, args, model, optimizer,
                     lr_schedule) -> None:
     writes = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     if writes:
@@ -36,7 +35,7 @@ def save_checkpoint(directory: str, *, iteration: int, consumed_batches: int, ar
         os.makedirs(os.path.dirname(path), exist_ok=True)
         state = {
             "iteration": iteration,
-            "consumed_batches": consumed_batches,
+            "data": data_state,
             "shape": {flag: getattr(args, flag) for flag in SHAPE_FLAGS},
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -52,11 +51,11 @@ def save_checkpoint(directory: str, *, iteration: int, consumed_batches: int, ar
     torch.distributed.barrier()
 
 
-def load_checkpoint(directory: str, *, args, model, optimizer, lr_schedule) -> tuple[int, int]:
-    """Restore states in place; returns (iteration, consumed_batches), (0, 0) when DIR has none."""
+def load_checkpoint(directory: str, *, args, model, optimizer, lr_schedule) -> tuple[int, dict | None]:
+    """Restore states in place; returns (iteration, data stream state), (0, None) when DIR has none."""
     tracker = os.path.join(directory, _TRACKER)
     if not os.path.exists(tracker):
-        return 0, 0
+        return 0, None
     with open(tracker) as f:
         text = f.read().strip()
     if not text.isdigit():
@@ -76,4 +75,4 @@ def load_checkpoint(directory: str, *, args, model, optimizer, lr_schedule) -> t
     optimizer.load_state_dict(state["optimizer"])
     lr_schedule.load_state_dict(state["lr_schedule"])
     torch.set_rng_state(state["rng"])
-    return state["iteration"], state["consumed_batches"]
+    return state["iteration"], state["data"]

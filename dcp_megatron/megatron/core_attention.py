@@ -8,6 +8,10 @@ of the packed micro-batch (documents never attend to each other), with grouped-q
 Input shapes under THD (Megatron squeezes the batch dimension): query [T, heads, head_dim],
 key/value [T, kv_heads, head_dim]; `packed_seq_params.cu_seqlens_q` gives document bounds.
 The output is [T, heads * head_dim], what `Attention` feeds its output projection.
+
+When the params carry a DCP shard (`ShardPackedSeqParams`), the rows are this rank's zig-zag
+share of the micro-batch and keys of the other group members are needed: the runtime's
+`cp_attention` computes it over `packed_seq_params.cp_group` (None: the group is this rank).
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from dcp_megatron.runtime.cp_attention import cp_attention
 
 
 class PackedCoreAttention(MegatronModule):
@@ -58,6 +64,12 @@ class PackedCoreAttention(MegatronModule):
             raise ValueError("PackedCoreAttention does not support attention_bias")
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             raise ValueError("PackedCoreAttention needs THD input: pass PackedSeqParams(qkv_format='thd')")
+        shard = getattr(packed_seq_params, "shard", None)
+        if shard is not None:
+            if self.dropout_p > 0 and self.training:
+                raise ValueError("attention dropout is not supported with DCP context-parallel attention")
+            out = cp_attention(query, key, value, shard, packed_seq_params.cp_group, softmax_scale=self.softmax_scale)
+            return out.reshape(out.shape[0], -1)
         cu_seqlens = packed_seq_params.cu_seqlens_q.tolist()
         dropout_p = self.dropout_p if self.training else 0.0
         out = packed_causal_attention(query, key, value, cu_seqlens, self.softmax_scale, dropout_p)

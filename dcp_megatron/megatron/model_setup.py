@@ -50,7 +50,8 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
+        # Megatron's static CP stays 1: the runtime runs each micro-batch on its planned CP group.
+        context_parallel_size=1,
         sequence_parallel=args.sequence_parallel,
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,

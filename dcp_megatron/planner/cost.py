@@ -129,6 +129,9 @@ class CostModel:
         params = m.num_params / split
         opt = 12.0 / cluster.domain_size if cluster.distributed_optimizer else 12.0
         self.static_bytes = int(params * (2.0 + 4.0 + opt))
+        self._none_bytes_per_token = self._bytes_per_local_token(NO_RECOMPUTE)
+        self._none_max_local = None
+        self._none_max_local = self.max_local_tokens(NO_RECOMPUTE)
 
     # ---- per-document pieces (vectorised) ------------------------------------------------
     @staticmethod
@@ -205,6 +208,8 @@ class CostModel:
         return t
 
     def bytes_per_local_token(self, recompute: Recompute) -> float:
+        if recompute is NO_RECOMPUTE:                  # the common case, without hashing
+            return self._none_bytes_per_token
         cached = self._bytes_per_token.get(recompute)
         if cached is None:
             cached = self._bytes_per_token[recompute] = self._bytes_per_local_token(recompute)
@@ -227,6 +232,8 @@ class CostModel:
 
     def max_local_tokens(self, recompute: Recompute) -> int:
         """Most local (per-rank, padded) tokens a micro-batch may hold with this recompute."""
+        if recompute is NO_RECOMPUTE and self._none_max_local is not None:
+            return self._none_max_local
         cached = self._max_local.get(recompute)
         if cached is None:
             room = self.cluster.mem_budget_bytes - self.static_bytes

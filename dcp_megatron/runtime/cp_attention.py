@@ -6,7 +6,7 @@ attention inside each document over the document's keys held by the whole group.
 - "allgather" (default): one all-gather of the group's K and V in forward; backward computes the
   gradients of all gathered keys and reduce-scatters them back to their owners. Per rank it holds
   the group's whole K/V (c x local size) from forward to backward. Use it for the usual CP sizes
-  (c <= 8 inside a node): one collective per layer, overlap-free and simplest.
+  (c <= 8 inside a node): one collective each way per layer, the simplest and fastest when it fits.
 - "ring": K/V blocks travel rank to rank with point-to-point sends, partial results are merged
   with the online-softmax rule, and backward sends the K/V blocks around again with their
   gradient accumulators. Per rank it only ever holds two K/V blocks, so use it when c is large
@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from dcp_megatron.runtime.attention_blocks import (RowMeta, compute_dtype, key_tiles, merge_into, query_tiles,
                                                    tile_backward, tile_forward, tile_mask)
+from dcp_megatron.runtime.ring_attention import RingAttention
 from dcp_megatron.runtime.sharding import LocalShard
 
 IMPLS = ("allgather", "ring")
@@ -49,7 +50,6 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Local
     _check_shapes(q, k, v, shard)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if impl == "ring" and group is not None:
-        from dcp_megatron.runtime.ring_attention import RingAttention
         return RingAttention.apply(q, k, v, shard, group, scale)
     return AllGatherAttention.apply(q, k, v, shard, group, scale)
 
@@ -94,8 +94,7 @@ class AllGatherAttention(torch.autograd.Function):
             kv_gathered = kv_local
         natural_index = _natural_index(shard).to(q.device)
         kv_natural = torch.empty_like(kv_gathered)
-        kv_natural[natural_index] = kv_gathered
-        kv_natural = kv_natural.to(ct)
+        kv_natural[natural_index] = kv_gathered  # kept in the input dtype; tiles are upcast one at a time
         q_meta, k_meta = RowMeta.of(shard, q.device), _natural_meta(shard, q.device)
         tiles = list(_allgather_tiles(shard))
         qc = q.to(ct)
@@ -105,7 +104,8 @@ class AllGatherAttention(torch.autograd.Function):
             mask = tile_mask(q_meta.rows(q0, q1), k_meta.rows(k0, k1))
             if not bool(mask.any()):
                 continue
-            tile_out, tile_lse = tile_forward(qc[q0:q1], kv_natural[k0:k1, 0], kv_natural[k0:k1, 1], mask, scale)
+            tile_out, tile_lse = tile_forward(qc[q0:q1], kv_natural[k0:k1, 0].to(ct), kv_natural[k0:k1, 1].to(ct),
+                                              mask, scale)
             merge_into(out[q0:q1], lse[q0:q1], tile_out, tile_lse)
         out.masked_fill_(~q_meta.valid_mask[:, None, None], 0.0)
         ctx.save_for_backward(qc, kv_natural, natural_index, out, lse)
@@ -121,13 +121,14 @@ class AllGatherAttention(torch.autograd.Function):
         dout = grad_out.to(qc.dtype).masked_fill(~q_meta.valid_mask[:, None, None], 0.0)
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(qc)
-        dkv_natural = torch.zeros_like(kv_natural)
+        dkv_natural = torch.zeros(kv_natural.shape, dtype=qc.dtype, device=qc.device)
         for q0, q1, k0, k1 in ctx.tiles:
             mask = tile_mask(q_meta.rows(q0, q1), k_meta.rows(k0, k1))
             if not bool(mask.any()):
                 continue
-            tile_dq, tile_dk, tile_dv = tile_backward(qc[q0:q1], kv_natural[k0:k1, 0], kv_natural[k0:k1, 1], mask,
-                                                      scale, dout[q0:q1], lse[q0:q1], delta[q0:q1])
+            tile_dq, tile_dk, tile_dv = tile_backward(qc[q0:q1], kv_natural[k0:k1, 0].to(qc.dtype),
+                                                      kv_natural[k0:k1, 1].to(qc.dtype), mask, scale,
+                                                      dout[q0:q1], lse[q0:q1], delta[q0:q1])
             dq[q0:q1] += tile_dq
             dkv_natural[k0:k1, 0] += tile_dk
             dkv_natural[k0:k1, 1] += tile_dv

@@ -18,7 +18,7 @@ def check_batch(batch: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarra
     if len(batch) == 0:
         raise ValueError("the batch is empty: a plan needs at least one sequence")
     try:
-        if any(len(pair) != 2 for pair in batch):
+        if set(map(len, batch)) != {2}:
             raise ValueError("an entry is not a pair")
         exact = np.fromiter(itertools.chain.from_iterable(batch), dtype=np.float64, count=2 * len(batch))
     except (TypeError, ValueError, OverflowError) as err:
@@ -123,11 +123,12 @@ def lpt_assign(item_times: Sequence[float], loads: Sequence[float]) -> tuple[lis
     go to the bin with the least load (ties: lowest index). Returns bin per item, final loads."""
     heap = [(float(load), b) for b, load in enumerate(loads)]
     heapq.heapify(heap)
-    where = []
+    where: list[int] = []
+    add, replace = where.append, heapq.heapreplace       # local names: this loop is the hot path
     for t in item_times:
         load, b = heap[0]
-        heapq.heapreplace(heap, (load + t, b))
-        where.append(b)
+        replace(heap, (load + t, b))
+        add(b)
     final = [0.0] * len(loads)
     for load, b in heap:
         final[b] = load

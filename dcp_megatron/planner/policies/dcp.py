@@ -1,8 +1,10 @@
 """`dcp`: the batch's lengths decide CP sizes, packing, micro-batch counts and recompute.
 
 1. CP size per sequence: the smallest allowed size at which it fits alone (full recompute
-   at worst); then, while a sequence alone would outlast the perfectly balanced step
-   (Σ rank-seconds / D), it moves to the next larger size if that runs it faster.
+   at worst); then, longest first, a sequence that alone outlasts the perfectly balanced step
+   (Σ rank-seconds / D) moves to the next larger size while that runs it faster and the
+   extra rank-seconds keep the balanced step below the longest one (CP across nodes
+   barely shortens short sequences but costs every rank).
 2. PP = 1 — list scheduling: size classes largest first, each class's sequences longest
    first onto the aligned block of its size whose ranks are free earliest (LPT). Blocks of
    one power-of-two size class are always in sync, so no rank waits inside a block. A

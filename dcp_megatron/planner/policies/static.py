@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, Wave
+from dcp_megatron.planner.plan import Group, Recompute, Wave
 from dcp_megatron.planner.policies.common import divisor_sizes, local_tokens, microbatch_from_sums
 
 

@@ -1,0 +1,42 @@
+"""Switch a megatron-core model's activation recompute per micro-batch (DESIGN.md section 7a).
+
+Full (block) recompute is read from the TransformerConfig at every forward, and all modules
+share one config object, so setting `recompute_granularity/method/num_layers` right before a
+micro-batch's forward is enough (also inside 1F1B: the checkpoint records what it wraps when
+the forward runs). Selective recompute of core attention is cached per module at construction
+(`Attention.checkpoint_core_attention`), so that attribute is set on every attention module.
+Only core attention is recomputed selectively: selective MLP recompute with biases never
+terminates on 0.16.1 and layernorm recompute needs Transformer Engine.
+"""
+from __future__ import annotations
+
+from dcp_megatron.planner.plan import Recompute
+
+
+def decoder_layers(model) -> list:
+    """The transformer layers this pipeline stage holds (through DDP / Float16 wrappers)."""
+    module = model
+    while not hasattr(module, "decoder") and hasattr(module, "module"):
+        module = module.module
+    decoder = getattr(module, "decoder", None)
+    if decoder is None:
+        raise ValueError(f"{type(model).__name__} holds no GPT decoder; cannot switch recompute")
+    return list(decoder.layers)
+
+
+def apply_recompute(model, config, recompute: Recompute) -> None:
+    """none: keep activations; selective: recompute core attention; full k: checkpoint the first k layers."""
+    layers = decoder_layers(model)
+    if recompute.kind == "full":
+        if recompute.full_layers > len(layers):
+            raise ValueError(f"recompute {recompute} asks for {recompute.full_layers} layers, this stage has "
+                             f"{len(layers)}")
+        config.recompute_granularity = "full"
+        config.recompute_method = "block"
+        config.recompute_num_layers = recompute.full_layers
+    else:
+        config.recompute_granularity = None
+        config.recompute_method = None
+        config.recompute_num_layers = None
+    for layer in layers:
+        layer.self_attention.checkpoint_core_attention = recompute.kind == "selective"

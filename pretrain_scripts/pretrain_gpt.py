@@ -28,19 +28,37 @@ from dcp_megatron.megatron.patch_set import megatron_patch_registry  # noqa: E40
 GROUP_TIMEOUT = timedelta(minutes=5)
 
 
+def init_distributed(*, backend: str) -> None:
+    """torchrun's env:// rendezvous; a plain `python pretrain_gpt.py` runs as a world of one."""
+    if "RANK" in os.environ:
+        torch.distributed.init_process_group(backend=backend, timeout=GROUP_TIMEOUT)
+        return
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torch.distributed.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                         world_size=1, timeout=GROUP_TIMEOUT)
+
+
 def main(argv: list[str] | None = None) -> None:
     # 1. Flags, checked against each other and the machine before any work.
     has_gpu = torch.cuda.is_available()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args = parse_args(argv, world_size=world_size, has_gpu=has_gpu)
 
-    # 2. Patches to megatron-core (version-checked), applied before it builds anything.
+    # 2. Data (layout-independent global batches): opened first, so bad data stops the run before any work.
+    from dcp_megatron.megatron.data_source import batch_stream, open_documents
+
+    documents = open_documents(args)
+    stream = batch_stream(args, documents)
+
+    # 3. Patches to megatron-core (version-checked), applied before it builds anything.
     patches = megatron_patch_registry().apply()
 
     from megatron.core import parallel_state, tensor_parallel
 
     from dcp_megatron.megatron import checkpoint, model_setup
-    from dcp_megatron.megatron.data_source import batch_stream, open_documents
     from dcp_megatron.megatron.domain import build_group_pool
     from dcp_megatron.megatron.plan_dump import PlanDumper
     from dcp_megatron.megatron.plan_microbatches import num_rank_microbatches, rank_microbatches
@@ -48,12 +66,12 @@ def main(argv: list[str] | None = None) -> None:
     from dcp_megatron.megatron.train_step import format_log_line, train_step
     from dcp_megatron.runtime.group_pool import plan_blocks
 
-    # 3. Distributed start-up, Megatron's parallel state (TP x PP x DP; its own CP stays 1) and the
+    # 4. Distributed start-up, Megatron's parallel state (TP x PP x DP; its own CP stays 1) and the
     #    pool of CP groups over each TP/PP coordinate's DP x CP domain.
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if has_gpu else torch.device("cpu")
     if has_gpu:
         torch.cuda.set_device(device)
-    torch.distributed.init_process_group(backend="nccl" if has_gpu else "gloo", timeout=GROUP_TIMEOUT)
+    init_distributed(backend="nccl" if has_gpu else "gloo")
     rank = torch.distributed.get_rank()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -65,22 +83,20 @@ def main(argv: list[str] | None = None) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     is_logging_rank = rank == 0
 
-    # 4. Model, DDP, optimizer, LR schedule.
+    # 5. Model, DDP, optimizer, LR schedule.
     config = model_setup.transformer_config(args)
     model = model_setup.build_model(args, config)
     model = model_setup.wrap_ddp(model, config)
     optimizer = model_setup.build_optimizer(args, model)
     lr_schedule = model_setup.build_lr_schedule(args, optimizer)
 
-    # 5. Data (layout-independent global batches) and the cost model the planner scores with.
-    documents = open_documents(args)
-    stream = batch_stream(args, documents)
+    # 6. The cost model the planner scores plans with.
     vocab = model_setup.padded_vocab_size(args.vocab_size, divisible_by=args.make_vocab_size_divisible_by,
                                           tp_size=args.tensor_model_parallel_size)
     cost = build_cost_model(args, padded_vocab_size=vocab, domain_size=pool.domain_size, has_gpu=has_gpu)
     rows_multiple = args.tensor_model_parallel_size if args.sequence_parallel else 1
 
-    # 6. Resume (model, optimizer, schedule, RNG and the data position).
+    # 7. Resume (model, optimizer, schedule, RNG and the data position).
     iteration = 0
     if args.load is not None:
         iteration, data_state = checkpoint.load_checkpoint(
@@ -96,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
     dumper = PlanDumper(args.dcp_dump_plans) if args.dcp_dump_plans and is_logging_rank else None
 
-    # 7. Train: plan the global batch, run this rank's micro-batches, step.
+    # 8. Train: plan the global batch, run this rank's micro-batches, step.
     model.train()
     consumed_tokens = 0
     while iteration < args.train_iters:
@@ -125,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             checkpoint.save_checkpoint(args.save, iteration=iteration, data_state=stream.state_dict(), args=args,
                                        model=model, optimizer=optimizer, lr_schedule=lr_schedule)
 
-    # 8. Save and shut down.
+    # 9. Save and shut down.
     if args.save is not None:
         checkpoint.save_checkpoint(args.save, iteration=iteration, data_state=stream.state_dict(), args=args,
                                    model=model, optimizer=optimizer, lr_schedule=lr_schedule)

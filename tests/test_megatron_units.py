@@ -1,4 +1,6 @@
-"""In-process tests of the megatron adapter pieces: flags, core attention, data assembly, init slicing."""
+"""In-process tests of the megatron adapter pieces: flags, core attention, init slicing.
+
+The DCP pieces (plans from flags, domains, per-rank micro-batches) are in test_megatron_dcp_units.py."""
 from __future__ import annotations
 
 import pytest
@@ -9,8 +11,6 @@ pytest.importorskip("megatron.core")
 from dcp_megatron.megatron.arguments import parse_args  # noqa: E402
 from dcp_megatron.megatron.core_attention import packed_causal_attention  # noqa: E402
 from dcp_megatron.megatron.init_weights import _local_slice  # noqa: E402
-from dcp_megatron.megatron.microbatches import assemble_microbatch, static_dp_microbatches  # noqa: E402
-from dcp_megatron.megatron.mock_documents import MockDocuments  # noqa: E402
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
         "--tokens-per-step", "1024", "--train-iters", "3", "--lr", "1e-3", "--mock-data"]
@@ -20,6 +20,11 @@ def test_good_flags_fill_defaults():
     args = parse_args(BASE + ["--tensor-model-parallel-size", "2"], world_size=4, has_gpu=False)
     assert args.data_parallel_size == 2 and args.ffn_hidden_size == 256 and args.num_query_groups == 4
     assert args.vocab_size == 512 and args.lr_decay_iters == 3
+    # The DCP domain is DP x CP: Megatron runs CP 1 and the runtime re-partitions the domain.
+    args = parse_args(BASE + ["--context-parallel-size", "2"], world_size=4, has_gpu=False)
+    assert args.data_parallel_size == 4 and not args.dcp
+    args = parse_args(BASE + ["--dcp"], world_size=2, has_gpu=False)
+    assert args.dcp_policy == "dcp"
 
 
 @pytest.mark.parametrize("extra, world_size, has_gpu, words", [
@@ -34,7 +39,11 @@ def test_good_flags_fill_defaults():
     (["--dcp-policy", "dcp"], 1, False, ["--dcp-policy", "only take effect with --dcp"]),
     (["--dcp", "--recompute-granularity", "full"], 1, False, ["--recompute-granularity", "--dcp"]),
     (["--dcp", "--dcp-recompute", "none,bogus"], 1, False, ["bogus"]),
-    (["--context-parallel-size", "2"], 2, False, ["--context-parallel-size"]),
+    (["--dcp", "--dcp-recompute", "none"], 1, False, ["--dcp-recompute", "not supported"]),
+    (["--context-parallel-size", "2", "--dcp"], 2, False, ["--context-parallel-size 2", "--dcp-max-cp-size"]),
+    (["--context-parallel-size", "2", "--attention-dropout", "0.1"], 2, False, ["--attention-dropout"]),
+    (["--dcp", "--dcp-max-cp-size", "4"], 2, False, ["--dcp-max-cp-size 4", "2 ranks"]),
+    (["--dcp", "--dcp-profile", "/nonexistent.json"], 2, False, ["--dcp-profile", "no such file"]),
     (["--num-query-groups", "3"], 1, False, ["--num-query-groups 3"]),
     (["--lr-warmup-iters", "5"], 1, False, ["--lr-warmup-iters 5"]),
     (["--recompute-num-layers", "1"], 1, False, ["--recompute-num-layers", "full"]),
@@ -85,41 +94,6 @@ def test_packed_causal_attention_matches_dense_masked_attention(lengths, heads, 
     ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-5)
-
-
-def test_mock_documents_are_deterministic_long_tailed_and_capped():
-    docs = MockDocuments(seed=3, vocab_size=100, max_positions=256)
-    lengths = [docs.num_tokens(d) - 1 for d in range(2000)]
-    assert lengths == [MockDocuments(seed=3, vocab_size=100, max_positions=256).num_tokens(d) - 1 for d in range(2000)]
-    assert max(lengths) == 256 and min(lengths) >= 1
-    assert sorted(lengths)[1000] < 64  # median far below the cap: long-tailed
-    assert torch.equal(docs.tokens(17), docs.tokens(17)) and docs.tokens(17).numel() == docs.num_tokens(17)
-    assert int(docs.tokens(5).max()) < 100
-
-
-def test_static_dp_microbatches_cover_every_sequence_once():
-    sources = [(d, 0, n) for d, n in enumerate([50, 60, 30, 128, 5, 7, 100])]
-    per_rank = [static_dp_microbatches(sources, dp_size=3, dp_rank=r, tokens_per_microbatch=128) for r in range(3)]
-    seen = sorted(s for rank in per_rank for mb in rank for s in mb)
-    assert seen == sorted(sources)
-    for rank in per_rank:
-        assert rank and all(sum(s[2] for s in mb) <= 128 for mb in rank)
-    # More replicas than micro-batches: the idle replica still gets one (empty) micro-batch.
-    assert static_dp_microbatches(sources[:1], dp_size=2, dp_rank=1, tokens_per_microbatch=128) == [[]]
-
-
-def test_assemble_microbatch_shifts_labels_restarts_positions_and_masks_padding():
-    tokens = {0: torch.arange(10, 20), 1: torch.arange(50, 54)}
-    mb = assemble_microbatch([(0, 2, 4), (1, 0, 3)], tokens.__getitem__, pad_to_multiple=4)
-    assert mb["tokens"][0, :7].tolist() == [12, 13, 14, 15, 50, 51, 52]
-    assert mb["labels"][0, :7].tolist() == [13, 14, 15, 16, 51, 52, 53]
-    assert mb["position_ids"][0].tolist() == [0, 1, 2, 3, 0, 1, 2, 0]
-    assert mb["loss_mask"][0].tolist() == [1, 1, 1, 1, 1, 1, 1, 0]
-    assert mb["packed_seq_params"].cu_seqlens_q.tolist() == [0, 4, 7, 8]
-    empty = assemble_microbatch([], tokens.__getitem__)
-    assert empty["loss_mask"].sum() == 0 and empty["tokens"].numel() == 1
-    with pytest.raises(ValueError, match="document 1"):
-        assemble_microbatch([(1, 1, 3)], tokens.__getitem__)
 
 
 def test_tensor_parallel_slices_reassemble_the_master_weight():

@@ -154,3 +154,17 @@ def test_cpu_cluster_preset_needs_cp2_for_4k_token_documents():
     assert cost.microbatch_time([4096], 2) < cost.microbatch_time([4096], 1)
     with pytest.raises(ValueError, match="positive int"):
         cpu_cluster(0)
+
+
+def test_check_parity_report_prints_max_rel_err_last_and_fails_above_tolerance(capsys):
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "check_parity.py"
+    spec = importlib.util.spec_from_file_location("check_parity", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.report([(3e-7, 1e-7, "a"), (8e-7, 2e-7, "b")]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "max_rel_err=8.000000e-07"
+    assert tool.report([(3e-7, 1e-7, "a"), (2e-5, 1e-7, "b")]) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "max_rel_err=2.000000e-05"
+    assert tool.report([(3e-7, 5e-5, "a")]) == 1   # a loss mismatch fails too

@@ -1,14 +1,20 @@
 """The `cpu` ClusterSpec: CPU physics for plans that run on CPU ranks (tests, benchmarks, demo).
 
 Each rank is one process with one intra-op thread running TinyGPT / gpt-tiny in fp32 with the
-project's CP attention over gloo. The rates below were measured on the reference machine (2-core
-AMD EPYC VM, torch 2.13 CPU) with
+project's CP attention over gloo. How the constants below were measured (reference machine:
+2-core AMD EPYC VM, torch 2.13 CPU, shared with other jobs):
 
-    .venv/bin/python tools/profile_cpu.py --json cpu_profile.json
-
-which times exactly those kernels (see its docstring). The numbers drift with machine load
-(the reference machine is shared); to score plans with this machine's own numbers, pass that
-JSON to CostModel(..., profile=load_profile(path)), which overrides these constants.
+- on a quiet machine (load average < 2), in one process: the linear part as TinyGPT forward +
+  backward with a trivial core attention on packed 64-token documents; cp_attention alone
+  (forward + backward, no group) on documents of length L packed into 4K-token micro-batches;
+  a 2-token micro-batch for the fixed overhead; gloo all-gather between two processes for
+  bandwidth and latency. Two runs agreed within ~10%.
+- `tools/profile_cpu.py --json cpu_profile.json` now measures the same quantities inside the
+  model on two ranks running at once (what a real step sees), and adds per-(length, cp)
+  attention times. Under load from other jobs it read 2-4x slower (12-27 GFLOP/s linear), so
+  those readings were not folded in; rerun it on a quiet machine and pass the JSON to
+  CostModel(..., profile=load_profile(path)) (or tools/bench_runtime.py --profile) to score
+  plans with this machine's own numbers.
 
 Memory is a modelling choice, not the machine's RAM: a CPU rank gets a budget small enough that
 gpt-tiny documents of a few thousand tokens need CP=2 or recompute, as 100K+ token documents do
@@ -22,9 +28,7 @@ from dcp_megatron.planner.cluster import ClusterSpec
 
 MiB = 1024 ** 2
 
-# Measured with tools/profile_cpu.py --repeats 5 (1 thread per rank, fp32, gpt-tiny), two runs on
-# the reference machine when it was quiet (load < 2), values rounded; under load from other jobs
-# the same tool measured about half these rates and twice the overhead and latency.
+# Quiet-machine measurements (see the module docstring), 1 thread per rank, fp32, gpt-tiny; rounded.
 CPU_GEMM_FLOPS = 60e9                    # TinyGPT linear part, forward+backward, end to end (58-62)
 CPU_ATTN_RATE_POINTS = (                 # cp_attention forward+backward, causal FLOPs per second
     (64, 1.0e9), (256, 4.4e9), (1024, 13.5e9), (4096, 17.5e9),

@@ -30,6 +30,9 @@ class ClusterSpec:
     microbatch_overhead_s: float = 0.0     # launch/sync cost paid by every micro-batch
     collective_latency_s: float = 0.0      # per CP collective (per layer) latency
     max_cp_size: int = 0                   # 0: up to domain_size
+    # Measured / modelled cost of recomputing a forward pass: 1.0 means recompute costs exactly
+    # the forward FLOPs (1/3 of fwd+bwd); CPU runs measure more (allocation, Python overhead).
+    recompute_cost_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.domain_size, int) or self.domain_size <= 0:
@@ -48,6 +51,8 @@ class ClusterSpec:
                              f"got {self.attn_rate_points!r}")
         if list(self.attn_rate_points) != sorted(self.attn_rate_points):
             raise ValueError("ClusterSpec.attn_rate_points must be sorted by length")
+        if self.recompute_cost_factor <= 0:
+            raise ValueError(f"ClusterSpec.recompute_cost_factor must be positive, got {self.recompute_cost_factor}")
         if self.max_cp_size < 0:
             raise ValueError(f"ClusterSpec.max_cp_size must be >= 0, got {self.max_cp_size}")
 

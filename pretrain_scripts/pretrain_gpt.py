@@ -4,16 +4,18 @@
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 256 \
         --tokens-per-step 2048 --train-iters 10 --lr 1e-3 --dcp
 
-The recipe reads top to bottom: flags -> patches -> distributed start-up -> parallel state and
+The recipe reads top to bottom: flags -> data -> patches -> distributed start-up -> parallel state and
 the DCP group pool -> model (GPTModel, local spec with our packed/CP core attention) -> DDP ->
-optimizer -> LR schedule -> data -> cost model -> checkpoint load -> train loop -> save.
+optimizer -> LR schedule -> cost model -> checkpoint load -> train loop -> save.
 Every step: plan the global batch (the same plan on every rank), run this rank's micro-batches
 through Megatron's schedule, step the optimizer. Without --dcp the plan is Megatron's static
 layout from the flags (--context-parallel-size C included), run by the same runtime.
-Runs on CPU (gloo, fp32, CPU shims applied) and on GPU (NCCL).
+Runs on CPU (gloo, fp32, CPU shims applied) and on GPU (NCCL; --bf16 with Transformer Engine
+attention when installed, see tools/gpu_check.sh).
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from datetime import timedelta
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     from dcp_megatron.megatron.domain import build_group_pool
     from dcp_megatron.megatron.plan_dump import PlanDumper
     from dcp_megatron.megatron.plan_microbatches import num_rank_microbatches, rank_microbatches
-    from dcp_megatron.megatron.planning import build_cost_model, plan_step
+    from dcp_megatron.megatron.planning import build_cost_model, check_same_plan, plan_step
     from dcp_megatron.megatron.train_step import format_log_line, train_step
     from dcp_megatron.runtime.group_pool import plan_blocks
 
@@ -94,7 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     vocab = model_setup.padded_vocab_size(args.vocab_size, divisible_by=args.make_vocab_size_divisible_by,
                                           tp_size=args.tensor_model_parallel_size)
     cost = build_cost_model(args, padded_vocab_size=vocab, domain_size=pool.domain_size, has_gpu=has_gpu)
-    rows_multiple = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    # Local rows per micro-batch: split over TP with sequence parallelism; FP8 GEMMs need multiples of 16.
+    rows_multiple = math.lcm(args.tensor_model_parallel_size if args.sequence_parallel else 1,
+                             16 if args.fp8_format else 1)
 
     # 7. Resume (model, optimizer, schedule, RNG and the data position).
     iteration = 0
@@ -118,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     while iteration < args.train_iters:
         batch = next(stream)
         plan = plan_step(args, batch.sequences, cost)
+        if args.dcp_check_plans:
+            check_same_plan(plan, iteration=iteration + 1, device=device)
         pool.ensure_groups(plan_blocks(plan))  # collective when the plan needs a new block; same on every rank
         microbatches = rank_microbatches(plan, pool=pool, source=documents, batch=batch,
                                          rows_multiple=rows_multiple, device=device)

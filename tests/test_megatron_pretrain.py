@@ -74,7 +74,8 @@ def single_process_trace() -> dict[int, float]:
 
 def test_dcp_matches_single_process_mixes_cp_sizes_dumps_plans_and_resumes(single_process_trace, tmp_path):
     checkpoints, plans = tmp_path / "ckpt", tmp_path / "plans"
-    out = _run(2, *MOCK, *DCP_2, "--save", str(checkpoints), "--save-interval", "5", "--dcp-dump-plans", str(plans))
+    out = _run(2, *MOCK, *DCP_2, "--save", str(checkpoints), "--save-interval", "5", "--dcp-dump-plans", str(plans),
+               "--dcp-check-plans")
     _assert_same_trace(_losses(out), single_process_trace)
     # The dynamic path ran: plans differ between steps and mix CP sizes 1 and 2 within steps.
     cp_sizes = dict(CP_SIZES.findall(out))

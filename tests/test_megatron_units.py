@@ -48,6 +48,8 @@ def test_good_flags_fill_defaults():
     (["--lr-warmup-iters", "5"], 1, False, ["--lr-warmup-iters 5"]),
     (["--recompute-num-layers", "1"], 1, False, ["--recompute-num-layers", "full"]),
     (["--tensorboard-dir", "tb"], 1, False, ["--tensorboard-dir"]),
+    (["--bf16"], 1, False, ["--bf16", "GPU"]),
+    (["--attention-backend", "te"], 1, False, ["--attention-backend te", "Transformer Engine"]),
 ])
 def test_bad_flag_combinations_name_the_flags(extra, world_size, has_gpu, words):
     if extra[0] == "--tensorboard-dir":

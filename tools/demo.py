@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup-steps", type=int, default=3, help="steps left out of tokens/s")
     parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--tokens-per-step", type=int, default=4096)
+    parser.add_argument("--tokens-per-step", type=int, default=8192)
     parser.add_argument("--max-files", type=int, default=60, help="standard-library modules to read")
     parser.add_argument("--workdir", default=None, help="default: a temporary directory")
     args = parser.parse_args(argv)

@@ -61,7 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--adam-beta1", type=float, default=0.9)
     opt.add_argument("--adam-beta2", type=float, default=0.95)
     opt.add_argument("--clip-grad", type=float, default=1.0)
-    opt.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None, help="GPU with Transformer Engine only")
+    opt.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None,
+                     help="GPU with Transformer Engine only: TE layer spec, FP8 linears (needs --bf16)")
+    opt.add_argument("--bf16", action="store_true", help="bf16 parameters and activations, fp32 main weights")
+    model.add_argument("--attention-backend", choices=("auto", "local", "te"), default="auto",
+                       help="core attention: te = Transformer Engine (GPU, --bf16), local = our CP attention; "
+                            "auto = te when available with --bf16")
 
     io = parser.add_argument_group("checkpointing and logging")
     io.add_argument("--save", default=None)
@@ -78,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     dcp.add_argument("--dcp-recompute", default=None, help=f"comma list of allowed: {','.join(RECOMPUTE_CHOICES)}")
     dcp.add_argument("--dcp-profile", default=None, help="profile JSON overriding the cost model's constants")
     dcp.add_argument("--dcp-dump-plans", default=None, metavar="DIR", help="write each step's plan JSON and PNG")
+    dcp.add_argument("--dcp-check-plans", action="store_true", default=None,
+                     help="debug: all-reduce a hash of each step's plan to prove every rank runs the same plan")
     return parser
 
 
@@ -145,8 +152,32 @@ def validate_args(args: argparse.Namespace, *, world_size: int, has_gpu: bool) -
         raise ValueError("tied embeddings with --pipeline-model-parallel-size > 1 need a GPU: megatron-core "
                          "0.16.1 copies the shared embedding with .cuda(); add "
                          "--untie-embeddings-and-output-weights on CPU")
+    _validate_attention_backend(args, has_gpu=has_gpu)
     _validate_dcp(args, world_size=world_size)
     return args
+
+
+def _te_importable() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _validate_attention_backend(args: argparse.Namespace, *, has_gpu: bool) -> None:
+    te_usable = has_gpu and _te_importable()
+    if args.bf16 and not has_gpu:
+        raise ValueError("--bf16 needs a GPU: megatron-core's mixed-precision optimizer wraps CUDA tensors only; "
+                         "CPU runs train in fp32")
+    if args.attention_backend == "te" and not te_usable:
+        raise ValueError("--attention-backend te needs a GPU with Transformer Engine installed")
+    if args.attention_backend == "te" and not args.bf16:
+        raise ValueError("--attention-backend te needs --bf16: TE's packed (THD) attention kernels do not run fp32")
+    if args.fp8_format is not None and not args.bf16:
+        raise ValueError(f"--fp8-format {args.fp8_format} needs --bf16 (FP8 GEMMs with bf16 activations)")
+    if args.fp8_format is not None and args.attention_backend == "local":
+        raise ValueError("--fp8-format runs Transformer Engine layers; it conflicts with --attention-backend local")
+    if args.attention_backend == "auto":
+        args.attention_backend = "te" if te_usable and args.bf16 else "local"
+    if args.fp8_format is not None:
+        args.attention_backend = "te-fp8"
 
 
 def _validate_dcp(args: argparse.Namespace, *, world_size: int) -> None:

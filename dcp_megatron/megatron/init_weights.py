@@ -66,7 +66,7 @@ def init_weights_by_name(model: torch.nn.Module, config: TransformerConfig, *, s
     named = global_parameter_names(model)
     for name, param in named.items():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf == "bias":
+        if leaf == "bias" or leaf.endswith("_bias"):  # TE fuses norms into linears: layer_norm_bias
             param.zero_()
             continue
         if "norm" in name:

@@ -9,7 +9,11 @@
   marking the parameters `.sequence_parallel = True` makes `finalize_model_grads` all-reduce
   them over the TP group.
 
-With Transformer Engine on a GPU the TE spec is the better choice; that path is phase 2.
+On a GPU with Transformer Engine (`attention_backend="te"`), core attention is instead TE's
+`TEDotProductAttention`, which takes each micro-batch's CP group from `PackedSeqParams.cp_group`
+(or turns CP off for `local_cp_size == 1`); TE's fused THD kernels need bf16/fp16. For FP8
+(`attention_backend="te-fp8"`) the whole layer is megatron-core's Transformer Engine spec, whose
+TE linear layers are the ones that run in FP8.
 """
 from __future__ import annotations
 
@@ -40,12 +44,28 @@ class SequenceParallelNorm:
         return norm
 
 
-def gpt_block_spec(config: TransformerConfig, num_layers_on_stage: int) -> TransformerBlockSubmodules:
+ATTENTION_BACKENDS = ("local", "te", "te-fp8")
+
+
+def gpt_block_spec(config: TransformerConfig, num_layers_on_stage: int, *,
+                   attention_backend: str = "local") -> TransformerBlockSubmodules:
     """Block spec for the `num_layers_on_stage` layers this pipeline stage builds."""
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend {attention_backend!r} is not one of {ATTENTION_BACKENDS}")
+    if attention_backend == "te-fp8":
+        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return TransformerBlockSubmodules(layer_specs=[get_gpt_layer_with_transformer_engine_spec()] *
+                                          num_layers_on_stage, layer_norm=TENorm)
+    core_attention = PackedCoreAttention
+    if attention_backend == "te":
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+        core_attention = TEDotProductAttention
     layer = get_gpt_layer_local_spec(normalization=config.normalization)
     attention = layer.submodules.self_attention
     attention = dataclasses.replace(
-        attention, submodules=dataclasses.replace(attention.submodules, core_attention=PackedCoreAttention)
+        attention, submodules=dataclasses.replace(attention.submodules, core_attention=core_attention)
     )
     layer = dataclasses.replace(
         layer,

@@ -53,8 +53,10 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         # Megatron's static CP stays 1: the runtime runs each micro-batch on its planned CP group.
         context_parallel_size=1,
         sequence_parallel=args.sequence_parallel,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        bf16=args.bf16,
+        fp8=args.fp8_format,
         use_cpu_initialization=True,
         # Megatron's own draw is overwritten by init_weights_by_name, but it is also where the
         # tensor-parallel partition attributes get set, so it stays on.
@@ -78,7 +80,7 @@ def build_model(args: argparse.Namespace, config: TransformerConfig) -> GPTModel
     num_layers_on_stage = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_block_spec(config, num_layers_on_stage),
+        transformer_layer_spec=gpt_block_spec(config, num_layers_on_stage, attention_backend=args.attention_backend),
         vocab_size=padded_vocab_size(args.vocab_size, divisible_by=args.make_vocab_size_divisible_by,
                                      tp_size=args.tensor_model_parallel_size),
         max_sequence_length=args.seq_length,
@@ -90,6 +92,12 @@ def build_model(args: argparse.Namespace, config: TransformerConfig) -> GPTModel
     )
     init_weights_by_name(model, config, seed=args.seed, tp_size=args.tensor_model_parallel_size,
                          tp_rank=parallel_state.get_tensor_model_parallel_rank())
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())  # built on CPU (use_cpu_initialization) for layout-free init
+    if args.bf16:
+        # Casts inputs/outputs at the model boundary, as Megatron's mixed-precision training does.
+        from megatron.core.transformer.module import Float16Module
+        return Float16Module(config, model)
     return model
 
 
@@ -107,7 +115,8 @@ def build_optimizer(args: argparse.Namespace, ddp_model: DistributedDataParallel
     opt_config = OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
-        bf16=False, fp16=False, params_dtype=torch.float32, use_distributed_optimizer=False,
+        bf16=args.bf16, fp16=False, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        use_distributed_optimizer=False,
     )
     return get_megatron_optimizer(opt_config, [ddp_model])
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 
 from dcp_megatron.planner.cluster import cluster_preset
 from dcp_megatron.planner.cost import CostModel, load_profile
@@ -98,3 +99,18 @@ def plan_step(args: argparse.Namespace, sequences, cost: CostModel) -> StepPlan:
         return make_plan(args.dcp_policy, list(sequences), cost, max_seq_len=args.seq_length)
     return static_cp_plan(sequences, cost, cp_size=args.context_parallel_size,
                           tokens_per_microbatch=args.seq_length, recompute=static_recompute(args))
+
+
+def check_same_plan(plan: StepPlan, *, iteration: int, device) -> None:
+    """Debug check (collective over the world): every rank planned the same step."""
+    import torch
+    import torch.distributed as dist
+
+    digest = int.from_bytes(hashlib.sha256(plan.dumps().encode()).digest()[:7], "little")
+    low = torch.tensor([digest], dtype=torch.int64, device=device)
+    high = low.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if int(low) != int(high):
+        raise RuntimeError(f"iteration {iteration}: ranks computed different plans (hash {digest:x} here); "
+                           "planning must be deterministic")

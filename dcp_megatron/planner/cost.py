@@ -207,6 +207,30 @@ class CostModel:
             t += max(exposed, 0.0) + self._latency_per_mb
         return t
 
+    def times_from_sums(self, local_tokens: np.ndarray, compute_s: np.ndarray, attn_s: np.ndarray,
+                        cp_sizes, first_ranks: np.ndarray, recompute: Recompute) -> np.ndarray:
+        """`time_from_sums` of many micro-batches at once (the same floats); cp_sizes int or array."""
+        passes = CP_PASSES
+        if recompute.kind == "full":
+            frac = recompute.full_layers / self.layers_per_stage
+            extra = frac * compute_s / 3.0
+            passes += frac
+        elif recompute.kind == "selective":
+            extra = attn_s / 3.0
+            passes += 1
+        else:
+            extra = 0.0
+        t = self.cluster.microbatch_overhead_s + compute_s + extra
+        cp_sizes = np.broadcast_to(np.asarray(cp_sizes, dtype=np.int64), t.shape)
+        if (cp_sizes > 1).any():
+            per_node = self.cluster.gpus_per_node
+            same_node = first_ranks // per_node == (first_ranks + cp_sizes - 1) // per_node
+            bw = np.where(same_node, self.cluster.intra_node_bw, self.cluster.inter_node_bw)
+            received = passes * self._kv_bytes_per_token * local_tokens * (cp_sizes - 1)
+            exposed = received / bw - attn_s * passes / CP_PASSES
+            t = np.where(cp_sizes > 1, t + (np.maximum(exposed, 0.0) + self._latency_per_mb), t)
+        return np.where(local_tokens <= 0, self.cluster.microbatch_overhead_s, t)
+
     def bytes_per_local_token(self, recompute: Recompute) -> float:
         if recompute is NO_RECOMPUTE:                  # the common case, without hashing
             return self._none_bytes_per_token

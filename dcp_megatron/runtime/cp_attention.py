@@ -128,7 +128,7 @@ class AllGatherAttention(torch.autograd.Function):
                 continue
             tile_dq, tile_dk, tile_dv = tile_backward(qc[q0:q1], kv_natural[k0:k1, 0].to(qc.dtype),
                                                       kv_natural[k0:k1, 1].to(qc.dtype), mask, scale,
-                                                      dout[q0:q1], lse[q0:q1], delta[q0:q1])
+                                                      dout[q0:q1], out[q0:q1], lse[q0:q1], delta[q0:q1])
             dq[q0:q1] += tile_dq
             dkv_natural[k0:k1, 0] += tile_dk
             dkv_natural[k0:k1, 1] += tile_dv

@@ -58,7 +58,8 @@ class RingAttention(torch.autograd.Function):
             sends = _pass_on(kv, kv_next, group) if step < shard.cp_size - 1 else []
             for q0, q1, k0, k1, mask in _tiles(shard, q_meta, _source_rank(shard, step), q.device):
                 tile_dq, tile_dk, tile_dv = tile_backward(qc[q0:q1], kv[k0:k1, 0].to(ct), kv[k0:k1, 1].to(ct), mask,
-                                                          scale, dout[q0:q1], lse[q0:q1], delta[q0:q1])
+                                                          scale, dout[q0:q1], out[q0:q1], lse[q0:q1],
+                                                          delta[q0:q1])
                 dq[q0:q1] += tile_dq
                 dkv[k0:k1, 0] += tile_dk
                 dkv[k0:k1, 1] += tile_dv

@@ -81,13 +81,13 @@ def check_static_memory(cost) -> None:
 
 
 def min_fitting_size(lengths: np.ndarray, ids: np.ndarray, sizes: list[int], cost) -> np.ndarray:
-    """Index into `sizes` of the smallest size at which each sequence alone fits (with full
-    recompute of every layer); ValueError naming a sequence that fits none."""
+    """Index into `sizes` (ascending) of the smallest size at which each sequence alone fits
+    (with full recompute of every layer); ValueError naming a sequence that fits none."""
     check_static_memory(cost)
     cap = cost.max_local_tokens(Recompute("full", cost.layers_per_stage))
-    idx = np.full(lengths.shape, len(sizes), dtype=np.int64)
-    for i in range(len(sizes) - 1, -1, -1):
-        idx[local_tokens(lengths, sizes[i]) <= cap] = i
+    # local_tokens(L, s) = 2·ceil(L / 2s) <= cap  <=>  L <= 2s·(cap // 2): one threshold per size
+    thresholds = np.asarray(sizes, dtype=np.int64) * (2 * (cap // 2))
+    idx = np.searchsorted(thresholds, lengths, side="left")
     bad = np.flatnonzero(idx == len(sizes))
     if bad.size:
         j = int(bad[np.argmax(lengths[bad])])

@@ -20,9 +20,10 @@ import heapq
 
 import numpy as np
 
-from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, Wave
-from dcp_megatron.planner.policies.common import (assemble_waves, candidate_sizes, lpt_assign,
-                                                  microbatch_from_sums, min_fitting_size)
+from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Wave
+from dcp_megatron.planner.policies.balance import lpt_assign_rounds
+from dcp_megatron.planner.policies.common import (assemble_waves, candidate_sizes, microbatch_from_sums,
+                                                  min_fitting_size)
 
 
 class SizedSequences:
@@ -95,9 +96,10 @@ def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) ->
     seqs = SizedSequences(lengths, sizes, min_fitting_size(lengths, ids, sizes, cost), cost)
     seqs.grow_long_sequences(D, len(sizes) - 1)
     cap_none = cost.max_local_tokens(NO_RECOMPUTE)
+    mem_per_token = cost.bytes_per_local_token(NO_RECOMPUTE)
     pairs = list(zip(ids.tolist(), lengths.tolist()))
     local, compute, attn = seqs.local.tolist(), seqs.compute.tolist(), seqs.attn.tolist()
-    finish = [0.0] * D
+    finish = np.zeros(D)
     scheduled: list[Group] = []
     for k in range(len(sizes) - 1, -1, -1):
         members = np.flatnonzero(seqs.idx == k)
@@ -106,36 +108,38 @@ def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) ->
         size = sizes[k]
         members = members[np.lexsort((ids[members], -seqs.seconds[members]))]
         num_blocks = (D - size) // size + 1
-        starts = finish[:num_blocks] if size == 1 else [max(finish[o:o + size]) for o in range(0, num_blocks * size, size)]
-        where, _ = lpt_assign(seqs.seconds[members].tolist(), starts)
-        where = np.asarray(where, dtype=np.int64)
+        starts = finish[:num_blocks * size].reshape(num_blocks, size).max(axis=1)
+        where, _ = lpt_assign_rounds(seqs.seconds[members], starts)
         by_block = np.argsort(where, kind="stable")
         blocks = where[by_block]
-        cuts = (np.flatnonzero(np.diff(blocks)) + 1).tolist()
+        cuts = np.flatnonzero(np.diff(blocks)) + 1
+        used = blocks[np.concatenate(([0], cuts))]                  # blocks that got sequences
         block_local, block_compute, block_attn = (
-            np.bincount(where, weights=arr[members], minlength=num_blocks).tolist()
+            np.bincount(where, weights=arr[members], minlength=num_blocks)[used]
             for arr in (seqs.local, seqs.compute, seqs.attn))
+        firsts = used * size
+        # the usual case, one micro-batch per block without recompute: estimates vectorised
+        times = cost.times_from_sums(block_local, block_compute, block_attn, size, firsts, NO_RECOMPUTE)
+        mems = (cost.static_bytes + np.ceil(block_local * mem_per_token)).astype(np.int64).tolist()
+        busy = times.copy()
         ordered = members[by_block].tolist()
-        blocks = blocks.tolist()
-        for lo, hi in zip([0] + cuts, cuts + [len(ordered)]):
-            b = blocks[lo]
-            first = b * size
+        bounds = zip([0] + cuts.tolist(), cuts.tolist() + [len(ordered)])
+        for j, ((lo, hi), first, fits) in enumerate(zip(bounds, firsts.tolist(), (block_local <= cap_none).tolist())):
             items = ordered[lo:hi]
-            if block_local[b] <= cap_none:        # the usual case: one micro-batch
-                mbs = (microbatch_from_sums(cost, tuple(map(pairs.__getitem__, items)), block_local[b],
-                                            block_compute[b], block_attn[b], size, first),)
-                busy = mbs[0].est_time_s
+            if fits:
+                mbs = (MicroBatch(tuple(map(pairs.__getitem__, items)), NO_RECOMPUTE, float(times[j]), mems[j]),)
             else:
                 mbs = tuple(microbatch_from_sums(cost, tuple(map(pairs.__getitem__, chunk)),
                                                  sum(local[i] for i in chunk), sum(compute[i] for i in chunk),
                                                  sum(attn[i] for i in chunk), size, first)
                             for chunk in _next_fit(items, local, cap_none))
-                busy = sum(mb.est_time_s for mb in mbs)
-            if size == 1:
-                finish[first] = starts[b] + busy
-            else:
-                finish[first:first + size] = [starts[b] + busy] * size
+                busy[j] = sum(mb.est_time_s for mb in mbs)
             scheduled.append(Group(first, size, mbs))
+        end = starts[used] + busy
+        if size == 1:
+            finish[firsts] = end
+        else:
+            finish[:num_blocks * size].reshape(num_blocks, size)[used] = end[:, None]
     return assemble_waves(D, scheduled)
 
 

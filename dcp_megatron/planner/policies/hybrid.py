@@ -60,17 +60,13 @@ def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None,
     # One global setting: the least recompute with which the fullest bucket fits.
     recompute = next(r for r in cost.recompute_options() if cost.memory_from_tokens(float(sums[0].max()), r)
                      <= cluster.mem_budget_bytes)
-    local_s, compute_s, attn_s = (row.tolist() for row in sums)
-    run_order = sorted(range(num), key=lambda b: (wave_of[b], first_of[b]))
+    wave_arr, first_arr, size_arr = (np.asarray(x, dtype=np.int64) for x in (wave_of, first_of, size_of))
+    run_order = np.lexsort((first_arr, wave_arr)).tolist()
     if must_beat is not None:
-        finish = [0.0] * D
-        for b in run_order:
-            lo, hi = first_of[b], first_of[b] + size_of[b]
-            end = max(finish[lo:hi]) + cost.time_from_sums(local_s[b], compute_s[b], attn_s[b], hi - lo, lo,
-                                                            recompute)
-            finish[lo:hi] = [end] * (hi - lo)
-        if max(finish) >= must_beat * (1 + 1e-9):     # margin: the plan's own sums may round lower
+        times = cost.times_from_sums(sums[0], sums[1], sums[2], size_arr, first_arr, recompute)
+        if _makespan(wave_arr, first_arr, size_arr, times, D) >= must_beat * (1 + 1e-9):   # margin: rounding
             return None
+    local_s, compute_s, attn_s = (row.tolist() for row in sums)
     by_bucket = np.argsort(bucket_of, kind="stable")
     cuts = np.flatnonzero(np.diff(bucket_of[by_bucket])) + 1
     seqs = list(zip(ids.tolist(), lengths.tolist()))
@@ -113,11 +109,53 @@ def _idle(rank: int, cost) -> Group:
                                       est_mem_bytes=cost.static_bytes),))
 
 
+def _makespan(wave_of: np.ndarray, first_of: np.ndarray, size_of: np.ndarray, times: np.ndarray, D: int) -> float:
+    """Timeline makespan of one-micro-batch groups: per wave, a group starts when its slowest
+    member is free (the same rule as timeline.rank_finish_times)."""
+    finish = np.zeros(D + 1)                    # + a sentinel so a block may end at D
+    for w in range(int(wave_of.max()) + 1 if wave_of.size else 0):
+        sel = np.flatnonzero(wave_of == w)
+        firsts, sizes = first_of[sel], size_of[sel]
+        edges = np.empty(2 * sel.size, dtype=np.int64)
+        edges[0::2], edges[1::2] = firsts, firsts + sizes
+        order = np.argsort(firsts, kind="stable")
+        edges = edges.reshape(-1, 2)[order].ravel()
+        start = np.maximum.reduceat(finish, edges)[0::2]
+        finish[np.repeat(firsts[order], sizes[order]) + _offsets(sizes[order])] = np.repeat(
+            start + times[sel][order], sizes[order])
+    return float(finish[:D].max())
+
+
+def _offsets(sizes: np.ndarray) -> np.ndarray:
+    """0..size-1 for each size, concatenated."""
+    ends = np.cumsum(sizes)
+    return np.arange(int(ends[-1]) if sizes.size else 0) - np.repeat(ends - sizes, sizes)
+
+
 def _place(bucket_sizes: list[int], D: int, limit: int) -> tuple[list[int], list[int], list[int]]:
     """(wave, first rank, final size) per bucket: buckets in order (largest CP size first) take
     the first wave with a free aligned block; then, per wave, the smallest groups double into
     free buddy blocks until none can."""
-    wave_of, first_of, size_of = [], [], list(bucket_sizes)
+    sizes = np.asarray(bucket_sizes, dtype=np.int64)
+    if sizes.size and not (sizes & (sizes - 1)).any() and D % int(sizes.max()) == 0:
+        # Powers of two, largest first, all dividing D: first fit fills each wave from rank 0
+        # without gaps before opening the next.
+        offsets = np.cumsum(sizes) - sizes
+        wave_of, first_of = (offsets // D).tolist(), (offsets % D).tolist()
+        busy = [[False] * D for _ in range(int(offsets[-1]) // D + 1)]
+        for w, first, size in zip(wave_of, first_of, bucket_sizes):
+            busy[w][first:first + size] = [True] * size
+    else:
+        wave_of, first_of, busy = _first_fit(bucket_sizes, D)
+    size_of = list(bucket_sizes)
+    for w, occupied in enumerate(busy):
+        members = [b for b in range(len(bucket_sizes)) if wave_of[b] == w]
+        _double_into_free(members, first_of, size_of, occupied, D, limit)
+    return wave_of, first_of, size_of
+
+
+def _first_fit(bucket_sizes: list[int], D: int) -> tuple[list[int], list[int], list[list[bool]]]:
+    wave_of, first_of = [], []
     busy: list[list[bool]] = []
     cursor: dict[tuple[int, int], int] = {}   # (wave, size) -> first offset not yet known busy
     for size in bucket_sizes:
@@ -134,19 +172,30 @@ def _place(bucket_sizes: list[int], D: int, limit: int) -> tuple[list[int], list
         busy[w][first:first + size] = [True] * size
         wave_of.append(w)
         first_of.append(first)
-    for w, occupied in enumerate(busy):
-        members = [b for b in range(len(bucket_sizes)) if wave_of[b] == w]
-        grown = True
-        while grown and not all(occupied):
-            grown = False
-            for b in sorted(members, key=lambda b: (size_of[b], first_of[b])):
-                first, size = first_of[b], size_of[b]
-                if size & (size - 1) or 2 * size > limit:
-                    continue
-                base = first - first % (2 * size)
-                buddy = base + size if base == first else base
-                if base + 2 * size <= D and not any(occupied[buddy:buddy + size]):
-                    occupied[buddy:buddy + size] = [True] * size
-                    first_of[b], size_of[b] = base, 2 * size
-                    grown = True
-    return wave_of, first_of, size_of
+    return wave_of, first_of, busy
+
+
+def _double_into_free(members: list[int], first_of: list[int], size_of: list[int], occupied: list[bool],
+                      D: int, limit: int) -> None:
+    """Passes over the wave's groups, smallest first: a power-of-two group whose buddy block is
+    free doubles into it. Occupancy only grows within a pass, so a group whose buddy is busy
+    at the start of a pass stays put: each pass visits only the groups with a free buddy."""
+    grown = True
+    while grown and not all(occupied):
+        grown = False
+        firsts = np.asarray([first_of[b] for b in members], dtype=np.int64)
+        sizes = np.asarray([size_of[b] for b in members], dtype=np.int64)
+        base = firsts - firsts % (2 * sizes)
+        buddy = np.where(base == firsts, base + sizes, base)
+        used = np.concatenate(([0], np.cumsum(occupied)))
+        free = ((sizes & (sizes - 1)) == 0) & (2 * sizes <= limit) & (base + 2 * sizes <= D)
+        free &= used[np.minimum(buddy + sizes, D)] - used[np.minimum(buddy, D)] == 0
+        candidates = [members[j] for j in np.flatnonzero(free).tolist()]
+        for b in sorted(candidates, key=lambda b: (size_of[b], first_of[b])):
+            first, size = first_of[b], size_of[b]
+            base = first - first % (2 * size)
+            buddy = base + size if base == first else base
+            if not any(occupied[buddy:buddy + size]):
+                occupied[buddy:buddy + size] = [True] * size
+                first_of[b], size_of[b] = base, 2 * size
+                grown = True

@@ -1,7 +1,10 @@
 """Every change dcp-megatron makes to upstream code, one file per upstream module.
 
 Each file lists `Patch` entries (see registry.py); nothing is applied on import. The CPU
-shims are collected by `dcp_megatron.megatron.compat` and applied only when no GPU is present.
+shims (`CPU_PATCHES`) are collected by `dcp_megatron.megatron.compat` and applied only when no GPU
+is present; the DCP patches (`dcp_patches()`: transformer attention's RoPE group, TE's CP stream)
+join them in `dcp_megatron.megatron.patch_set.megatron_patch_registry()`, which pretrain_gpt.py
+applies once at start-up.
 """
 
 # The megatron-core releases these patches were written against and tested on.

@@ -135,9 +135,15 @@ def test_attention_patch_applies_and_restores_megatrons_forward():
 
     from dcp_megatron.megatron.patch_set import megatron_patch_registry
 
+    from patches import extensions_transformer_engine
+
     original = vars(Attention)["forward"]
-    with megatron_patch_registry():
+    with megatron_patch_registry() as registry:
         assert Attention.forward is not original and Attention.forward.dcp_original is original
+        targets = {p.target for p in registry.patches}
+        assert "megatron.core.transformer.attention:Attention.forward" in targets
+        te_target = "megatron.core.extensions.transformer_engine:TEDotProductAttention.cp_stream"
+        assert (te_target in targets) == extensions_transformer_engine.te_available()
     assert vars(Attention)["forward"] is original
 
 
@@ -151,3 +157,25 @@ def test_log_line_has_megatron_fields_and_the_plan_summary():
     assert "tokens/s: 1112.0" in line and "imbalance: 0.250" in line and "predicted (ms):" in line
     assert "waves 1" in line and "cp sizes cp2x4" in line and "micro-batches/rank 3/3" in line
     assert "recompute full1x3" in line
+
+
+def test_cost_model_follows_the_run_flags_and_profile(tmp_path):
+    import json
+
+    from dcp_megatron.megatron.arguments import parse_args
+    from dcp_megatron.megatron.planning import build_cost_model
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"gemm_flops": 1.5e9}))
+    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+            "--swiglu", "--seq-length", "512", "--tokens-per-step", "2048", "--train-iters", "3", "--lr", "1e-3",
+            "--mock-data", "--dcp", "--dcp-max-cp-size", "2", "--dcp-memory-budget-gb", "0.5",
+            "--dcp-profile", str(profile), "--pipeline-model-parallel-size", "2",
+            "--untie-embeddings-and-output-weights"]
+    args = parse_args(argv, world_size=8, has_gpu=False)
+    cost = build_cost_model(args, padded_vocab_size=512, domain_size=args.data_parallel_size, has_gpu=False)
+    assert cost.cluster.name == "cpu" and cost.cluster.domain_size == 4 and cost.cluster.cp_size_limit == 2
+    assert cost.cluster.mem_bytes_per_gpu == int(0.5 * 1024 ** 3) and cost.cluster.gemm_flops == 1.5e9
+    shape = cost.model
+    assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (4, 64, 4, 2, 16)
+    assert shape.pp == 2 and shape.tp == 1 and shape.gated_mlp and shape.ffn_hidden_size == 256

@@ -17,8 +17,17 @@ both at once (as in a real step: both cores busy), all inside the model:
   both ranks, K/V all-gathered) and cp 1: [length, cp, seconds per rank], which CostModel uses
   in place of the rate estimate when the profile is passed to it.
 - microbatch_overhead_s: forward+backward of a 2-token micro-batch (fixed Python cost).
+- recompute_cost_factor: a 2048-token document at cp 1 with full recompute of every layer vs none:
+  measured extra time / (modelled forward share = (none - overhead) / 3). Torch checkpointing on
+  CPU re-allocates every activation and replays the Python of the block, so it costs more than
+  the forward FLOPs.
 - intra_node_bw, collective_latency_s: all_gather_into_tensor of 4..16 MiB (bytes received per
   second) and of 8 bytes (latency) between the two ranks.
+
+Then it checks the calibration: a set of micro-batch kinds the bench plans use (long documents
+at cp 2 with recompute, packed short documents at cp 1 and cp 2, ...) is timed on both ranks
+(median of the repeats, cp 1 kinds on both ranks at once) and printed next to the CostModel
+prediction made with the freshly measured profile.
 
 The output has exactly the keys cost.load_profile accepts; dcp_megatron/planner/cluster_cpu.py
 holds the numbers this tool printed on the reference machine.
@@ -41,13 +50,25 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from dcp_megatron.planner.cluster_cpu import cpu_cluster  # noqa: E402
+from dcp_megatron.planner.cost import CostModel, check_profile  # noqa: E402
 from dcp_megatron.planner.model import model_preset  # noqa: E402
+from dcp_megatron.planner.plan import Recompute  # noqa: E402
+from dcp_megatron.runtime.recompute import apply_recompute  # noqa: E402
 from dcp_megatron.runtime.cp_attention import cp_attention  # noqa: E402
 from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig  # noqa: E402
 from dcp_megatron.runtime.sharding import shard_microbatch  # noqa: E402
 
 ATTN_LENGTHS = (256, 1024, 2048, 4096)
 GLOO_SIZES = (1 << 22, 1 << 24)
+RECOMPUTE_LENGTH = 2048
+SHORT_MIX = [700, 400, 300, 200, 150, 120, 100, 64, 40, 20]      # 2094 tokens of short documents
+CHECK_KINDS = (  # (lengths, cp size, recompute): what bench_runtime's static and dcp plans run
+    ([4096], 2, Recompute("full", 3)), ([2048, 1024, 512, 256, 128, 64], 2, Recompute("full", 3)),
+    (SHORT_MIX + SHORT_MIX, 2, Recompute("full", 3)), (SHORT_MIX + SHORT_MIX, 2, Recompute("none")),
+    ([2048], 2, Recompute("none")), (SHORT_MIX, 1, Recompute("none")), ([1024], 1, Recompute("none")),
+    ([2048], 1, Recompute("full", 2)), ([2048], 1, Recompute("full", 4)), ([3000], 1, Recompute("full", 4)),
+)
 
 
 def tiny_config(shape) -> TinyGPTConfig:
@@ -58,19 +79,40 @@ def tiny_config(shape) -> TinyGPTConfig:
                          ffn_hidden_size=shape.ffn_hidden_size)
 
 
-def best_time(fn, repeats: int) -> float:
-    """Fastest of `repeats` runs after a warm-up; both ranks start each run together."""
+def best_time(fn, repeats: int, clock) -> float:
+    """Fastest of `repeats` runs after a warm-up; both ranks start each run together.
+
+    Model timings use process CPU time by default (--clock): on a machine shared with other jobs a
+    rank gets a varying fraction of a core and wall time mostly measures the other jobs, while CPU
+    time is what the same work takes on a dedicated core. Collectives (bandwidth, latency) always
+    use wall time: a rank blocked in gloo uses no CPU.
+    """
     fn()
     times = []
     for _ in range(repeats):
         dist.barrier()
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return min(times)
 
 
-def model_step(model: TinyGPT, lengths: list[int], cp_size: int, attention: str) -> None:
+def median_time(fn, repeats: int, clock) -> tuple[float, float]:
+    """Median (clock seconds, wall seconds) of `repeats` runs after a warm-up."""
+    fn()
+    times, walls = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        start, wall = clock(), time.perf_counter()
+        fn()
+        times.append(clock() - start)
+        walls.append(time.perf_counter() - wall)
+    return statistics.median(times), statistics.median(walls)
+
+
+def model_step(model: TinyGPT, lengths: list[int], cp_size: int, attention: str,
+               recompute: Recompute = Recompute("none")) -> None:
+    apply_recompute(model, recompute)
     shard = shard_microbatch(lengths, cp_size, dist.get_rank() % cp_size)
     tokens = torch.randint(model.config.vocab_size, (shard.num_local_tokens,))
     if attention == "trivial":
@@ -79,36 +121,64 @@ def model_step(model: TinyGPT, lengths: list[int], cp_size: int, attention: str)
         attn = partial(cp_attention, shard=shard, group=dist.group.WORLD if cp_size > 1 else None)
     logits = model(tokens, shard.position_ids, attn)
     torch.nn.functional.cross_entropy(logits, tokens).backward()
+    model.zero_grad(set_to_none=True)
 
 
-def _rank(rank: int, port: int, model_name: str, repeats: int, results) -> None:
+def _rank(rank: int, port: int, model_name: str, repeats: int, clock_name: str, results) -> None:
     torch.set_num_threads(1)
+    clock = time.process_time if clock_name == "cpu" else time.perf_counter
     torch.manual_seed(rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     shape = model_preset(model_name)
     model = TinyGPT(tiny_config(shape))
     out: dict = {}
-    linear_s = best_time(lambda: model_step(model, [64] * 64, 1, "trivial"), repeats)
+    linear_s = best_time(lambda: model_step(model, [64] * 64, 1, "trivial"), repeats, clock)
     out["gemm_flops"] = shape.linear_flops_per_token * 64 * 64 / linear_s
-    out["microbatch_overhead_s"] = best_time(lambda: model_step(model, [2], 1, "real"), 5 * repeats)
+    out["microbatch_overhead_s"] = best_time(lambda: model_step(model, [2], 1, "real"), 5 * repeats, clock)
+    plain = median_time(lambda: model_step(model, [RECOMPUTE_LENGTH], 1, "real"), repeats + 1, clock)[0]
+    full = median_time(lambda: model_step(model, [RECOMPUTE_LENGTH], 1, "real", Recompute("full", shape.num_layers)),
+                       repeats + 1, clock)[0]
+    out["recompute_cost_factor"] = max(full - plain, 0.0) / ((plain - out["microbatch_overhead_s"]) / 3.0)
     out["attention_times"] = []
     for cp_size in (1, 2):
         for length in ATTN_LENGTHS:
             local = length // cp_size
-            full = best_time(lambda: model_step(model, [length], cp_size, "real"), repeats)
-            linear = best_time(lambda: model_step(model, [local], 1, "trivial"), repeats)
+            full = best_time(lambda: model_step(model, [length], cp_size, "real"), repeats, clock)
+            linear = best_time(lambda: model_step(model, [local], 1, "trivial"), repeats, clock)
             out["attention_times"].append([length, cp_size, max(full - linear, 1e-6)])
     gloo = {}
     for nbytes in (8,) + GLOO_SIZES:
         local = torch.zeros(nbytes // 4)
         gathered = torch.empty(2 * local.numel())
-        gloo[nbytes] = best_time(lambda: dist.all_gather_into_tensor(gathered, local), 3 * repeats)
+        gloo[nbytes] = best_time(lambda: dist.all_gather_into_tensor(gathered, local), 3 * repeats, time.perf_counter)
     out["collective_latency_s"] = gloo[8]
     out["intra_node_bw"] = statistics.median(n / max(gloo[n] - gloo[8], 1e-9) for n in GLOO_SIZES)
     if rank == 0:
         results.put(out)
+    measured = []
+    for lengths, cp_size, recompute in CHECK_KINDS:
+        measured.append(median_time(lambda: model_step(model, lengths, cp_size, "real", recompute), repeats + 1, clock))
+    if rank == 0:
+        results.put(measured)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def print_check(shape, profile: dict, measured: list[float]) -> None:
+    """Predicted (preset, fresh profile) vs measured seconds per micro-batch kind."""
+    preset = CostModel(shape, cpu_cluster(2))
+    try:
+        fresh = CostModel(shape, cpu_cluster(2), profile=check_profile(profile))
+    except ValueError as err:   # a cost.py without recompute_cost_factor in its profile keys
+        print(f"(profile not loadable by this cost.py: {err}; scoring without recompute_cost_factor)")
+        fresh = CostModel(shape, cpu_cluster(2), profile={k: v for k, v in profile.items()
+                                                          if k != "recompute_cost_factor"})
+    print(f"{'micro-batch kind':44s} {'measured':>9s} {'preset':>9s} {'profile':>9s}   (wall, same runs)")
+    for (lengths, cp_size, recompute), (sec, wall) in zip(CHECK_KINDS, measured):
+        name = f"{len(lengths)} docs/{sum(lengths)} tok (max {max(lengths)}) cp{cp_size} {recompute}"
+        p0 = preset.microbatch_time(lengths, cp_size, recompute=recompute)
+        p1 = fresh.microbatch_time(lengths, cp_size, recompute=recompute)
+        print(f"{name:44s} {sec:8.3f}s {p0:8.3f}s {p1:8.3f}s  (profile/measured {p1 / sec:.2f})  {wall:8.3f}s")
 
 
 def main(argv=None) -> int:
@@ -116,6 +186,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="gpt-tiny")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", help="write the profile JSON here")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="model timings in process CPU time (default; robust on a shared machine) or wall time")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -125,10 +197,11 @@ def main(argv=None) -> int:
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, args.model, args.repeats, results)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, args.model, args.repeats, args.clock, results)) for r in range(2)]
     for proc in procs:
         proc.start()
     out = results.get(timeout=1800)
+    measured = results.get(timeout=1800)
     for proc in procs:
         proc.join(timeout=60)
     rates = [[length, shape.attn_flops_per_len2 * length * length / sec]
@@ -141,7 +214,8 @@ def main(argv=None) -> int:
         "inter_node_bw": out["intra_node_bw"],
         "microbatch_overhead_s": out["microbatch_overhead_s"],
         "collective_latency_s": out["collective_latency_s"],
-        "meta": {"model": args.model, "ranks": 2, "threads_per_rank": 1, "dtype": "float32",
+        "recompute_cost_factor": out["recompute_cost_factor"],
+        "meta": {"model": args.model, "clock": args.clock, "ranks": 2, "threads_per_rank": 1, "dtype": "float32",
                  "torch": torch.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
                  "load_average": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S")},
     }
@@ -153,7 +227,10 @@ def main(argv=None) -> int:
     print(f"microbatch_overhead_s {profile['microbatch_overhead_s'] * 1e3:8.2f} ms")
     print(f"intra_node_bw         {profile['intra_node_bw'] / 1e9:8.3f} GB/s (gloo all-gather, 2 processes)")
     print(f"collective_latency_s  {profile['collective_latency_s'] * 1e6:8.1f} us")
+    print(f"recompute_cost_factor {profile['recompute_cost_factor']:8.2f} (x forward share, full recompute "
+          f"at L={RECOMPUTE_LENGTH})")
     print(f"load average during the run: {os.getloadavg()}")
+    print_check(shape, profile, measured)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(profile, f, indent=1)

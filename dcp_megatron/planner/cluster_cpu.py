@@ -4,17 +4,22 @@ Each rank is one process with one intra-op thread running TinyGPT / gpt-tiny in 
 project's CP attention over gloo. How the constants below were measured (reference machine:
 2-core AMD EPYC VM, torch 2.13 CPU, shared with other jobs):
 
-- on a quiet machine (load average < 2), in one process: the linear part as TinyGPT forward +
-  backward with a trivial core attention on packed 64-token documents; cp_attention alone
-  (forward + backward, no group) on documents of length L packed into 4K-token micro-batches;
-  a 2-token micro-batch for the fixed overhead; gloo all-gather between two processes for
-  bandwidth and latency. Two runs agreed within ~10%.
-- `tools/profile_cpu.py --json cpu_profile.json` now measures the same quantities inside the
-  model on two ranks running at once (what a real step sees), and adds per-(length, cp)
-  attention times. Under load from other jobs it read 2-4x slower (12-27 GFLOP/s linear), so
-  those readings were not folded in; rerun it on a quiet machine and pass the JSON to
-  CostModel(..., profile=load_profile(path)) (or tools/bench_runtime.py --profile) to score
-  plans with this machine's own numbers.
+- `tools/profile_cpu.py --json cpu_profile.json` (default --clock cpu) runs two ranks at once
+  (what a real step sees) and times, inside the model: the linear part (TinyGPT forward +
+  backward with a trivial core attention on packed 64-token documents), the CP attention per
+  (length, cp) as the model time minus its linear part, a 2-token micro-batch (fixed overhead),
+  full recompute of every layer vs none on a 2048-token document (recompute_cost_factor), and
+  gloo all-gather between the two ranks (bandwidth, latency; wall clock). Model timings use
+  process CPU time: the machine is shared (load average 4-6 on 2 cores while these were taken),
+  so wall time mostly measured the other jobs (1.4-4x the CPU time, varying run to run), while
+  CPU time is what the same work takes on a dedicated core and repeats within ~10%.
+- Attention runs torch's fused CPU flash-attention kernel (see runtime/attention_blocks.py);
+  the rates below are for it (the earlier plain-matmul tiles ran 2-3x slower).
+- Check (same tool, CPU time, predicted / measured per micro-batch): 4096 tokens cp2 full3
+  1.10, 2048 cp1 full2 1.02, 2048 cp1 full4 1.06, 3000 cp1 full4 0.98, 1024 cp1 none 1.02,
+  2048 cp2 none 1.05, 20 short documents (<= 700) cp2 1.37-1.49 and cp1 1.26 (short-document
+  attention is overestimated: conservative for the micro-batches dcp moves to CP=1).
+- Bandwidth is the earlier quiet-machine reading (1.08 GB/s; 0.4 under load).
 
 Memory is a modelling choice, not the machine's RAM: a CPU rank gets a budget small enough that
 gpt-tiny documents of a few thousand tokens need CP=2 or recompute, as 100K+ token documents do
@@ -28,14 +33,15 @@ from dcp_megatron.planner.cluster import ClusterSpec
 
 MiB = 1024 ** 2
 
-# Quiet-machine measurements (see the module docstring), 1 thread per rank, fp32, gpt-tiny; rounded.
-CPU_GEMM_FLOPS = 60e9                    # TinyGPT linear part, forward+backward, end to end (58-62)
+# CPU-time measurements (see the module docstring), 1 thread per rank, fp32, gpt-tiny; rounded.
+CPU_GEMM_FLOPS = 56e9                    # TinyGPT linear part, forward+backward, end to end (56.5, 57.3)
 CPU_ATTN_RATE_POINTS = (                 # cp_attention forward+backward, causal FLOPs per second
-    (64, 1.0e9), (256, 4.4e9), (1024, 13.5e9), (4096, 17.5e9),
+    (64, 2.1e9), (256, 11e9), (1024, 25e9), (2048, 31e9), (4096, 33e9),
 )
+CPU_RECOMPUTE_COST_FACTOR = 1.2          # full recompute extra / forward FLOP share (1.19 CPU time)
 CPU_GLOO_BW = 1.08e9                     # bytes/s received, gloo all-gather between 2 local processes
 CPU_COLLECTIVE_LATENCY_S = 200e-6        # one small gloo all-gather between 2 local processes
-CPU_MICROBATCH_OVERHEAD_S = 7.7e-3       # forward+backward of a 2-token micro-batch (Python, 4 layers)
+CPU_MICROBATCH_OVERHEAD_S = 8.0e-3       # forward+backward of a 2-token micro-batch (Python, 4 layers)
 CPU_MEM_BYTES_PER_RANK = 40 * MiB        # modelling budget, see the module docstring
 CPU_RANKS_PER_MACHINE = 64               # every rank of a CPU run is a local process: one "node"
 
@@ -57,4 +63,5 @@ def cpu_cluster(domain_size: int) -> ClusterSpec:
         inter_node_bw=CPU_GLOO_BW,       # loopback either way: there is no second machine
         microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S,
         collective_latency_s=CPU_COLLECTIVE_LATENCY_S,
+        recompute_cost_factor=CPU_RECOMPUTE_COST_FACTOR,
     )

@@ -26,6 +26,7 @@ Profile JSON (`load_profile`) overrides the cluster constants; all keys optional
      "attn_rate_points": [[length, FLOP/s], ...]    sorted by length,
      "intra_node_bw": bytes/s, "inter_node_bw": bytes/s,
      "microbatch_overhead_s": s, "collective_latency_s": s,
+     "recompute_cost_factor": x (cost of a recomputed forward / its modelled FLOP share),
      "attention_times": [[length, cp_size, seconds], ...],
      "meta": {...}}                                  free-form, ignored
 `attention_times` are measured forward+backward causal-attention seconds per document per
@@ -47,7 +48,7 @@ from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 
 _PROFILE_SCALARS = ("gemm_flops", "intra_node_bw", "inter_node_bw", "microbatch_overhead_s",
-                    "collective_latency_s")
+                    "collective_latency_s", "recompute_cost_factor")
 _PROFILE_KEYS = frozenset(_PROFILE_SCALARS + ("attn_rate_points", "attention_times", "meta"))
 ACT_BYTES_PER_TOKEN_LAYER = 34      # × hidden, bf16, Korthikanti et al. without the s² term
 SELECTIVE_BYTES_PER_TOKEN_LAYER = 32  # the attention output is recomputed
@@ -100,6 +101,7 @@ class CostModel:
         self._attn_table: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._max_local: dict[Recompute, int] = {}    # memoised per recompute policy
         self._bytes_per_token: dict[Recompute, float] = {}
+        self._memo: dict = {}                          # see `memoised`
         if profile is not None:
             check_profile(profile)
             changes = {k: profile[k] for k in _PROFILE_SCALARS if k in profile}
@@ -130,8 +132,17 @@ class CostModel:
         opt = 12.0 / cluster.domain_size if cluster.distributed_optimizer else 12.0
         self.static_bytes = int(params * (2.0 + 4.0 + opt))
         self._none_bytes_per_token = self._bytes_per_local_token(NO_RECOMPUTE)
+        self._full_options = [Recompute("full", k) for k in range(1, self.layers_per_stage + 1)]
+        self._full_bytes_per_token = np.array([self.bytes_per_local_token(r) for r in self._full_options])
         self._none_max_local = None
         self._none_max_local = self.max_local_tokens(NO_RECOMPUTE)
+
+    def memoised(self, key, make):
+        """make() once per key for this cost model: run-wide values a policy derives from the
+        cost model alone (e.g. the static layout of a length cap), not per batch."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     # ---- per-document pieces (vectorised) ------------------------------------------------
     @staticmethod
@@ -191,10 +202,10 @@ class CostModel:
         passes = CP_PASSES
         if recompute.kind == "full":
             frac = recompute.full_layers / self.layers_per_stage
-            extra = frac * compute_s / 3.0
+            extra = frac * compute_s / 3.0 * self.cluster.recompute_cost_factor
             passes += frac
         elif recompute.kind == "selective":
-            extra = attn_s / 3.0
+            extra = attn_s / 3.0 * self.cluster.recompute_cost_factor
             passes += 1
         else:
             extra = 0.0
@@ -213,10 +224,10 @@ class CostModel:
         passes = CP_PASSES
         if recompute.kind == "full":
             frac = recompute.full_layers / self.layers_per_stage
-            extra = frac * compute_s / 3.0
+            extra = frac * compute_s / 3.0 * self.cluster.recompute_cost_factor
             passes += frac
         elif recompute.kind == "selective":
-            extra = attn_s / 3.0
+            extra = attn_s / 3.0 * self.cluster.recompute_cost_factor
             passes += 1
         else:
             extra = 0.0
@@ -266,8 +277,7 @@ class CostModel:
 
     def recompute_options(self) -> list[Recompute]:
         """none, selective, full 1..n: memory falls (not strictly) along the list."""
-        n = self.layers_per_stage
-        return [NO_RECOMPUTE, SELECTIVE] + [Recompute("full", k) for k in range(1, n + 1)]
+        return [NO_RECOMPUTE, SELECTIVE] + self._full_options
 
     def best_recompute_from_sums(self, local_tokens: float, compute_s: float, attn_s: float,
                                  cp_size: int) -> Recompute | None:
@@ -277,24 +287,19 @@ class CostModel:
         if not fitting or fitting[0] is not NO_RECOMPUTE:
             k = self._fewest_full_layers(local_tokens, room)
             if k is not None:
-                fitting.append(Recompute("full", k))
+                fitting.append(self._full_options[k - 1])
         if not fitting:
             return None
         return min(fitting, key=lambda r: (self.time_from_sums(local_tokens, compute_s, attn_s, cp_size, 0, r)))
 
     def _fewest_full_layers(self, local_tokens: float, room: float) -> int | None:
-        n = self.layers_per_stage
-        full_all = Recompute("full", n)
-        if local_tokens * self.bytes_per_local_token(full_all) > room:
-            return None
-        lo, hi = 1, n                      # memory falls as k grows: binary search the fewest
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if local_tokens * self.bytes_per_local_token(Recompute("full", mid)) <= room:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        # memory falls as k grows: the first k = 1..n whose bytes fit (bytes_per_local_token's floats)
+        k = int(np.searchsorted(-self._full_bytes_per_token, -room / local_tokens, side="left")) if local_tokens else 0
+        while k > 0 and local_tokens * self._full_bytes_per_token[k - 1] <= room:
+            k -= 1                          # guard the division's rounding: step back while the product fits
+        while k < len(self._full_options) and local_tokens * self._full_bytes_per_token[k] > room:
+            k += 1
+        return k + 1 if k < len(self._full_options) else None
 
     # ---- the public API ------------------------------------------------------------------
     def _sums(self, lengths: Sequence[int], cp_size: int) -> tuple[float, float, float]:

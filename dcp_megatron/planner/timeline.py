@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from dcp_megatron.planner.plan import StepPlan
 
 
@@ -61,3 +63,21 @@ def rank_finish_times(plan: StepPlan) -> list[float]:
 
 def plan_makespan(plan: StepPlan) -> float:
     return float(max(rank_finish_times(plan), default=0.0))
+
+
+def one_microbatch_makespan(wave_of: np.ndarray, first_of: np.ndarray, size_of: np.ndarray, times: np.ndarray,
+                            domain_size: int) -> float:
+    """`plan_makespan` of groups that each run one micro-batch of `times` seconds, given as arrays
+    (no plan objects): per wave, a group starts when its slowest member is free."""
+    finish = np.zeros(domain_size + 1)               # + a sentinel so a block may end at D
+    for w in range(int(wave_of.max()) + 1 if wave_of.size else 0):
+        sel = np.flatnonzero(wave_of == w)
+        order = sel[np.argsort(first_of[sel], kind="stable")]
+        firsts, sizes = first_of[order], size_of[order]
+        edges = np.empty(2 * order.size, dtype=np.int64)
+        edges[0::2], edges[1::2] = firsts, firsts + sizes
+        start = np.maximum.reduceat(finish, edges)[0::2]
+        ends = np.cumsum(sizes)
+        ranks = np.repeat(firsts - (ends - sizes), sizes) + np.arange(int(ends[-1]))
+        finish[ranks] = np.repeat(start + times[order], sizes)
+    return float(finish[:domain_size].max())

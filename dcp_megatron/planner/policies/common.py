@@ -32,7 +32,7 @@ def check_batch(batch: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarra
     if bad.size:
         i = int(bad[0])
         raise ValueError(f"sample {int(ids[i])} has length {int(lengths[i])}; lengths must be positive")
-    if np.unique(ids).size != ids.size:
+    if ids.size > 1 and not (ids[1:] > ids[:-1]).all() and (np.diff(np.sort(ids)) == 0).any():
         uniq, counts = np.unique(ids, return_counts=True)
         raise ValueError(f"sample id {int(uniq[counts > 1][0])} appears more than once in the batch")
     return ids, lengths
@@ -166,27 +166,30 @@ def assemble_waves(domain_size: int, scheduled: Iterable[Group]) -> tuple[Wave, 
     every wave its members already use, so a rank's groups keep their order; ranks a wave
     does not use get an empty singleton group there (they run nothing in it)."""
     next_wave = [0] * domain_size
-    waves: list[list[Group]] = []
+    slots: list[list] = []                 # per wave: the group starting at each rank, or None
     for g in scheduled:
-        lo, hi = g.first_rank, g.first_rank + g.size
-        w = max(next_wave[lo:hi]) if g.size > 1 else next_wave[lo]
-        next_wave[lo:hi] = [w + 1] * g.size
-        while len(waves) <= w:
-            waves.append([])
-        waves[w].append(g)
+        lo = g.first_rank
+        if g.size == 1:
+            w = next_wave[lo]
+            next_wave[lo] = w + 1
+        else:
+            hi = lo + g.size
+            w = max(next_wave[lo:hi])
+            next_wave[lo:hi] = [w + 1] * g.size
+        while len(slots) <= w:
+            slots.append([None] * domain_size)
+        slots[w][lo] = g
+    if not slots:
+        slots.append([None] * domain_size)
     empty: dict[int, Group] = {}
     out = []
-    for groups in waves:
-        groups.sort(key=lambda g: g.first_rank)
+    for starts in slots:
         filled, r = [], 0
-        for g in groups:
-            for rank in range(r, g.first_rank):
-                filled.append(empty.get(rank) or empty.setdefault(rank, Group(rank, 1, ())))
+        while r < domain_size:
+            g = starts[r]
+            if g is None:
+                g = empty.get(r) or empty.setdefault(r, Group(r, 1, ()))
             filled.append(g)
-            r = g.first_rank + g.size
-        for rank in range(r, domain_size):
-            filled.append(empty.get(rank) or empty.setdefault(rank, Group(rank, 1, ())))
+            r += g.size
         out.append(Wave(tuple(filled)))
-    if not out:
-        out.append(Wave(tuple(Group(r, 1, ()) for r in range(domain_size))))
     return tuple(out)

@@ -50,29 +50,52 @@ class SizedSequences:
         self.idx[which] = new_idx
         self._refresh(which)
 
+    def copy(self) -> "SizedSequences":
+        other = object.__new__(SizedSequences)
+        other.lengths, other.sizes, other.cost = self.lengths, self.sizes, self.cost
+        other.idx, other.local, other.compute, other.attn, other.seconds = (
+            x.copy() for x in (self.idx, self.local, self.compute, self.attn, self.seconds))
+        return other
+
+    def grow_above(self, time_limit: float, allowed_top: int) -> None:
+        """Larger groups, size by size, for sequences that alone take longer than `time_limit`
+        while the next size runs them faster (with PP a sequence longer than the wave time
+        stretches its whole wave)."""
+        for k in range(allowed_top):
+            sel = np.flatnonzero((self.idx == k) & (self.seconds > time_limit))
+            if not sel.size:
+                continue
+            faster = self.cost.doc_alone_seconds(self.lengths[sel], self.sizes[k + 1])[3] < self.seconds[sel] * (1 - 1e-3)
+            if faster.any():
+                self.move(sel[faster], np.full(int(faster.sum()), k + 1))
+
     def grow_long_sequences(self, domain_size: int, allowed_top: int) -> None:
         """Larger groups for sequences that alone outlast the balanced step, while that lowers
         the step estimate max(balanced rank-seconds / D, longest alone-time)."""
-        sizes = np.asarray(self.sizes)
+        sizes = self.sizes
         rank_seconds = self.rank_seconds()
         cand = np.flatnonzero((self.seconds > rank_seconds / domain_size) & (self.idx < allowed_top))
         if not cand.size:
             return
         cand = cand[np.argsort(-self.seconds[cand], kind="stable")]
-        table = np.full((cand.size, len(self.sizes)), np.inf)      # alone-time at every size
-        for k in range(int(self.idx[cand].min()), allowed_top + 1):
-            sel = np.flatnonzero(self.idx[cand] <= k)
-            table[sel, k] = self.cost.doc_alone_seconds(self.lengths[cand[sel]], self.sizes[k])[3]
+        # alone-time at every size, a column computed when the loop first needs it
+        table = np.full((cand.size, len(self.sizes)), np.inf)
+        table[np.arange(cand.size), self.idx[cand]] = self.seconds[cand]
+        known = np.zeros(len(self.sizes), dtype=bool)
         others = np.delete(self.seconds, cand)
         longest_other = float(others.max()) if others.size else 0.0
-        new_idx = self.idx[cand].copy()
-        heap = [(-float(table[j, new_idx[j]]), j) for j in range(cand.size)]   # longest first
+        new_idx = self.idx[cand].tolist()
+        heap = [(-t, j) for j, t in enumerate(self.seconds[cand].tolist())]     # longest first
         heapq.heapify(heap)
         while heap:
             neg_t, j = heap[0]
-            t, k = -neg_t, int(new_idx[j])
+            t, k = -neg_t, new_idx[j]
             if k >= allowed_top:
                 break
+            if not known[k + 1]:
+                sel = np.flatnonzero(self.idx[cand] < k + 1)
+                table[sel, k + 1] = self.cost.doc_alone_seconds(self.lengths[cand[sel]], self.sizes[k + 1])[3]
+                known[k + 1] = True
             t_next = float(table[j, k + 1])
             grown = rank_seconds + t_next * sizes[k + 1] - t * sizes[k]
             # Worth it while the sequence gets faster and the extra rank-seconds keep the
@@ -81,6 +104,7 @@ class SizedSequences:
                 break
             new_idx[j], rank_seconds = k + 1, grown
             heapq.heapreplace(heap, (-t_next, j))
+        new_idx = np.asarray(new_idx, dtype=np.int64)
         moved = new_idx != self.idx[cand]
         if moved.any():
             self.move(cand[moved], new_idx[moved])
@@ -123,16 +147,17 @@ def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) ->
         mems = (cost.static_bytes + np.ceil(block_local * mem_per_token)).astype(np.int64).tolist()
         busy = times.copy()
         ordered = members[by_block].tolist()
-        bounds = zip([0] + cuts.tolist(), cuts.tolist() + [len(ordered)])
-        for j, ((lo, hi), first, fits) in enumerate(zip(bounds, firsts.tolist(), (block_local <= cap_none).tolist())):
-            items = ordered[lo:hi]
-            if fits:
-                mbs = (MicroBatch(tuple(map(pairs.__getitem__, items)), NO_RECOMPUTE, float(times[j]), mems[j]),)
+        ordered_pairs = list(map(pairs.__getitem__, ordered))
+        lows, highs = [0] + cuts.tolist(), cuts.tolist() + [len(ordered)]
+        fits = (block_local <= cap_none).tolist()
+        for j, (lo, hi, first, t, mem) in enumerate(zip(lows, highs, firsts.tolist(), times.tolist(), mems)):
+            if fits[j]:
+                mbs = (MicroBatch(tuple(ordered_pairs[lo:hi]), NO_RECOMPUTE, t, mem),)
             else:
                 mbs = tuple(microbatch_from_sums(cost, tuple(map(pairs.__getitem__, chunk)),
                                                  sum(local[i] for i in chunk), sum(compute[i] for i in chunk),
                                                  sum(attn[i] for i in chunk), size, first)
-                            for chunk in _next_fit(items, local, cap_none))
+                            for chunk in _next_fit(ordered[lo:hi], local, cap_none))
                 busy[j] = sum(mb.est_time_s for mb in mbs)
             scheduled.append(Group(first, size, mbs))
         end = starts[used] + busy

@@ -1,8 +1,9 @@
 """`dcp` with pipeline parallelism: every group runs exactly one micro-batch per wave.
 
-1F1B needs every rank to run the same micro-batch count, so waves are uniform:
-a wave of CP size c tiles the domain with D/c groups (c divides D), each running one
-micro-batch. Per size class:
+Two plans are built and the one with the shorter timeline is returned: mixed-size waves
+(`dcp_waves`, usually the better one) and uniform waves, described here.
+1F1B needs every rank to run the same micro-batch count; in uniform waves a wave of CP size
+c tiles the domain with D/c groups (c divides D), each running one micro-batch. Per size class:
 - sequences choose sizes as in the PP = 1 policy, among sizes dividing D;
 - a class with fewer sequences than it has groups per wave moves up to the next size (a
   sequence that fits at c fits at any larger size), so no group idles with an empty
@@ -21,12 +22,26 @@ import math
 
 import numpy as np
 
-from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, Wave
-from dcp_megatron.planner.policies.common import divisor_sizes, lpt_bins, microbatch_from_sums, min_fitting_size
+from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, StepPlan, Wave
+from dcp_megatron.planner.policies.common import (candidate_sizes, divisor_sizes, lpt_bins, microbatch_from_sums,
+                                                  min_fitting_size)
 from dcp_megatron.planner.policies.dcp import SizedSequences
+from dcp_megatron.planner.policies.dcp_waves import plan_mixed_waves
+from dcp_megatron.planner.timeline import plan_makespan
 
 
 def plan_dcp_pipeline(ids: np.ndarray, lengths: np.ndarray, cost) -> tuple[Wave, ...]:
+    D = cost.cluster.domain_size
+    sizes = candidate_sizes(cost.cluster)
+    seqs = SizedSequences(lengths, sizes, min_fitting_size(lengths, ids, sizes, cost), cost)
+    seqs.grow_long_sequences(D, len(sizes) - 1)
+    mixed = plan_mixed_waves(ids, lengths, cost, seqs)
+    uniform = _uniform_waves(ids, lengths, cost)
+    timeline = [plan_makespan(StepPlan(domain_size=D, waves=w)) for w in (mixed, uniform)]
+    return mixed if timeline[0] <= timeline[1] else uniform
+
+
+def _uniform_waves(ids: np.ndarray, lengths: np.ndarray, cost) -> tuple[Wave, ...]:
     D = cost.cluster.domain_size
     sizes = divisor_sizes(cost.cluster)
     seqs = SizedSequences(lengths, sizes, min_fitting_size(lengths, ids, sizes, cost), cost)

@@ -19,9 +19,10 @@ import math
 
 import numpy as np
 
-from dcp_megatron.planner.plan import Group, MicroBatch, Wave
+from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Wave
 from dcp_megatron.planner.policies.common import lpt_bins, local_tokens, microbatch_from_sums, pow2_sizes
 from dcp_megatron.planner.policies.static import static_layout
+from dcp_megatron.planner.timeline import one_microbatch_makespan
 
 
 def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None,
@@ -49,6 +50,8 @@ def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None,
         local_bucket, used = _equal_work_buckets(order, work, loc, cap, count)
         bucket_of[members] = len(bucket_sizes) + local_bucket
         bucket_sizes += [s] * used
+    if must_beat is not None and _longest_bucket_time(lengths, bucket_of, bucket_sizes, cost) >= must_beat * (1 + 1e-9):
+        return None
     wave_of, first_of, size_of = _place(bucket_sizes, D, cluster.cp_size_limit)
     num = len(bucket_sizes)
     final_size = np.asarray(size_of)[bucket_of]
@@ -64,7 +67,7 @@ def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None,
     run_order = np.lexsort((first_arr, wave_arr)).tolist()
     if must_beat is not None:
         times = cost.times_from_sums(sums[0], sums[1], sums[2], size_arr, first_arr, recompute)
-        if _makespan(wave_arr, first_arr, size_arr, times, D) >= must_beat * (1 + 1e-9):   # margin: rounding
+        if one_microbatch_makespan(wave_arr, first_arr, size_arr, times, D) >= must_beat * (1 + 1e-9):
             return None
     local_s, compute_s, attn_s = (row.tolist() for row in sums)
     by_bucket = np.argsort(bucket_of, kind="stable")
@@ -109,27 +112,17 @@ def _idle(rank: int, cost) -> Group:
                                       est_mem_bytes=cost.static_bytes),))
 
 
-def _makespan(wave_of: np.ndarray, first_of: np.ndarray, size_of: np.ndarray, times: np.ndarray, D: int) -> float:
-    """Timeline makespan of one-micro-batch groups: per wave, a group starts when its slowest
-    member is free (the same rule as timeline.rank_finish_times)."""
-    finish = np.zeros(D + 1)                    # + a sentinel so a block may end at D
-    for w in range(int(wave_of.max()) + 1 if wave_of.size else 0):
-        sel = np.flatnonzero(wave_of == w)
-        firsts, sizes = first_of[sel], size_of[sel]
-        edges = np.empty(2 * sel.size, dtype=np.int64)
-        edges[0::2], edges[1::2] = firsts, firsts + sizes
-        order = np.argsort(firsts, kind="stable")
-        edges = edges.reshape(-1, 2)[order].ravel()
-        start = np.maximum.reduceat(finish, edges)[0::2]
-        finish[np.repeat(firsts[order], sizes[order]) + _offsets(sizes[order])] = np.repeat(
-            start + times[sel][order], sizes[order])
-    return float(finish[:D].max())
-
-
-def _offsets(sizes: np.ndarray) -> np.ndarray:
-    """0..size-1 for each size, concatenated."""
-    ends = np.cumsum(sizes)
-    return np.arange(int(ends[-1]) if sizes.size else 0) - np.repeat(ends - sizes, sizes)
+def _longest_bucket_time(lengths, bucket_of: np.ndarray, bucket_sizes: list[int], cost) -> float:
+    """A bound below the plan's step, before placement: the bucket holding the longest sequence
+    runs at its size or, doubled, a larger power of two; recompute only adds time."""
+    if cost.cluster.intra_node_bw < cost.cluster.inter_node_bw:
+        return 0.0                       # first rank 0 (intra-node) would not be the fastest place
+    bucket = int(bucket_of[int(np.argmax(lengths))])
+    docs = lengths[bucket_of == bucket]
+    size = bucket_sizes[bucket]
+    grown = [size] if size & (size - 1) else [s for s in pow2_sizes(cost.cluster.cp_size_limit) if s >= size]
+    return min(cost.time_from_sums(*(float(x.sum()) for x in cost.doc_terms(docs, s)), s, 0, NO_RECOMPUTE)
+               for s in grown)
 
 
 def _place(bucket_sizes: list[int], D: int, limit: int) -> tuple[list[int], list[int], list[int]]:

@@ -34,6 +34,11 @@ class StaticLayout(NamedTuple):
 
 
 def static_layout(cost, max_seq_len: int) -> StaticLayout:
+    """The run's layout for this length cap (computed once per cost model and cap)."""
+    return cost.memoised(("static_layout", int(max_seq_len)), lambda: _choose_layout(cost, int(max_seq_len)))
+
+
+def _choose_layout(cost, max_seq_len: int) -> StaticLayout:
     best = None
     for c in divisor_sizes(cost.cluster):
         local, compute, attn = (float(x[0]) for x in cost.doc_terms(np.array([max_seq_len]), c))
@@ -56,15 +61,14 @@ def static_layout(cost, max_seq_len: int) -> StaticLayout:
 
 def pack_in_order(lengths: np.ndarray, layout: StaticLayout) -> list[tuple[int, int]]:
     """[start, end) index ranges of micro-batches: next-fit in batch order by padded tokens."""
-    local = local_tokens(lengths, layout.cp_size).tolist()
+    ends = np.cumsum(local_tokens(lengths, layout.cp_size))
     cap = layout.capacity_local_tokens
-    ranges, start, used = [], 0, 0
-    for i, n in enumerate(local):
-        if used + n > cap and i > start:
-            ranges.append((start, i))
-            start, used = i, 0
-        used += n
-    ranges.append((start, len(local)))
+    ranges, start, used_before = [], 0, 0
+    while start < lengths.size:
+        # the most sequences from `start` whose tokens fit the capacity, at least one
+        end = max(int(np.searchsorted(ends, used_before + cap, side="right")), start + 1)
+        ranges.append((start, end))
+        start, used_before = end, int(ends[end - 1])
     return ranges
 
 

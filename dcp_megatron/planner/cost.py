@@ -37,57 +37,20 @@ scaled by cp_row/c, extrapolated as L² beyond the table.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from typing import Sequence
 
 import numpy as np
 
 from dcp_megatron.planner.cluster import ClusterSpec
+from dcp_megatron.planner.cost_profile import PROFILE_SCALARS, check_profile, load_profile  # noqa: F401
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 
-_PROFILE_SCALARS = ("gemm_flops", "intra_node_bw", "inter_node_bw", "microbatch_overhead_s",
-                    "collective_latency_s", "recompute_cost_factor")
-_PROFILE_KEYS = frozenset(_PROFILE_SCALARS + ("attn_rate_points", "attention_times", "meta"))
 ACT_BYTES_PER_TOKEN_LAYER = 34      # × hidden, bf16, Korthikanti et al. without the s² term
 SELECTIVE_BYTES_PER_TOKEN_LAYER = 32  # the attention output is recomputed
 FULL_BYTES_PER_TOKEN_LAYER = 2      # the layer input only
 CP_PASSES = 3                       # K/V gather forward, again in backward, dK/dV reduce-scatter
-
-
-def load_profile(path: str) -> dict:
-    """Read and check a profile JSON (schema in the module docstring)."""
-    with open(path) as f:
-        try:
-            obj = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"profile {path}: not valid JSON ({err})") from err
-    return check_profile(obj, where=path)
-
-
-def check_profile(obj, *, where: str = "profile") -> dict:
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: a profile is a JSON object, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - _PROFILE_KEYS)
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(_PROFILE_KEYS)}")
-    for key in _PROFILE_SCALARS:
-        if key in obj and (not isinstance(obj[key], (int, float)) or obj[key] < 0
-                           or (obj[key] == 0 and key not in ("microbatch_overhead_s", "collective_latency_s"))):
-            raise ValueError(f"{where}: {key} must be a positive number, got {obj[key]!r}")
-    if "attn_rate_points" in obj:
-        pts = obj["attn_rate_points"]
-        if (not isinstance(pts, list) or not pts
-                or any(not isinstance(p, list) or len(p) != 2 or p[0] <= 0 or p[1] <= 0 for p in pts)):
-            raise ValueError(f"{where}: attn_rate_points must be a non-empty list of [length, rate>0], got {pts!r}")
-    if "attention_times" in obj:
-        rows = obj["attention_times"]
-        if (not isinstance(rows, list) or not rows
-                or any(not isinstance(r, list) or len(r) != 3 or r[0] <= 0 or r[1] <= 0 or r[2] <= 0
-                       for r in rows)):
-            raise ValueError(f"{where}: attention_times must be a non-empty list of [length, cp_size, seconds>0]")
-    return obj
 
 
 class CostModel:
@@ -104,7 +67,7 @@ class CostModel:
         self._memo: dict = {}                          # see `memoised`
         if profile is not None:
             check_profile(profile)
-            changes = {k: profile[k] for k in _PROFILE_SCALARS if k in profile}
+            changes = {k: profile[k] for k in PROFILE_SCALARS if k in profile}
             if "attn_rate_points" in profile:
                 changes["attn_rate_points"] = tuple(sorted((int(L), float(r)) for L, r in profile["attn_rate_points"]))
             cluster = dataclasses.replace(cluster, **changes)

@@ -65,7 +65,8 @@ class SizedSequences:
             sel = np.flatnonzero((self.idx == k) & (self.seconds > time_limit))
             if not sel.size:
                 continue
-            faster = self.cost.doc_alone_seconds(self.lengths[sel], self.sizes[k + 1])[3] < self.seconds[sel] * (1 - 1e-3)
+            grown = self.cost.doc_alone_seconds(self.lengths[sel], self.sizes[k + 1])[3]
+            faster = grown < self.seconds[sel] * (1 - 1e-3)
             if faster.any():
                 self.move(sel[faster], np.full(int(faster.sum()), k + 1))
 

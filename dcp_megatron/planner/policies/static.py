@@ -5,7 +5,8 @@ would pick: among CP sizes dividing D, with the fastest recompute with which a m
 holding one sequence of the run's length cap fits, the pair with the fewest rank-seconds for
 two full micro-batches: that longest sequence, and the same capacity packed with
 `TYPICAL_DOC_LEN`-token documents (a tuned user measures both; the long one alone would favour
-large groups whose communication short documents cannot hide). Sequences are packed in order into micro-batches of the cap's padded tokens
+large groups whose communication short documents cannot hide). Sequences are packed in
+order into micro-batches of the cap's padded tokens
 (each sequence padded to 2c), micro-batches are dealt round-robin to the D/c replicas. With
 PP = 1 counts may differ by one between replicas (the tail replicas run one fewer); with
 PP > 1 the tail is filled with empty micro-batches so every group runs one per wave.

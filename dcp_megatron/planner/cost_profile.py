@@ -1,0 +1,42 @@
+"""Reading and checking a cost-model profile JSON (the schema is in cost.py's docstring)."""
+from __future__ import annotations
+
+import json
+
+PROFILE_SCALARS = ("gemm_flops", "intra_node_bw", "inter_node_bw", "microbatch_overhead_s",
+                    "collective_latency_s", "recompute_cost_factor")
+_PROFILE_KEYS = frozenset(PROFILE_SCALARS + ("attn_rate_points", "attention_times", "meta"))
+
+
+def load_profile(path: str) -> dict:
+    """Read and check a profile JSON (schema in cost.py's module docstring)."""
+    with open(path) as f:
+        try:
+            obj = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"profile {path}: not valid JSON ({err})") from err
+    return check_profile(obj, where=path)
+
+
+def check_profile(obj, *, where: str = "profile") -> dict:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: a profile is a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - _PROFILE_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(_PROFILE_KEYS)}")
+    for key in PROFILE_SCALARS:
+        if key in obj and (not isinstance(obj[key], (int, float)) or obj[key] < 0
+                           or (obj[key] == 0 and key not in ("microbatch_overhead_s", "collective_latency_s"))):
+            raise ValueError(f"{where}: {key} must be a positive number, got {obj[key]!r}")
+    if "attn_rate_points" in obj:
+        pts = obj["attn_rate_points"]
+        if (not isinstance(pts, list) or not pts
+                or any(not isinstance(p, list) or len(p) != 2 or p[0] <= 0 or p[1] <= 0 for p in pts)):
+            raise ValueError(f"{where}: attn_rate_points must be a non-empty list of [length, rate>0], got {pts!r}")
+    if "attention_times" in obj:
+        rows = obj["attention_times"]
+        if (not isinstance(rows, list) or not rows
+                or any(not isinstance(r, list) or len(r) != 3 or r[0] <= 0 or r[1] <= 0 or r[2] <= 0
+                       for r in rows)):
+            raise ValueError(f"{where}: attention_times must be a non-empty list of [length, cp_size, seconds>0]")
+    return obj

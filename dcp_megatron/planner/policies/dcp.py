@@ -6,7 +6,8 @@
    extra rank-seconds keep the balanced step below the longest one (CP across nodes
    barely shortens short sequences but costs every rank).
 2. PP = 1 — list scheduling: size classes largest first, each class's sequences longest
-   first onto the aligned block of its size whose ranks are free earliest (LPT). Blocks of
+   first onto the aligned block of its size whose ranks are free earliest (LPT, decided in
+   numpy rounds by `balance.lpt_assign_rounds`, the same result as a heap). Blocks of
    one power-of-two size class are always in sync, so no rank waits inside a block. A
    block's sequences become micro-batches next-fit up to the per-rank tokens that fit
    without recompute (few micro-batches: each pays a fixed overhead); a sequence too big

@@ -50,8 +50,27 @@ def check_token_range(doc_id: int, num_tokens: int, start: int, stop: int | None
     return int(start), int(stop)
 
 
+class TokenCountIndex:
+    """`length`/`lengths` of a source that keeps every document's token count in `_token_counts`
+    (int64 numpy array) and knows `num_documents`; shared by every DocumentSource here."""
+
+    _token_counts: np.ndarray
+
+    def length(self, doc_id: int) -> int:
+        return int(self._token_counts[check_doc_id(doc_id, self.num_documents)])
+
+    def lengths(self) -> np.ndarray:
+        return self._token_counts.copy()
+
+    def _checked_range(self, doc_id: int, start: int, stop: int | None) -> tuple[int, int, int]:
+        """(doc_id, start, stop) after checking the id and the token range against the index."""
+        doc_id = check_doc_id(doc_id, self.num_documents)
+        start, stop = check_token_range(doc_id, int(self._token_counts[doc_id]), start, stop)
+        return doc_id, start, stop
+
+
 @dataclass(frozen=True, kw_only=True)
-class MockDocuments:
+class MockDocuments(TokenCountIndex):
     """Deterministic synthetic corpus with long-tailed document lengths.
 
     Planned (training) lengths follow the built-in `distribution` (default "wikipedia", see
@@ -107,21 +126,14 @@ class MockDocuments:
         raise ValueError(f"MockDocuments: distribution {self.distribution!r} yields almost no lengths "
                          f"<= max_len={self.max_len}; raise max_len or choose another distribution")
 
-    def length(self, doc_id: int) -> int:
-        return int(self._token_counts[check_doc_id(doc_id, self.num_documents)])
-
-    def lengths(self) -> np.ndarray:
-        return self._token_counts.copy()
-
     def tokens(self, doc_id: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-        doc_id = check_doc_id(doc_id, self.num_documents)
-        num_tokens = int(self._token_counts[doc_id])
-        start, stop = check_token_range(doc_id, num_tokens, start, stop)
+        doc_id, start, stop = self._checked_range(doc_id, start, stop)
         rng = np.random.default_rng([self.seed, doc_id])
+        num_tokens = int(self._token_counts[doc_id])
         return rng.integers(0, self.vocab_size, size=num_tokens, dtype=np.int64)[start:stop]
 
 
-class InMemoryDocuments:
+class InMemoryDocuments(TokenCountIndex):
     """`DocumentSource` over token arrays held in memory (small corpora, tests, tools)."""
 
     def __init__(self, documents) -> None:
@@ -135,13 +147,6 @@ class InMemoryDocuments:
     def num_documents(self) -> int:
         return len(self._documents)
 
-    def length(self, doc_id: int) -> int:
-        return int(self._token_counts[check_doc_id(doc_id, self.num_documents)])
-
-    def lengths(self) -> np.ndarray:
-        return self._token_counts.copy()
-
     def tokens(self, doc_id: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-        doc_id = check_doc_id(doc_id, self.num_documents)
-        start, stop = check_token_range(doc_id, int(self._token_counts[doc_id]), start, stop)
+        doc_id, start, stop = self._checked_range(doc_id, start, stop)
         return self._documents[doc_id][start:stop].copy()

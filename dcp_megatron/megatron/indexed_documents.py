@@ -25,7 +25,7 @@ from megatron.core.datasets.indexed_dataset import (
     get_idx_path,
 )
 
-from dcp_megatron.data.documents import MIN_DOCUMENT_TOKENS, check_doc_id, check_token_range
+from dcp_megatron.data.documents import MIN_DOCUMENT_TOKENS, TokenCountIndex
 
 # megatron-core's .idx layout (indexed_dataset._IndexWriter): 9-byte magic, u64 version 1,
 # u8 dtype code, u64 sequence count S, u64 document-index count D, then int32[S] lengths,
@@ -64,7 +64,7 @@ def _check_index_header(idx_path: str) -> None:
                                f"sequences (multimodal indexes are not supported)")
 
 
-class IndexedDocuments:
+class IndexedDocuments(TokenCountIndex):
     """`DocumentSource` over a megatron-core indexed dataset at `path_prefix` (.bin/.idx).
 
     vocab_size: when given, every read checks its token ids are in [0, vocab_size), so a
@@ -140,15 +140,8 @@ class IndexedDocuments:
     def num_documents(self) -> int:
         return int(self._token_counts.size)
 
-    def length(self, doc_id: int) -> int:
-        return int(self._token_counts[check_doc_id(doc_id, self.num_documents)])
-
-    def lengths(self) -> np.ndarray:
-        return self._token_counts.copy()
-
     def tokens(self, doc_id: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-        doc_id = check_doc_id(doc_id, self.num_documents)
-        start, stop = check_token_range(doc_id, int(self._token_counts[doc_id]), start, stop)
+        doc_id, start, stop = self._checked_range(doc_id, start, stop)
         # Documents are contiguous (checked at open), so one read from the first sequence covers it.
         window = self._dataset.get(int(self._first_sequence[doc_id]), offset=start, length=stop - start)
         window = np.array(window, dtype=np.int64)

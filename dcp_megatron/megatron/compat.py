@@ -6,35 +6,25 @@ it once before building the model and keep it (or use it as a context manager in
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 
-from patches import (
-    core_utils,
-    distributed_param_and_grad_buffer,
-    models_rotary_pos_embedding,
-    optimizer_clip_grads,
-    optimizer_optimizer,
-    pipeline_parallel_p2p_communication,
-    pipeline_parallel_schedules,
-    tensor_parallel_layers,
-    tensor_parallel_mappings,
-    tensor_parallel_random,
-    transformer_utils,
-)
 from patches.registry import Patch, PatchRegistry
 
+# patches/ modules (one per upstream megatron-core module) whose CPU_PATCHES make up the shims.
 _CPU_PATCH_MODULES = (
-    core_utils,
-    distributed_param_and_grad_buffer,
-    models_rotary_pos_embedding,
-    optimizer_clip_grads,
-    optimizer_optimizer,
-    pipeline_parallel_p2p_communication,
-    pipeline_parallel_schedules,
-    tensor_parallel_layers,
-    tensor_parallel_mappings,
-    tensor_parallel_random,
-    transformer_utils,
+    "core_utils",
+    "distributed_param_and_grad_buffer",
+    "models_rotary_pos_embedding",
+    "optimizer_clip_grads",
+    "optimizer_optimizer",
+    "pipeline_parallel_p2p_communication",
+    "pipeline_parallel_schedules",
+    "tensor_parallel_layers",
+    "tensor_parallel_mappings",
+    "tensor_parallel_random",
+    "transformer_utils",
 )
 
 
@@ -44,7 +34,8 @@ def needs_cpu_compat() -> bool:
 
 
 def cpu_compat_patches() -> tuple[Patch, ...]:
-    return tuple(patch for module in _CPU_PATCH_MODULES for patch in module.CPU_PATCHES)
+    return tuple(patch for name in _CPU_PATCH_MODULES
+                 for patch in importlib.import_module(f"patches.{name}").CPU_PATCHES)
 
 
 def cpu_compat_registry(*, installed_version: str | None = None) -> PatchRegistry:

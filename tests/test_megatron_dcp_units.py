@@ -179,3 +179,22 @@ def test_cost_model_follows_the_run_flags_and_profile(tmp_path):
     shape = cost.model
     assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (4, 64, 4, 2, 16)
     assert shape.pp == 2 and shape.tp == 1 and shape.gated_mlp and shape.ffn_hidden_size == 256
+
+
+@pytest.mark.parametrize("flag, kinds", [(None, ("none", "selective", "full")), ("none", ("none",)),
+                                         ("full,none", ("none", "full")), ("selective,full", ("selective", "full"))])
+def test_dcp_recompute_restricts_the_cost_model(flag, kinds):
+    from dcp_megatron.megatron.arguments import parse_args
+    from dcp_megatron.megatron.planning import build_cost_model
+    from dcp_megatron.planner.policies import make_plan
+    from dcp_megatron.planner.validate import validate
+
+    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "512",
+            "--tokens-per-step", "2048", "--train-iters", "3", "--lr", "1e-3", "--mock-data", "--dcp"]
+    args = parse_args(argv + (["--dcp-recompute", flag] if flag else []), world_size=2, has_gpu=False)
+    cost = build_cost_model(args, padded_vocab_size=512, domain_size=args.data_parallel_size, has_gpu=False)
+    assert cost.allowed_recompute == kinds
+    batch = [(i, n) for i, n in enumerate([512, 300, 100, 7])]
+    plan = make_plan(args.dcp_policy, batch, cost, max_seq_len=512)
+    validate(plan, batch, cost.cluster, cost)
+    assert {mb.recompute.kind for w in plan.waves for g in w.groups for mb in g.microbatches if mb.sequences} <= set(kinds)

@@ -39,7 +39,7 @@ def test_good_flags_fill_defaults():
     (["--dcp-policy", "dcp"], 1, False, ["--dcp-policy", "only take effect with --dcp"]),
     (["--dcp", "--recompute-granularity", "full"], 1, False, ["--recompute-granularity", "--dcp"]),
     (["--dcp", "--dcp-recompute", "none,bogus"], 1, False, ["bogus"]),
-    (["--dcp", "--dcp-recompute", "none"], 1, False, ["--dcp-recompute", "not supported"]),
+    (["--dcp", "--dcp-recompute", ","], 1, False, ["--dcp-recompute", "empty list"]),
     (["--context-parallel-size", "2", "--dcp"], 2, False, ["--context-parallel-size 2", "--dcp-max-cp-size"]),
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"], 2, False, ["--attention-dropout"]),
     (["--dcp", "--dcp-max-cp-size", "4"], 2, False, ["--dcp-max-cp-size 4", "2 ranks"]),

@@ -17,7 +17,7 @@ import dataclasses
 import hashlib
 
 from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel, load_profile
+from dcp_megatron.planner.cost import RECOMPUTE_KINDS, CostModel, load_profile
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Group, MicroBatch, Recompute, StepPlan, Wave
 from dcp_megatron.planner.policies import make_plan
@@ -46,7 +46,15 @@ def build_cost_model(args: argparse.Namespace, *, padded_vocab_size: int, domain
     if changes:
         cluster = dataclasses.replace(cluster, **changes)
     profile = load_profile(args.dcp_profile) if args.dcp_profile else None
-    return CostModel(model_shape(args, padded_vocab_size=padded_vocab_size), cluster, profile=profile)
+    return CostModel(model_shape(args, padded_vocab_size=padded_vocab_size), cluster, profile=profile,
+                     allowed_recompute=allowed_recompute(args))
+
+
+def allowed_recompute(args: argparse.Namespace) -> tuple[str, ...]:
+    """--dcp-recompute as a tuple of kinds (all three when not given)."""
+    if not getattr(args, "dcp_recompute", None):
+        return RECOMPUTE_KINDS
+    return tuple(r.strip() for r in args.dcp_recompute.split(",") if r.strip())
 
 
 def static_recompute(args: argparse.Namespace) -> Recompute:

@@ -43,7 +43,8 @@ from typing import Sequence
 import numpy as np
 
 from dcp_megatron.planner.cluster import ClusterSpec
-from dcp_megatron.planner.cost_profile import PROFILE_SCALARS, check_profile, load_profile  # noqa: F401
+from dcp_megatron.planner.cost_profile import (PROFILE_SCALARS, RECOMPUTE_KINDS, check_allowed_recompute,  # noqa: F401
+                                               check_profile, load_profile)
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 
@@ -56,11 +57,14 @@ CP_PASSES = 3                       # K/V gather forward, again in backward, dK/
 class CostModel:
     """Scores micro-batches; the same instance scores every policy."""
 
-    def __init__(self, model: ModelShape, cluster: ClusterSpec, *, profile: dict | None = None) -> None:
+    def __init__(self, model: ModelShape, cluster: ClusterSpec, *, profile: dict | None = None,
+                 allowed_recompute=RECOMPUTE_KINDS) -> None:
         if not isinstance(model, ModelShape):
             raise ValueError(f"CostModel needs a ModelShape, got {type(model).__name__}")
         if not isinstance(cluster, ClusterSpec):
             raise ValueError(f"CostModel needs a ClusterSpec, got {type(cluster).__name__}")
+        # the recompute kinds every choice below is restricted to (validate checks plans against it)
+        self.allowed_recompute: tuple[str, ...] = check_allowed_recompute(allowed_recompute)
         self._attn_table: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._max_local: dict[Recompute, int] = {}    # memoised per recompute policy
         self._bytes_per_token: dict[Recompute, float] = {}
@@ -96,6 +100,13 @@ class CostModel:
         self.static_bytes = int(params * (2.0 + 4.0 + opt))
         self._none_bytes_per_token = self._bytes_per_local_token(NO_RECOMPUTE)
         self._full_options = [Recompute("full", k) for k in range(1, self.layers_per_stage + 1)]
+        allowed = self.allowed_recompute
+        self._light_options = [r for r in (NO_RECOMPUTE, SELECTIVE) if r.kind in allowed]
+        self._options = self._light_options + (self._full_options if "full" in allowed else [])
+        # base: what a micro-batch gets when memory is no issue (none when allowed: the fastest);
+        # strongest: the one holding the most tokens (the last option: memory falls along the list)
+        self.base_recompute = self._options[0]
+        self.strongest_recompute = self._options[-1]
         self._full_bytes_per_token = np.array([self.bytes_per_local_token(r) for r in self._full_options])
         self._none_max_local = None
         self._none_max_local = self.max_local_tokens(NO_RECOMPUTE)
@@ -137,12 +148,24 @@ class CostModel:
             received = CP_PASSES * self._kv_bytes_per_token * local * (cp_size - 1)
             seconds += np.maximum(received / bw - attn, 0.0) + self._latency_per_mb
         overhead = self.cluster.microbatch_overhead_s
+        if self.base_recompute is not NO_RECOMPUTE:
+            return local, compute, attn, self._fastest_alone_seconds(local, compute, attn, cp_size) - overhead
         for j in np.flatnonzero(local > self.max_local_tokens(NO_RECOMPUTE)).tolist():
             rc = self.best_recompute_from_sums(float(local[j]), float(compute[j]), float(attn[j]), cp_size)
             seconds[j] = (math.inf if rc is None else
                           self.time_from_sums(float(local[j]), float(compute[j]), float(attn[j]), cp_size, 0, rc)
                           - overhead)
         return local, compute, attn, seconds
+
+    def _fastest_alone_seconds(self, local, compute, attn, cp_size: int) -> np.ndarray:
+        """Per document alone at rank 0: the least time over the allowed recompute that fit."""
+        room = self.cluster.mem_budget_bytes - self.static_bytes
+        first = np.zeros(local.shape, dtype=np.int64)
+        best = np.full(local.shape, math.inf)
+        for r in self._options:
+            t = self.times_from_sums(local, compute, attn, cp_size, first, r)
+            best = np.where((local * self.bytes_per_local_token(r) <= room) & (t < best), t, best)
+        return best
 
     def _attention_seconds(self, lp: np.ndarray, cp_size: int) -> np.ndarray:
         if self._attn_table:
@@ -239,15 +262,22 @@ class CostModel:
         return cached
 
     def recompute_options(self) -> list[Recompute]:
-        """none, selective, full 1..n: memory falls (not strictly) along the list."""
-        return [NO_RECOMPUTE, SELECTIVE] + self._full_options
+        """The allowed of none, selective, full 1..n: memory falls (not strictly) along the list."""
+        return list(self._options)
+
+    def choose_recompute(self, local_tokens: float, compute_s: float, attn_s: float,
+                         cp_size: int) -> Recompute | None:
+        """`best_recompute_from_sums` with a shortcut for the common case: none when it fits."""
+        if self.base_recompute is NO_RECOMPUTE and local_tokens <= self.max_local_tokens(NO_RECOMPUTE):
+            return NO_RECOMPUTE
+        return self.best_recompute_from_sums(local_tokens, compute_s, attn_s, cp_size)
 
     def best_recompute_from_sums(self, local_tokens: float, compute_s: float, attn_s: float,
                                  cp_size: int) -> Recompute | None:
-        """Fastest recompute that fits: none, selective or the fewest full layers that fit."""
+        """Fastest allowed recompute that fits: none, selective or the fewest full layers that fit."""
         room = self.cluster.mem_budget_bytes - self.static_bytes
-        fitting = [r for r in (NO_RECOMPUTE, SELECTIVE) if local_tokens * self.bytes_per_local_token(r) <= room]
-        if not fitting or fitting[0] is not NO_RECOMPUTE:
+        fitting = [r for r in self._light_options if local_tokens * self.bytes_per_local_token(r) <= room]
+        if "full" in self.allowed_recompute and (not fitting or fitting[0] is not NO_RECOMPUTE):
             k = self._fewest_full_layers(local_tokens, room)
             if k is not None:
                 fitting.append(self._full_options[k - 1])
@@ -290,5 +320,5 @@ class CostModel:
         return self.microbatch_memory(lengths, cp_size, recompute=recompute) <= self.cluster.mem_budget_bytes
 
     def best_recompute(self, lengths: Sequence[int], cp_size: int) -> Recompute | None:
-        """Fastest recompute policy with which the micro-batch fits; None if none does."""
+        """Fastest allowed recompute with which the micro-batch fits; None if none does."""
         return self.best_recompute_from_sums(*self._sums(lengths, cp_size), cp_size)

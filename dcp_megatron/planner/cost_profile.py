@@ -40,3 +40,21 @@ def check_profile(obj, *, where: str = "profile") -> dict:
                        for r in rows)):
             raise ValueError(f"{where}: attention_times must be a non-empty list of [length, cp_size, seconds>0]")
     return obj
+
+
+RECOMPUTE_KINDS = ("none", "selective", "full")
+
+
+def check_allowed_recompute(allowed) -> tuple[str, ...]:
+    """The recompute kinds a planner may choose, in RECOMPUTE_KINDS order; ValueError naming
+    bad values for an empty set or names outside RECOMPUTE_KINDS."""
+    if isinstance(allowed, str):
+        raise ValueError(f"allowed_recompute must be a collection of kinds such as ('none', 'full'), "
+                         f"not the string {allowed!r}")
+    names = tuple(allowed)
+    bad = [a for a in names if a not in RECOMPUTE_KINDS]
+    if bad:
+        raise ValueError(f"allowed_recompute: unknown recompute kind(s) {bad}; choose from {list(RECOMPUTE_KINDS)}")
+    if not names:
+        raise ValueError(f"allowed_recompute must name at least one of {list(RECOMPUTE_KINDS)}, got an empty set")
+    return tuple(k for k in RECOMPUTE_KINDS if k in names)

@@ -56,6 +56,10 @@ def validate(plan: StepPlan, batch: Sequence[tuple[int, int]], cluster: ClusterS
                                 f"every group runs exactly one per wave")
             for i, mb in enumerate(g.microbatches):
                 rc = mb.recompute
+                allowed = getattr(cost, "allowed_recompute", None)
+                if mb.sequences and allowed is not None and rc.kind not in allowed:   # idle: runs nothing
+                    raise PlanError(f"recompute: {where} micro-batch {i} uses {rc}, the cost model allows "
+                                    f"only {list(allowed)}")
                 if rc.kind == "full" and rc.full_layers > layers:
                     raise PlanError(f"recompute: {where} micro-batch {i} recomputes {rc.full_layers} layers, "
                                     f"a pipeline stage has {layers}")

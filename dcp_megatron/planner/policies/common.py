@@ -9,7 +9,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from dcp_megatron.planner.cluster import ClusterSpec
-from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, Wave
+from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, Wave
 
 
 def check_batch(batch: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -82,9 +82,9 @@ def check_static_memory(cost) -> None:
 
 def min_fitting_size(lengths: np.ndarray, ids: np.ndarray, sizes: list[int], cost) -> np.ndarray:
     """Index into `sizes` (ascending) of the smallest size at which each sequence alone fits
-    (with full recompute of every layer); ValueError naming a sequence that fits none."""
+    (with the strongest allowed recompute); ValueError naming a sequence that fits none."""
     check_static_memory(cost)
-    cap = cost.max_local_tokens(Recompute("full", cost.layers_per_stage))
+    cap = cost.max_local_tokens(cost.strongest_recompute)
     # local_tokens(L, s) = 2·ceil(L / 2s) <= cap  <=>  L <= 2s·(cap // 2): one threshold per size
     thresholds = np.asarray(sizes, dtype=np.int64) * (2 * (cap // 2))
     idx = np.searchsorted(thresholds, lengths, side="left")
@@ -92,9 +92,10 @@ def min_fitting_size(lengths: np.ndarray, ids: np.ndarray, sizes: list[int], cos
     if bad.size:
         j = int(bad[np.argmax(lengths[bad])])
         raise ValueError(f"sample {int(ids[j])} of {int(lengths[j])} tokens fits no CP group up to size "
-                         f"{sizes[-1]} even with full recompute (memory budget "
-                         f"{cost.cluster.mem_budget_bytes} bytes per rank); shorten it (GlobalBatcher "
-                         f"overlong='split' or 'truncate') or allow larger groups")
+                         f"{sizes[-1]} with the allowed recompute {list(cost.allowed_recompute)} (at most "
+                         f"{cost.strongest_recompute}; memory budget {cost.cluster.mem_budget_bytes} bytes per "
+                         f"rank); allow more recompute (e.g. full), a larger max CP size, more memory per rank, "
+                         f"or shorten it (GlobalBatcher overlong='split' or 'truncate')")
     return idx
 
 
@@ -108,11 +109,8 @@ def estimate_microbatch(cost, sequences: tuple, lengths: Sequence[int], size: in
 def microbatch_from_sums(cost, sequences: tuple, local: float, compute: float, attn: float, size: int,
                          first_rank: int, recompute: Recompute | None = None) -> MicroBatch:
     if recompute is None:
-        if local <= cost.max_local_tokens(NO_RECOMPUTE):
-            recompute = NO_RECOMPUTE
-        else:
-            recompute = cost.best_recompute_from_sums(local, compute, attn, size)
-            assert recompute is not None, f"micro-batch of {local} local tokens fits no recompute policy"
+        recompute = cost.choose_recompute(local, compute, attn, size)
+        assert recompute is not None, f"micro-batch of {local} local tokens fits no allowed recompute policy"
     return MicroBatch(sequences, recompute,
                       float(cost.time_from_sums(local, compute, attn, size, first_rank, recompute)),
                       int(cost.memory_from_tokens(local, recompute)))

@@ -121,7 +121,8 @@ def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) ->
     sizes = candidate_sizes(cluster)
     seqs = SizedSequences(lengths, sizes, min_fitting_size(lengths, ids, sizes, cost), cost)
     seqs.grow_long_sequences(D, len(sizes) - 1)
-    cap_none = cost.max_local_tokens(NO_RECOMPUTE)
+    cap_none = cost.max_local_tokens(cost.base_recompute)   # packing room without (extra) recompute
+    none_allowed = cost.base_recompute is NO_RECOMPUTE
     mem_per_token = cost.bytes_per_local_token(NO_RECOMPUTE)
     pairs = list(zip(ids.tolist(), lengths.tolist()))
     local, compute, attn = seqs.local.tolist(), seqs.compute.tolist(), seqs.attn.tolist()
@@ -151,7 +152,8 @@ def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) ->
         ordered = members[by_block].tolist()
         ordered_pairs = list(map(pairs.__getitem__, ordered))
         lows, highs = [0] + cuts.tolist(), cuts.tolist() + [len(ordered)]
-        fits = (block_local <= cap_none).tolist()
+        # without "none" allowed every block takes the per-micro-batch path (fastest allowed choice)
+        fits = (block_local <= cap_none).tolist() if none_allowed else [False] * len(used)
         for j, (lo, hi, first, t, mem) in enumerate(zip(lows, highs, firsts.tolist(), times.tolist(), mems)):
             if fits[j]:
                 mbs = (MicroBatch(tuple(ordered_pairs[lo:hi]), NO_RECOMPUTE, t, mem),)

@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, StepPlan, Wave
+from dcp_megatron.planner.plan import Group, MicroBatch, StepPlan, Wave
 from dcp_megatron.planner.policies.common import (candidate_sizes, divisor_sizes, lpt_bins, microbatch_from_sums,
                                                   min_fitting_size)
 from dcp_megatron.planner.policies.dcp import SizedSequences
@@ -37,6 +37,8 @@ def plan_dcp_pipeline(ids: np.ndarray, lengths: np.ndarray, cost) -> tuple[Wave,
     seqs.grow_long_sequences(D, len(sizes) - 1)
     mixed = plan_mixed_waves(ids, lengths, cost, seqs)
     uniform = _uniform_waves(ids, lengths, cost)
+    if mixed is None:
+        return uniform
     timeline = [plan_makespan(StepPlan(domain_size=D, waves=w)) for w in (mixed, uniform)]
     return mixed if timeline[0] <= timeline[1] else uniform
 
@@ -50,8 +52,8 @@ def _uniform_waves(ids: np.ndarray, lengths: np.ndarray, cost) -> tuple[Wave, ..
         members = np.flatnonzero(seqs.idx == k)
         if 0 < members.size < D // sizes[k]:
             seqs.move(members, np.full(members.size, k + 1))
-    cap_none = cost.max_local_tokens(NO_RECOMPUTE)
-    cap_full = cost.max_local_tokens(Recompute("full", cost.layers_per_stage))
+    cap_none = cost.max_local_tokens(cost.base_recompute)
+    cap_full = cost.max_local_tokens(cost.strongest_recompute)
     pairs = list(zip(ids.tolist(), lengths.tolist()))
     classes: dict[int, tuple[np.ndarray, list[list[int]], int]] = {}
     for k in range(len(sizes)):
@@ -87,7 +89,7 @@ def _uniform_waves(ids: np.ndarray, lengths: np.ndarray, cost) -> tuple[Wave, ..
             chosen = members[b]
             mbs.append((tuple(pairs[i] for i in chosen.tolist()), float(seqs.local[chosen].sum()),
                         float(seqs.compute[chosen].sum()), float(seqs.attn[chosen].sum())))
-        mbs.sort(key=lambda m: -cost.time_from_sums(m[1], m[2], m[3], size, 0, NO_RECOMPUTE))
+        mbs.sort(key=lambda m: -cost.time_from_sums(m[1], m[2], m[3], size, 0, cost.base_recompute))
         mbs += [((), 0.0, 0.0, 0.0)] * (num_waves * groups_per_wave - len(mbs))
         for w in range(num_waves):
             groups = []

@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Wave
+from dcp_megatron.planner.plan import Group, MicroBatch, Wave
 from dcp_megatron.planner.policies.common import microbatch_from_sums
 from dcp_megatron.planner.timeline import one_microbatch_makespan
 
@@ -91,10 +91,11 @@ class _SizeClass:
         return tuple((prefix[:, end - 1] - prefix[:, start - 1]).tolist())
 
 
-def plan_mixed_waves(ids: np.ndarray, lengths: np.ndarray, cost, seqs) -> tuple[Wave, ...]:
-    """The best mixed-size plan over a few target wave times; `seqs` a grown SizedSequences."""
+def plan_mixed_waves(ids: np.ndarray, lengths: np.ndarray, cost, seqs) -> tuple[Wave, ...] | None:
+    """The best mixed-size plan over a few target wave times; `seqs` a grown SizedSequences.
+    None when every candidate has a block that no allowed recompute holds."""
     D = cost.cluster.domain_size
-    cap_none = cost.max_local_tokens(NO_RECOMPUTE)
+    cap_none = cost.max_local_tokens(cost.base_recompute)   # packing room without (extra) recompute
     size_arr = np.asarray(seqs.sizes)[seqs.idx]
     rank_seconds = float((seqs.seconds * size_arr).sum())
     fewest = max(1, math.ceil(float((seqs.local * size_arr).sum()) / (D * cap_none)))
@@ -109,12 +110,14 @@ def plan_mixed_waves(ids: np.ndarray, lengths: np.ndarray, cost, seqs) -> tuple[
             t = _makespan(laid, D, cost)
             if t < best_time * (1 - 1e-9):
                 best, best_time = laid, t
-            if len(waves) <= num_waves:
+            if len(waves) <= num_waves or math.isinf(t):
                 break
             # more waves than meant (blocks end short of the target, packing costs more than
             # the alone-times say): stretch the target by the waves' overflow
             last = sum(size * mb_time for size, _, _, mb_time, _ in laid[-1])
             target *= (len(waves) - 1 + last / (D * target)) / num_waves
+    if best is None:
+        return None
     return _waves(best, D, cost, list(zip(ids.tolist(), lengths.tolist())))
 
 
@@ -165,9 +168,11 @@ def _layout(blocks: list[tuple], D: int, cost) -> list[tuple]:
     for size, runs in blocks:
         sums = [sum(part) for part in zip(*(cls.sums(start, end, size) for cls, start, end in runs))]
         local, compute, attn = sums
-        recompute = (NO_RECOMPUTE if local <= cost.max_local_tokens(NO_RECOMPUTE)
-                     else cost.best_recompute_from_sums(local, compute, attn, size))
-        out.append((size, rank, runs, cost.time_from_sums(local, compute, attn, size, rank, recompute), sums))
+        recompute = cost.choose_recompute(local, compute, attn, size)
+        # topped-up blocks may pass the token room by padding; when no allowed recompute holds
+        # the block, the candidate loses (infinite time)
+        t = math.inf if recompute is None else cost.time_from_sums(local, compute, attn, size, rank, recompute)
+        out.append((size, rank, runs, t, sums))
         rank += size
     return out
 

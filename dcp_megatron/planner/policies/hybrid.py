@@ -61,8 +61,12 @@ def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None,
         for row, part in zip(sums, cost.doc_terms(lengths[sel], size)):
             row += np.bincount(bucket_of[sel], weights=part, minlength=num)
     # One global setting: the least recompute with which the fullest bucket fits.
-    recompute = next(r for r in cost.recompute_options() if cost.memory_from_tokens(float(sums[0].max()), r)
-                     <= cluster.mem_budget_bytes)
+    recompute = next((r for r in cost.recompute_options() if cost.memory_from_tokens(float(sums[0].max()), r)
+                      <= cluster.mem_budget_bytes), None)
+    if recompute is None:
+        raise ValueError(f"megatron-hybrid: a bucket of {int(sums[0].max())} tokens per rank fits no allowed "
+                         f"recompute {list(cost.allowed_recompute)}; allow more recompute, a larger max CP "
+                         f"size or more memory per rank")
     wave_arr, first_arr, size_arr = (np.asarray(x, dtype=np.int64) for x in (wave_of, first_of, size_of))
     run_order = np.lexsort((first_arr, wave_arr)).tolist()
     if must_beat is not None:

@@ -55,8 +55,9 @@ def _choose_layout(cost, max_seq_len: int) -> StaticLayout:
             best = (rank_seconds, StaticLayout(c, rc, int(local)))
     if best is None:
         raise ValueError(f"max_seq_len {max_seq_len} fits no static layout: no CP size dividing the domain "
-                         f"({cost.cluster.domain_size}) up to {cost.cluster.cp_size_limit} holds it even with "
-                         f"full recompute")
+                         f"({cost.cluster.domain_size}) up to {cost.cluster.cp_size_limit} holds it with the "
+                         f"allowed recompute {list(cost.allowed_recompute)}; allow more recompute (e.g. full), "
+                         f"a larger max CP size or more memory per rank")
     return best[1]
 
 

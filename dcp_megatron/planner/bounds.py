@@ -34,5 +34,5 @@ def lower_bound_of_lengths(lengths: np.ndarray, cost) -> float:
             best = min(best, cost.time_from_sums(local, compute, attn, size, 0, recompute))
     if math.isinf(best):
         raise ValueError(f"a sequence of {longest} tokens fits no allowed CP group "
-                         f"(cp_size_limit {cost.cluster.cp_size_limit}) even with full recompute")
+                         f"(cp_size_limit {cost.cluster.cp_size_limit}) even with the strongest allowed recompute")
     return max(balanced, best)

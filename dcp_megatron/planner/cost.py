@@ -181,20 +181,23 @@ class CostModel:
         return self._attn_flops_per_len2 * lp * lp / (rate * cp_size)
 
     # ---- from sums over a micro-batch's documents ----------------------------------------
+    def _recompute_extra(self, compute_s, attn_s, recompute: Recompute):
+        """(added compute seconds, K/V communication passes) of a recompute policy; scalars or arrays.
+
+        Full recompute of k of n layers reruns k/n of the forward (1/3 of fwd+bwd) and its CP
+        all-gathers; selective reruns the attention forward."""
+        if recompute.kind == "full":
+            frac = recompute.full_layers / self.layers_per_stage
+            return frac * compute_s / 3.0 * self.cluster.recompute_cost_factor, CP_PASSES + frac
+        if recompute.kind == "selective":
+            return attn_s / 3.0 * self.cluster.recompute_cost_factor, CP_PASSES + 1
+        return 0.0, CP_PASSES
+
     def time_from_sums(self, local_tokens: float, compute_s: float, attn_s: float, cp_size: int,
                        first_rank: int, recompute: Recompute) -> float:
         if local_tokens <= 0:
             return self.cluster.microbatch_overhead_s
-        passes = CP_PASSES
-        if recompute.kind == "full":
-            frac = recompute.full_layers / self.layers_per_stage
-            extra = frac * compute_s / 3.0 * self.cluster.recompute_cost_factor
-            passes += frac
-        elif recompute.kind == "selective":
-            extra = attn_s / 3.0 * self.cluster.recompute_cost_factor
-            passes += 1
-        else:
-            extra = 0.0
+        extra, passes = self._recompute_extra(compute_s, attn_s, recompute)
         t = self.cluster.microbatch_overhead_s + compute_s + extra
         if cp_size > 1:
             bw = (self.cluster.intra_node_bw if self.cluster.same_node(first_rank, cp_size)
@@ -207,16 +210,7 @@ class CostModel:
     def times_from_sums(self, local_tokens: np.ndarray, compute_s: np.ndarray, attn_s: np.ndarray,
                         cp_sizes, first_ranks: np.ndarray, recompute: Recompute) -> np.ndarray:
         """`time_from_sums` of many micro-batches at once (the same floats); cp_sizes int or array."""
-        passes = CP_PASSES
-        if recompute.kind == "full":
-            frac = recompute.full_layers / self.layers_per_stage
-            extra = frac * compute_s / 3.0 * self.cluster.recompute_cost_factor
-            passes += frac
-        elif recompute.kind == "selective":
-            extra = attn_s / 3.0 * self.cluster.recompute_cost_factor
-            passes += 1
-        else:
-            extra = 0.0
+        extra, passes = self._recompute_extra(compute_s, attn_s, recompute)
         t = self.cluster.microbatch_overhead_s + compute_s + extra
         cp_sizes = np.broadcast_to(np.asarray(cp_sizes, dtype=np.int64), t.shape)
         if (cp_sizes > 1).any():

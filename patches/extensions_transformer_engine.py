@@ -6,7 +6,9 @@ is created in `__init__` only when the static `context_parallel_size > 1`. DCP r
 with a static CP size of 1 and supplies groups per micro-batch, so the stream would be None
 and TE's CP attention would fail. The patch gives the class a stream up front (fixed upstream
 later). TE keeps its default `cp_comm_type` ("p2p") because Megatron passes none for CP 1.
-Only registered on a machine with a GPU and Transformer Engine.
+Only registered on a machine with a GPU and Transformer Engine. The stream is created when
+`dcp_patches()` is called, on the current CUDA device: call it after `torch.cuda.set_device`
+(otherwise every rank's CP stream would live on GPU 0, not on the GPU its attention runs on).
 """
 from __future__ import annotations
 

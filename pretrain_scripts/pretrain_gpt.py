@@ -4,7 +4,7 @@
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 256 \
         --tokens-per-step 2048 --train-iters 10 --lr 1e-3 --dcp
 
-The recipe reads top to bottom: flags -> data -> patches -> distributed start-up -> parallel state and
+The recipe reads top to bottom: flags -> data -> device and patches -> distributed start-up -> parallel state and
 the DCP group pool -> model (GPTModel, local spec with our packed/CP core attention) -> DDP ->
 optimizer -> LR schedule -> cost model -> checkpoint load -> train loop -> save.
 Every step: plan the global batch (the same plan on every rank), run this rank's micro-batches
@@ -55,7 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     documents = open_documents(args)
     stream = batch_stream(args, documents)
 
-    # 3. Patches to megatron-core (version-checked), applied before it builds anything.
+    # 3. This rank's device, then the patches to megatron-core (version-checked), applied before it builds
+    #    anything. The device comes first: the TE patch creates its CP stream on the current CUDA device.
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if has_gpu else torch.device("cpu")
+    if has_gpu:
+        torch.cuda.set_device(device)
     patches = megatron_patch_registry().apply()
 
     from megatron.core import parallel_state, tensor_parallel
@@ -70,9 +74,6 @@ def main(argv: list[str] | None = None) -> None:
 
     # 4. Distributed start-up, Megatron's parallel state (TP x PP x DP; its own CP stays 1) and the
     #    pool of CP groups over each TP/PP coordinate's DP x CP domain.
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if has_gpu else torch.device("cpu")
-    if has_gpu:
-        torch.cuda.set_device(device)
     init_distributed(backend="nccl" if has_gpu else "gloo")
     rank = torch.distributed.get_rank()
     parallel_state.initialize_model_parallel(

@@ -16,7 +16,7 @@ Per policy (all step times from the same cost model, on the same batches):
                     the same ratio on the worst single step (min over steps).
   lb_ratio_p50/p95  step time / lower bound of that batch, median and 95th percentile.
   peak_mem_frac     largest per-rank micro-batch memory estimate / GPU memory (not the budget).
-  plan_ms_p50/p99   wall time of make_plan in milliseconds (this machine, one thread).
+  plan_ms_p50/p99   wall time of make_plan in milliseconds (on the machine that ran the simulation).
   cp_size_hist      CP size -> number of sequences run at that size, over all steps.
 """
 from __future__ import annotations

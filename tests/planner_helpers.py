@@ -2,6 +2,8 @@
 from dcp_megatron.planner.cluster import ClusterSpec
 from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.plan import StepPlan
+from dcp_megatron.planner.policies import POLICIES, make_plan
 
 
 def tiny_cluster(domain_size: int, *, gpus_per_node: int = 4, mem_bytes: int = 64 * 2 ** 20, **kw) -> ClusterSpec:
@@ -13,3 +15,15 @@ def tiny_cluster(domain_size: int, *, gpus_per_node: int = 4, mem_bytes: int = 6
 
 def tiny_cost(domain_size: int, *, pp: int = 1, **kw) -> CostModel:
     return CostModel(model_preset("gpt-tiny", pp=pp), tiny_cluster(domain_size, **kw))
+
+
+def plans_of_every_policy(batch, cost, max_seq_len: int) -> dict[str, StepPlan]:
+    """Each policy's plan of the batch. Only a baseline may refuse, and only because no static
+    layout exists for this domain (its CP sizes must divide it); such a policy is left out."""
+    plans = {}
+    for policy in POLICIES:
+        try:
+            plans[policy] = make_plan(policy, batch, cost, max_seq_len=max_seq_len)
+        except ValueError as err:
+            assert policy != "dcp" and "static layout" in str(err), err
+    return plans

@@ -132,3 +132,5 @@ def test_bad_arguments_raise_clear_errors():
         model_preset("llama-9000")
     with pytest.raises(ValueError, match="domain_size"):
         cluster_preset("h200", domain_size=0)
+    with pytest.raises(ValueError, match="collective_latency_s must be >= 0 seconds, got -1"):
+        dataclasses.replace(tiny_cluster(4), collective_latency_s=-1.0)

@@ -6,11 +6,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcp_megatron.planner.plan import Recompute
-from dcp_megatron.planner.policies import POLICIES, make_plan
+from dcp_megatron.planner.policies import make_plan
 from dcp_megatron.planner.policies.common import candidate_sizes, local_tokens
 from dcp_megatron.planner.timeline import plan_makespan
 from dcp_megatron.planner.validate import validate
-from tests.planner_helpers import tiny_cost
+from tests.planner_helpers import plans_of_every_policy, tiny_cost
 
 DOMAINS = [1, 2, 3, 4, 6, 8, 12, 16]
 
@@ -54,13 +54,7 @@ def scenarios(draw):
 def test_policies_hold_every_invariant(scenario):
     cost, batch, max_seq_len = scenario
     times = {}
-    for policy in POLICIES:
-        try:
-            plan = make_plan(policy, batch, cost, max_seq_len=max_seq_len)
-        except ValueError as err:
-            # a static layout may not exist for this domain (CP sizes must divide it): only baselines may refuse
-            assert policy != "dcp" and "static layout" in str(err), err
-            continue
+    for policy, plan in plans_of_every_policy(batch, cost, max_seq_len).items():
         validate(plan, batch, cost.cluster, cost)
         peak = max((mb.est_mem_bytes for w in plan.waves for g in w.groups for mb in g.microbatches), default=0)
         assert peak <= cost.cluster.mem_budget_bytes

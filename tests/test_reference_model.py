@@ -1,10 +1,12 @@
 """TinyGPT: packing documents changes nothing, recompute switches change nothing but are honoured."""
+import dataclasses
 from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from dcp_megatron.planner.model import model_preset
 from dcp_megatron.runtime.cp_attention import cp_attention, packed_causal_attention
 from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig
 from dcp_megatron.runtime.sharding import shard_microbatch
@@ -120,3 +122,13 @@ def test_config_rejects_bad_shapes(change, message):
     fields = dict(vocab_size=10, num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=8)
     with pytest.raises(ValueError, match=message):
         TinyGPTConfig(**{**fields, **change})
+
+
+def test_config_from_a_planner_shape_builds_the_model_the_cost_model_counts():
+    shape = model_preset("gpt-tiny")
+    model = TinyGPT(TinyGPTConfig.from_shape(shape))
+    assert sum(p.numel() for p in model.parameters()) == shape.num_params
+    with pytest.raises(ValueError, match="num_heads x head_dim"):
+        TinyGPTConfig.from_shape(dataclasses.replace(shape, head_dim=shape.head_dim * 2))
+    with pytest.raises(ValueError, match="gated_mlp=False"):
+        TinyGPTConfig.from_shape(dataclasses.replace(shape, gated_mlp=False))

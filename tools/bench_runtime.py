@@ -81,18 +81,12 @@ def make_batches(args, cap: int) -> dict[str, list[list[tuple[int, int]]]]:
     return {"longtail": longtail, "uniform": uniform}
 
 
-def tiny_config() -> TinyGPTConfig:
-    s = model_preset(MODEL)
-    return TinyGPTConfig(vocab_size=s.vocab_size, num_layers=s.num_layers, hidden_size=s.hidden_size,
-                         num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, ffn_hidden_size=s.ffn_hidden_size)
-
-
 def bench_rank(rank: int, port: int, args, cost: CostModel, cap: int, batches, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=900))
     executor = StepExecutor(GroupPool([list(range(WORLD))], timeout=timedelta(seconds=900)))
-    model = TinyGPT(tiny_config(), seed=0)
+    model = TinyGPT(TinyGPTConfig.from_shape(model_preset(MODEL)), seed=0)
     tokens_of = seeded_tokens(model.config.vocab_size, args.seed)
     rows = []
     for kind, kind_batches in batches.items():

@@ -71,14 +71,6 @@ CHECK_KINDS = (  # (lengths, cp size, recompute): what bench_runtime's static an
 )
 
 
-def tiny_config(shape) -> TinyGPTConfig:
-    if shape.num_heads * shape.head_dim != shape.hidden_size:
-        raise ValueError(f"TinyGPT needs hidden = heads x head_dim, got {shape}")
-    return TinyGPTConfig(vocab_size=shape.vocab_size, num_layers=shape.num_layers, hidden_size=shape.hidden_size,
-                         num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-                         ffn_hidden_size=shape.ffn_hidden_size)
-
-
 def best_time(fn, repeats: int, clock) -> float:
     """Fastest of `repeats` runs after a warm-up; both ranks start each run together.
 
@@ -130,7 +122,7 @@ def _rank(rank: int, port: int, model_name: str, repeats: int, clock_name: str, 
     torch.manual_seed(rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     shape = model_preset(model_name)
-    model = TinyGPT(tiny_config(shape))
+    model = TinyGPT(TinyGPTConfig.from_shape(shape))
     out: dict = {}
     linear_s = best_time(lambda: model_step(model, [64] * 64, 1, "trivial"), repeats, clock)
     out["gemm_flops"] = shape.linear_flops_per_token * 64 * 64 / linear_s

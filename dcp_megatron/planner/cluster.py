@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 GiB = 1024 ** 3
 
@@ -53,6 +53,9 @@ class ClusterSpec:
             raise ValueError("ClusterSpec.attn_rate_points must be sorted by length")
         if self.recompute_cost_factor <= 0:
             raise ValueError(f"ClusterSpec.recompute_cost_factor must be positive, got {self.recompute_cost_factor}")
+        for name in ("microbatch_overhead_s", "collective_latency_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ClusterSpec.{name} must be >= 0 seconds, got {getattr(self, name)}")
         if self.max_cp_size < 0:
             raise ValueError(f"ClusterSpec.max_cp_size must be >= 0, got {self.max_cp_size}")
 

@@ -54,6 +54,16 @@ class TinyGPTConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @classmethod
+    def from_shape(cls, shape) -> "TinyGPTConfig":
+        """The TinyGPT of a planner ModelShape (so benchmarks run the model the cost model scores)."""
+        if not shape.gated_mlp:
+            raise ValueError(f"TinyGPT's MLP is SwiGLU; this shape has gated_mlp=False: {shape}")
+        if shape.num_heads * shape.head_dim != shape.hidden_size:
+            raise ValueError(f"TinyGPT needs hidden_size = num_heads x head_dim, got {shape}")
+        return cls(vocab_size=shape.vocab_size, num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+                   num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, ffn_hidden_size=shape.ffn_hidden_size)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float = 1e-6) -> None:

@@ -62,11 +62,6 @@ def divisor_sizes(cluster: ClusterSpec) -> list[int]:
     return [c for c in range(1, limit + 1) if D % c == 0]
 
 
-def block_offsets(size: int, domain_size: int) -> range:
-    """First ranks of the blocks a group of `size` may occupy: multiples of its size (aligned)."""
-    return range(0, domain_size - size + 1, size)
-
-
 def local_tokens(lengths: np.ndarray, size: int) -> np.ndarray:
     """Padded tokens per rank of each document at CP size `size`."""
     step = 2 * size
@@ -99,15 +94,10 @@ def min_fitting_size(lengths: np.ndarray, ids: np.ndarray, sizes: list[int], cos
     return idx
 
 
-def estimate_microbatch(cost, sequences: tuple, lengths: Sequence[int], size: int, first_rank: int,
-                        recompute: Recompute | None = None) -> MicroBatch:
-    """A MicroBatch with its time and memory estimated; recompute None: the fastest that fits."""
-    local, compute, attn = cost._sums(lengths, size)
-    return microbatch_from_sums(cost, sequences, local, compute, attn, size, first_rank, recompute)
-
-
 def microbatch_from_sums(cost, sequences: tuple, local: float, compute: float, attn: float, size: int,
                          first_rank: int, recompute: Recompute | None = None) -> MicroBatch:
+    """A MicroBatch with its time and memory estimated from its documents' summed terms
+    (`CostModel.doc_terms`); recompute None: the fastest allowed that fits."""
     if recompute is None:
         recompute = cost.choose_recompute(local, compute, attn, size)
         assert recompute is not None, f"micro-batch of {local} local tokens fits no allowed recompute policy"

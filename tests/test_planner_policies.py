@@ -187,3 +187,18 @@ def test_validate_pipeline_and_domain_rules():
     other = dataclasses.replace(cost.cluster, domain_size=3)
     with pytest.raises(PlanError, match="partition"):
         validate(StepPlan(3, (ok,)), [(0, 10), (1, 10)], other, cost)
+
+
+def test_lower_bound_charges_the_recompute_that_memory_forces():
+    """On one rank there is no choice: documents over what a rank holds without recompute must be
+    recomputed, and the bound says so (a memory-blind bound would be far below every plan)."""
+    cost = tiny_cost(1)
+    length = cost.max_local_tokens(Recompute("none")) + 500
+    batch = [(i, length) for i in range(3)]
+    bound = lower_bound(batch, cost)
+    assert bound > cost.ideal_rank_seconds([n for _, n in batch]) * 1.05
+    plan = make_plan("dcp", batch, cost, max_seq_len=length)
+    num_mbs = plan.num_microbatches(0)
+    assert all(mb.recompute.kind != "none" for w in plan.waves for g in w.groups for mb in g.microbatches)
+    # no overhead or communication on one rank: the plan is exactly compute + forced recompute
+    assert bound == pytest.approx(plan.est_step_time_s - num_mbs * cost.cluster.microbatch_overhead_s, rel=1e-9)

@@ -1,16 +1,18 @@
 """Property tests over random batches, domain sizes (incl. 1, 3, 6, 12) and PP on/off:
 every policy's plan validates and fits memory, dcp never loses to a baseline, plans are
-deterministic, and no plan beats the lower bound."""
+deterministic, and no plan beats the (memory-aware) lower bound, whatever recompute is allowed."""
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dcp_megatron.planner.cost import CostModel
+from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import Recompute
 from dcp_megatron.planner.policies import make_plan
 from dcp_megatron.planner.policies.common import candidate_sizes, local_tokens
 from dcp_megatron.planner.timeline import plan_makespan
 from dcp_megatron.planner.validate import validate
-from tests.planner_helpers import plans_of_every_policy, tiny_cost
+from tests.planner_helpers import plans_of_every_policy, tiny_cluster, tiny_cost
 
 DOMAINS = [1, 2, 3, 4, 6, 8, 12, 16]
 
@@ -26,7 +28,8 @@ def largest_fitting_length(cost) -> int:
 def scenarios(draw):
     domain_size = draw(st.sampled_from(DOMAINS))
     pp = draw(st.sampled_from([1, 2]))
-    cost = tiny_cost(domain_size, pp=pp)
+    allowed = draw(st.sampled_from([("none", "selective", "full"), ("none", "full"), ("selective", "full")]))
+    cost = CostModel(model_preset("gpt-tiny", pp=pp), tiny_cluster(domain_size), allowed_recompute=allowed)
     top = largest_fitting_length(cost)
     shape = draw(st.sampled_from(["single-token", "at-capacity", "one-huge", "all-equal", "many-short", "mixed"]))
     if shape == "single-token":

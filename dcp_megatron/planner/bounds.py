@@ -1,11 +1,23 @@
-"""A lower bound on any plan's step time for one batch (DESIGN.md §5).
+"""A lower bound on any plan's step time for one batch (DESIGN.md §5), memory-aware.
 
-max( total compute of the batch at CP size 1, unpadded, without communication, recompute or
-     per-micro-batch overhead, divided by the D ranks  — perfect balance,
-     the longest sequence alone in a micro-batch on its best allowed group size — it has to run
-     somewhere, with the fastest recompute that fits there )
-Per-rank compute at CP size c is never below the c=1 share (padding only adds tokens and the
-attention rate grows with the chunk length), so the first term bounds every layout.
+max( balanced: every document's least rank-seconds, summed and divided by the D ranks — perfect
+     balance, no communication, no per-micro-batch overhead; a document's least rank-seconds is
+     the minimum over group sizes c of c x (its compute at c + the least recompute it needs there
+     even alone in a micro-batch),
+     longest: the longest sequence alone in a micro-batch on its best allowed group size — it
+     has to run somewhere, with the fastest recompute that fits there )
+
+Why the balanced term holds: a rank's busy time is the sum of its micro-batches' compute and
+recompute; a micro-batch holds at least the local tokens of each of its documents, so the
+recompute it needs costs at least what each document alone would need (recompute extra is linear
+in the compute it reruns), and a group of c ranks spends c rank-seconds per second.
+Group sizes the policies use (powers of two, divisors of the domain, the limit) are scored
+exactly; any other size c' is bounded from below by the c = 1 compute (padding only adds tokens,
+the attention rate grows with the chunk length) plus the least recompute that fits at the next
+scored size above c' (fewer local tokens than at c', so no more recompute).
+
+Without the memory term, a batch whose documents mostly exceed what one rank holds without
+recompute gets a bound no plan can approach (DCP would then look further from optimal than it is).
 """
 from __future__ import annotations
 
@@ -14,7 +26,11 @@ from typing import Sequence
 
 import numpy as np
 
-from dcp_megatron.planner.policies.common import candidate_sizes, check_batch, check_static_memory
+from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE
+from dcp_megatron.planner.policies.common import candidate_sizes, check_batch, check_static_memory, divisor_sizes
+
+# a bound must never exceed a real plan: judge "fits" with a hair of slack against float rounding
+FIT_SLACK = 1.0 + 1e-9
 
 
 def lower_bound(batch: Sequence[tuple[int, int]], cost) -> float:
@@ -24,7 +40,7 @@ def lower_bound(batch: Sequence[tuple[int, int]], cost) -> float:
 
 def lower_bound_of_lengths(lengths: np.ndarray, cost) -> float:
     check_static_memory(cost)
-    balanced = cost.ideal_rank_seconds(lengths) / cost.cluster.domain_size
+    balanced = float(least_rank_seconds(lengths, cost).sum()) / cost.cluster.domain_size
     longest = int(lengths.max())
     best = math.inf
     for size in candidate_sizes(cost.cluster):
@@ -36,3 +52,42 @@ def lower_bound_of_lengths(lengths: np.ndarray, cost) -> float:
         raise ValueError(f"a sequence of {longest} tokens fits no allowed CP group "
                          f"(cp_size_limit {cost.cluster.cp_size_limit}) even with the strongest allowed recompute")
     return max(balanced, best)
+
+
+def least_rank_seconds(lengths, cost) -> np.ndarray:
+    """Per document: the fewest rank-seconds of compute and recompute any group size runs it in."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ideal_compute, ideal_attn = cost.ideal_doc_seconds(lengths)
+    # documents that fit nowhere keep inf here; lower_bound_of_lengths names the longest of them
+    best = np.full(lengths.shape, math.inf)
+    scored = sorted(set(candidate_sizes(cost.cluster)) | set(divisor_sizes(cost.cluster)))
+    previous = 0
+    for size in scored:
+        if size > previous + 1:         # sizes strictly between previous and size: the relaxed form
+            relaxed = ideal_compute + least_recompute_extra(lengths / size, ideal_compute, ideal_attn, cost)
+            best = np.minimum(best, relaxed)
+        local, compute, attn = cost.doc_terms(lengths, size)
+        best = np.minimum(best, size * (compute + least_recompute_extra(local, compute, attn, cost)))
+        previous = size
+    return best
+
+
+def least_recompute_extra(local: np.ndarray, compute: np.ndarray, attn: np.ndarray, cost) -> np.ndarray:
+    """Per micro-batch (vectorised): the smallest added recompute seconds among the allowed
+    recompute policies whose memory fits `local` tokens per rank; inf where none fits."""
+    room = (cost.cluster.mem_budget_bytes - cost.static_bytes) * FIT_SLACK
+    best = np.full(np.shape(local), math.inf)
+    for option in (NO_RECOMPUTE, SELECTIVE):
+        if option.kind in cost.allowed_recompute:
+            extra, _ = cost.recompute_extra(compute, attn, option)
+            best = np.where(local * cost.bytes_per_local_token(option) <= room, np.minimum(best, extra), best)
+    if "full" in cost.allowed_recompute:
+        # memory falls as the number k of recomputed layers grows, the extra rises with k: the fewest that fit
+        options = cost.full_recompute_options()
+        full_bytes = np.array([cost.bytes_per_local_token(r) for r in options])
+        fewest = np.searchsorted(-full_bytes, -room / np.maximum(local, 1e-300), side="left")
+        for k in np.unique(fewest[fewest < len(options)]).tolist():
+            rows = fewest == k
+            extra, _ = cost.recompute_extra(compute[rows], attn[rows], options[k])
+            best[rows] = np.minimum(best[rows], extra)
+    return best

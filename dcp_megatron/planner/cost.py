@@ -132,10 +132,15 @@ class CostModel:
         attn = self._attention_seconds(lp, cp_size)
         return local, local * self._linear_s_per_token + attn, attn
 
+    def ideal_doc_seconds(self, lengths) -> tuple[np.ndarray, np.ndarray]:
+        """Per document at CP size 1, unpadded: (compute seconds, attention seconds)."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        attn = self._attention_seconds(lengths, 1)
+        return lengths * self._linear_s_per_token + attn, attn
+
     def ideal_rank_seconds(self, lengths) -> float:
         """Σ compute of the documents at CP size 1, unpadded: the work no layout can avoid."""
-        lengths = np.asarray(lengths, dtype=np.float64)
-        return float((lengths * self._linear_s_per_token + self._attention_seconds(lengths, 1)).sum())
+        return float(self.ideal_doc_seconds(lengths)[0].sum())
 
     def doc_alone_seconds(self, lengths, cp_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Each document alone in a micro-batch at CP size c, placed at rank 0, with the fastest
@@ -181,7 +186,7 @@ class CostModel:
         return self._attn_flops_per_len2 * lp * lp / (rate * cp_size)
 
     # ---- from sums over a micro-batch's documents ----------------------------------------
-    def _recompute_extra(self, compute_s, attn_s, recompute: Recompute):
+    def recompute_extra(self, compute_s, attn_s, recompute: Recompute):
         """(added compute seconds, K/V communication passes) of a recompute policy; scalars or arrays.
 
         Full recompute of k of n layers reruns k/n of the forward (1/3 of fwd+bwd) and its CP
@@ -197,7 +202,7 @@ class CostModel:
                        first_rank: int, recompute: Recompute) -> float:
         if local_tokens <= 0:
             return self.cluster.microbatch_overhead_s
-        extra, passes = self._recompute_extra(compute_s, attn_s, recompute)
+        extra, passes = self.recompute_extra(compute_s, attn_s, recompute)
         t = self.cluster.microbatch_overhead_s + compute_s + extra
         if cp_size > 1:
             bw = (self.cluster.intra_node_bw if self.cluster.same_node(first_rank, cp_size)
@@ -210,7 +215,7 @@ class CostModel:
     def times_from_sums(self, local_tokens: np.ndarray, compute_s: np.ndarray, attn_s: np.ndarray,
                         cp_sizes, first_ranks: np.ndarray, recompute: Recompute) -> np.ndarray:
         """`time_from_sums` of many micro-batches at once (the same floats); cp_sizes int or array."""
-        extra, passes = self._recompute_extra(compute_s, attn_s, recompute)
+        extra, passes = self.recompute_extra(compute_s, attn_s, recompute)
         t = self.cluster.microbatch_overhead_s + compute_s + extra
         cp_sizes = np.broadcast_to(np.asarray(cp_sizes, dtype=np.int64), t.shape)
         if (cp_sizes > 1).any():
@@ -254,6 +259,10 @@ class CostModel:
             room = self.cluster.mem_budget_bytes - self.static_bytes
             cached = self._max_local[recompute] = max(int(room // self.bytes_per_local_token(recompute)), 0)
         return cached
+
+    def full_recompute_options(self) -> list[Recompute]:
+        """The full-recompute policies of 1..n layers, allowed or not: memory falls along the list."""
+        return list(self._full_options)
 
     def recompute_options(self) -> list[Recompute]:
         """The allowed of none, selective, full 1..n: memory falls (not strictly) along the list."""

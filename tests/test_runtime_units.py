@@ -17,6 +17,7 @@ from dcp_megatron.runtime.parity import grad_max_rel_err
 from dcp_megatron.runtime.recompute import apply_recompute, current_recompute
 from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig
 from dcp_megatron.runtime.stats import RankTimes, StepStats, imbalance, predicted_busy_s
+from tests.tool_helpers import load_tool
 
 CONFIG = TinyGPTConfig(vocab_size=32, num_layers=3, hidden_size=16, num_heads=4, num_kv_heads=2, ffn_hidden_size=24)
 
@@ -157,12 +158,7 @@ def test_cpu_cluster_preset_needs_cp2_for_4k_token_documents():
 
 
 def test_check_parity_report_prints_max_rel_err_last_and_fails_above_tolerance(capsys):
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "check_parity.py"
-    spec = importlib.util.spec_from_file_location("check_parity", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("check_parity")
     assert tool.report([(3e-7, 1e-7, "a"), (8e-7, 2e-7, "b")]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == "max_rel_err=8.000000e-07"
     assert tool.report([(3e-7, 1e-7, "a"), (2e-5, 1e-7, "b")]) == 1

@@ -1,5 +1,4 @@
 """dcp-simulate end to end, in process, on small settings; the report's definitions; bad input."""
-import importlib.util
 import json
 import math
 import os
@@ -9,20 +8,13 @@ import pytest
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.simulate import SimulationConfig, cut_batches, main
 from dcp_megatron.simulate_report import PolicyRun, format_table, summarize
+from tests.tool_helpers import load_tool
 
 POLICIES = ("static", "static-balanced", "megatron-hybrid", "dcp")
 METRIC_KEYS = {"mean_step_s", "tokens_per_s", "speedup_vs_static", "speedup_vs_best_baseline", "lb_ratio_p50",
                "lb_ratio_p95", "peak_mem_frac", "plan_ms_p50", "plan_ms_p99"}
 SMALL = ["--model", "llama3-8b", "--cluster", "h200", "--gpus", "8", "--gpus-per-node", "4",
          "--tokens-per-step", "131072", "--steps", "3", "--seed", "1"]
-
-
-def _load_tool(name):
-    path = os.path.join(os.path.dirname(__file__), "..", "tools", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +60,7 @@ def test_dumped_plans_parse_cover_each_batch_and_match_the_report(wikipedia_run)
 def test_plot_is_a_png_and_draw_plan_redraws_dumps(wikipedia_run, tmp_path):
     out, _ = wikipedia_run
     assert (out / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    draw_plan = _load_tool("draw_plan")
+    draw_plan = load_tool("draw_plan")
     target = tmp_path / "two.png"
     assert draw_plan.main([str(out / "plans" / "static" / "step_0.json"),
                            str(out / "plans" / "dcp" / "step_0.json"), "--out", str(target)]) == 0

@@ -21,11 +21,16 @@ Prints per-step times next to the plans' predictions, tokens/s per (kind, policy
 steps, and ratio_longtail / ratio_uniform: the MEDIAN over timed batches of static step time /
 dcp step time (= dcp tokens/s over static tokens/s on that batch), robust to a step that another
 job slowed down; the ratio of summed throughputs is reported next to it (`*_total`). --json
-writes them.
+writes them. Before training it prints, for the same batches, the cost model's view: `predicted`
+(median of static / dcp estimates) and `ceiling` (median of static's estimate / the memory-aware
+lower bound: the most any plan could gain). --predict-only stops there (seconds); with
+--mem-per-rank-mib (the modelled budget, which sets the cap and what needs recompute or CP=2)
+and --tokens-per-step it shows how much a 2-rank domain can gain in each memory regime.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import queue
@@ -42,7 +47,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from dcp_megatron.planner.batcher import GlobalBatcher  # noqa: E402
-from dcp_megatron.planner.cluster_cpu import cpu_cluster  # noqa: E402
+from dcp_megatron.planner.cluster_cpu import CPU_MEM_BYTES_PER_RANK, cpu_cluster  # noqa: E402
 from dcp_megatron.planner.cost import CostModel, load_profile  # noqa: E402
 from dcp_megatron.planner.distributions import builtin_lengths  # noqa: E402
 from dcp_megatron.planner.model import model_preset  # noqa: E402
@@ -81,7 +86,26 @@ def make_batches(args, cap: int) -> dict[str, list[list[tuple[int, int]]]]:
     return {"longtail": longtail, "uniform": uniform}
 
 
-def bench_rank(rank: int, port: int, args, cost: CostModel, cap: int, batches, results) -> None:
+def make_plans(batches, cost: CostModel, cap: int) -> dict[str, list[dict]]:
+    """Both policies' plans of every batch, made once here; the ranks run exactly these."""
+    return {kind: [{policy: make_plan(policy, batch, cost, max_seq_len=cap) for policy in POLICIES}
+                   for batch in kind_batches] for kind, kind_batches in batches.items()}
+
+
+def predicted_ratios(plans) -> dict:
+    """What the cost model says of the timed batches: the medians of static / dcp (`predicted`)
+    and of static / the memory-aware lower bound (`ceiling`: no plan can gain more than this)."""
+    out = {}
+    for kind, steps in plans.items():
+        timed = steps[1:]
+        out[f"ratio_{kind}_predicted"] = statistics.median(
+            p["static"].est_step_time_s / p["dcp"].est_step_time_s for p in timed)
+        out[f"ratio_{kind}_ceiling"] = statistics.median(
+            p["static"].est_step_time_s / p["static"].lower_bound_s for p in timed)
+    return out
+
+
+def bench_rank(rank: int, port: int, args, cap: int, batches, plans, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=900))
@@ -92,7 +116,7 @@ def bench_rank(rank: int, port: int, args, cost: CostModel, cap: int, batches, r
     for kind, kind_batches in batches.items():
         for step, batch in enumerate(kind_batches):
             for policy in (POLICIES if step % 2 == 0 else POLICIES[::-1]):
-                plan = make_plan(policy, batch, cost, max_seq_len=cap)
+                plan = plans[kind][step][policy]
                 cpu_start = time.process_time()
                 result = dcp_train_step(model, executor, plan, tokens_of)
                 # Busiest rank's CPU seconds: the step time on dedicated cores, less the waits.
@@ -103,7 +127,8 @@ def bench_rank(rank: int, port: int, args, cost: CostModel, cap: int, batches, r
                 rows.append({"kind": kind, "step": step, "policy": policy, "timed": step > 0,
                              "tokens": sum(n for _, n in batch), "step_s": stats.step_s,
                              "busy_cpu_s": float(busy),
-                             "predicted_s": stats.predicted_step_s, "imbalance": stats.imbalance,
+                             "predicted_s": stats.predicted_step_s, "lower_bound_s": plan.lower_bound_s,
+                             "imbalance": stats.imbalance,
                              "predicted_imbalance": stats.predicted_imbalance,
                              "cp_sizes": plan.cp_size_histogram(), "summary": plan.summary()})
                 if rank == 0:
@@ -141,22 +166,35 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens-per-step", type=int, default=8192)
     parser.add_argument("--max-seq-len", type=int, default=4096, help="upper bound of the length cap")
     parser.add_argument("--profile", help="cost-model profile JSON (tools/profile_cpu.py) instead of the preset")
+    parser.add_argument("--mem-per-rank-mib", type=float, default=CPU_MEM_BYTES_PER_RANK / 2 ** 20,
+                        help="the modelled memory budget per rank (the cpu preset's by default); it sets the cap and "
+                             "which documents need recompute or CP=2")
+    parser.add_argument("--predict-only", action="store_true",
+                        help="plan the batches and print the cost model's ratios, without training")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.tokens_per_step < 1 or args.max_seq_len < 2:
-        parser.error("--steps, --tokens-per-step must be >= 1 and --max-seq-len >= 2")
+    if args.steps < 1 or args.tokens_per_step < 1 or args.max_seq_len < 2 or args.mem_per_rank_mib <= 0:
+        parser.error("--steps, --tokens-per-step must be >= 1, --max-seq-len >= 2, --mem-per-rank-mib > 0")
     profile = load_profile(args.profile) if args.profile else None
-    cost = CostModel(model_preset(MODEL), cpu_cluster(WORLD), profile=profile)
+    cluster = dataclasses.replace(cpu_cluster(WORLD), mem_bytes_per_gpu=int(args.mem_per_rank_mib * 2 ** 20))
+    cost = CostModel(model_preset(MODEL), cluster, profile=profile)
     cap = memory_cap(cost, min(args.max_seq_len, args.tokens_per_step))
     batches = make_batches(args, cap)
-    print(f"{MODEL} on {WORLD} CPU ranks, cap {cap} tokens, {args.tokens_per_step} tokens/step, "
-          f"{args.steps} timed steps per kind", flush=True)
+    plans = make_plans(batches, cost, cap)
+    predicted = predicted_ratios(plans)
+    print(f"{MODEL} on {WORLD} CPU ranks, {args.mem_per_rank_mib:g} MiB per rank, cap {cap} tokens, "
+          f"{args.tokens_per_step} tokens/step, {args.steps} timed steps per kind", flush=True)
+    for kind in ("longtail", "uniform"):
+        print(f"predicted ratio_{kind}={predicted[f'ratio_{kind}_predicted']:.3f} "
+              f"(ceiling: static / lower bound = {predicted[f'ratio_{kind}_ceiling']:.3f})", flush=True)
+    if args.predict_only:
+        return 0
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=bench_rank, args=(r, port, args, cost, cap, batches, results)) for r in range(WORLD)]
+    procs = [ctx.Process(target=bench_rank, args=(r, port, args, cap, batches, plans, results)) for r in range(WORLD)]
     for proc in procs:
         proc.start()
     rows = None
@@ -172,16 +210,17 @@ def main(argv=None) -> int:
     if rows is None:
         print("a rank failed; no results", file=sys.stderr)
         return 1
-    summary = summarize(rows)
+    summary = {**summarize(rows), **predicted}
     for name, value in summary["tokens_per_s"].items():
         print(f"tokens/s {name:18s} {value:9.1f}")
     for kind, target in (("longtail", 1.3), ("uniform", 0.97)):
         steps = " ".join(f"{r:.2f}" for r in summary[f"ratio_{kind}_per_step"])
         print(f"ratio_{kind}={summary[f'ratio_{kind}']:.3f} (median of [{steps}]; summed tokens/s: "
               f"{summary[f'ratio_{kind}_total']:.3f}; target >= {target}); from CPU time: "
-              f"{summary[f'ratio_{kind}_cpu_time']:.3f}")
+              f"{summary[f'ratio_{kind}_cpu_time']:.3f}; predicted {summary[f'ratio_{kind}_predicted']:.3f}, "
+              f"ceiling {summary[f'ratio_{kind}_ceiling']:.3f}")
     if args.json:
-        out = {"config": {"model": MODEL, "world": WORLD, "cap": cap, "tokens_per_step": args.tokens_per_step,
+        out = {"config": {"model": MODEL, "world": WORLD, "mem_per_rank_mib": args.mem_per_rank_mib, "cap": cap, "tokens_per_step": args.tokens_per_step,
                           "steps": args.steps, "seed": args.seed, "profile": args.profile,
                           "time": time.strftime("%Y-%m-%d %H:%M:%S")},
                **summary, "steps": rows}

@@ -1,0 +1,49 @@
+"""bench_runtime's planning half (no training): the cost model's view it prints next to the
+measured ratios, the memory flag, and its input checks. The measured half runs in tools/ only."""
+import pytest
+
+from tests.tool_helpers import load_tool
+
+bench = load_tool("bench_runtime")
+
+
+def test_predict_only_prints_predicted_ratio_below_its_ceiling(capsys):
+    assert bench.main(["--predict-only", "--steps", "3", "--tokens-per-step", "8192"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "40 MiB per rank, cap 4096 tokens" in lines[0]
+    for kind in ("longtail", "uniform"):
+        line = next(x for x in lines if x.startswith(f"predicted ratio_{kind}="))
+        predicted = float(line.split("=")[1].split()[0])
+        ceiling = float(line.rsplit("=", 1)[1].rstrip(")"))
+        # every dcp estimate is at least the lower bound, so per batch static/dcp <= static/bound
+        assert 0.99 <= predicted <= ceiling + 1e-9
+
+
+def test_memory_budget_flag_sets_the_cap(capsys):
+    assert bench.main(["--predict-only", "--steps", "1", "--max-seq-len", "1000000", "--tokens-per-step", "65536"]) == 0
+    assert bench.main(["--predict-only", "--steps", "1", "--max-seq-len", "1000000", "--tokens-per-step", "65536",
+                       "--mem-per-rank-mib", "80"]) == 0
+    caps = [int(line.split(", cap ")[1].split()[0]) for line in capsys.readouterr().out.splitlines() if ", cap " in line]
+    cost = bench.CostModel(bench.model_preset("gpt-tiny"), bench.cpu_cluster(2))
+    # the cap is the longest document the 2-rank domain holds with the strongest recompute, so it grows with memory
+    assert caps[0] == bench.memory_cap(cost, 65536) and 1.5 * caps[0] < caps[1] < 65536
+
+
+def test_both_policies_plan_every_batch_and_dcp_never_loses():
+    cost = bench.CostModel(bench.model_preset("gpt-tiny"), bench.cpu_cluster(2))
+    cap = bench.memory_cap(cost, 4096)
+    args = bench.argparse.Namespace(tokens_per_step=8192, steps=2, seed=0, max_seq_len=4096)
+    plans = bench.make_plans(bench.make_batches(args, cap), cost, cap)
+    assert set(plans) == {"longtail", "uniform"} and len(plans["longtail"]) == 3
+    for steps in plans.values():
+        for by_policy in steps:
+            assert set(by_policy) == {"static", "dcp"}
+            assert by_policy["dcp"].est_step_time_s <= by_policy["static"].est_step_time_s * (1 + 1e-12)
+    ratios = bench.predicted_ratios(plans)
+    assert ratios["ratio_uniform_predicted"] == pytest.approx(1.0, abs=0.01)
+    assert all(ratios[f"ratio_{k}_predicted"] <= ratios[f"ratio_{k}_ceiling"] + 1e-12 for k in ("longtail", "uniform"))
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        bench.main(["--predict-only", "--mem-per-rank-mib", "0"])

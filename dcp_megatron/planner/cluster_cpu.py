@@ -20,6 +20,9 @@ project's CP attention over gloo. How the constants below were measured (referen
   2048 cp2 none 1.05, 20 short documents (<= 700) cp2 1.37-1.49 and cp1 1.26 (short-document
   attention is overestimated: conservative for the micro-batches dcp moves to CP=1).
 - Bandwidth is the earlier quiet-machine reading (1.08 GB/s; 0.4 under load).
+- Re-checked on a quiet machine (load < 1): preset/measured 0.97-1.13 per kind above (CP=2 kinds
+  1.07-1.13); that run's own profile put recompute_cost_factor at 0.46 (the recomputed forward
+  leaves the backward's inputs in cache) but misjudged short documents 1.3-2x, so these stay.
 
 Memory is a modelling choice, not the machine's RAM: a CPU rank gets a budget small enough that
 gpt-tiny documents of a few thousand tokens need CP=2 or recompute, as 100K+ token documents do

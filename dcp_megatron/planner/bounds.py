@@ -14,7 +14,8 @@ in the compute it reruns), and a group of c ranks spends c rank-seconds per seco
 Group sizes the policies use (powers of two, divisors of the domain, the limit) are scored
 exactly; any other size c' is bounded from below by the c = 1 compute (padding only adds tokens,
 the attention rate grows with the chunk length) plus the least recompute that fits at the next
-scored size above c' (fewer local tokens than at c', so no more recompute).
+scored size above c' (fewer local tokens than at c', so no more recompute). A document that needs
+no recompute even at c = 1 is charged its c = 1 compute (the same argument), without the search.
 
 Without the memory term, a batch whose documents mostly exceed what one rank holds without
 recompute gets a bound no plan can approach (DCP would then look further from optimal than it is).
@@ -58,6 +59,16 @@ def least_rank_seconds(lengths, cost) -> np.ndarray:
     """Per document: the fewest rank-seconds of compute and recompute any group size runs it in."""
     lengths = np.asarray(lengths, dtype=np.int64)
     ideal_compute, ideal_attn = cost.ideal_doc_seconds(lengths)
+    # at CP size 1 unpadded (fewest local tokens a size-1 group can have): a document that needs no
+    # recompute there gets the compute-only bound, and only the others (usually few) search the sizes
+    alone = ideal_compute + least_recompute_extra(lengths.astype(np.float64), ideal_compute, ideal_attn, cost)
+    heavy = ~(alone <= ideal_compute)
+    if heavy.any():
+        alone[heavy] = _least_over_sizes(lengths[heavy], ideal_compute[heavy], ideal_attn[heavy], cost)
+    return alone
+
+
+def _least_over_sizes(lengths: np.ndarray, ideal_compute: np.ndarray, ideal_attn: np.ndarray, cost) -> np.ndarray:
     # documents that fit nowhere keep inf here; lower_bound_of_lengths names the longest of them
     best = np.full(lengths.shape, math.inf)
     scored = sorted(set(candidate_sizes(cost.cluster)) | set(divisor_sizes(cost.cluster)))
@@ -84,10 +95,9 @@ def least_recompute_extra(local: np.ndarray, compute: np.ndarray, attn: np.ndarr
     if "full" in cost.allowed_recompute:
         # memory falls as the number k of recomputed layers grows, the extra rises with k: the fewest that fit
         options = cost.full_recompute_options()
-        full_bytes = np.array([cost.bytes_per_local_token(r) for r in options])
+        full_bytes = cost.full_recompute_bytes()
         fewest = np.searchsorted(-full_bytes, -room / np.maximum(local, 1e-300), side="left")
-        for k in np.unique(fewest[fewest < len(options)]).tolist():
-            rows = fewest == k
-            extra, _ = cost.recompute_extra(compute[rows], attn[rows], options[k])
-            best[rows] = np.minimum(best[rows], extra)
+        fits = fewest < len(options)
+        extra = cost.full_recompute_seconds(compute, np.minimum(fewest, len(options) - 1) + 1)
+        best = np.where(fits, np.minimum(best, extra), best)
     return best

@@ -193,10 +193,14 @@ class CostModel:
         all-gathers; selective reruns the attention forward."""
         if recompute.kind == "full":
             frac = recompute.full_layers / self.layers_per_stage
-            return frac * compute_s / 3.0 * self.cluster.recompute_cost_factor, CP_PASSES + frac
+            return self.full_recompute_seconds(compute_s, recompute.full_layers), CP_PASSES + frac
         if recompute.kind == "selective":
             return attn_s / 3.0 * self.cluster.recompute_cost_factor, CP_PASSES + 1
         return 0.0, CP_PASSES
+
+    def full_recompute_seconds(self, compute_s, full_layers):
+        """Added seconds of full recompute of `full_layers` layers; either argument may be an array."""
+        return full_layers / self.layers_per_stage * compute_s / 3.0 * self.cluster.recompute_cost_factor
 
     def time_from_sums(self, local_tokens: float, compute_s: float, attn_s: float, cp_size: int,
                        first_rank: int, recompute: Recompute) -> float:
@@ -263,6 +267,10 @@ class CostModel:
     def full_recompute_options(self) -> list[Recompute]:
         """The full-recompute policies of 1..n layers, allowed or not: memory falls along the list."""
         return list(self._full_options)
+
+    def full_recompute_bytes(self) -> np.ndarray:
+        """bytes_per_local_token of each of full_recompute_options() (read-only, cached)."""
+        return self._full_bytes_per_token
 
     def recompute_options(self) -> list[Recompute]:
         """The allowed of none, selective, full 1..n: memory falls (not strictly) along the list."""

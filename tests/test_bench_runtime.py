@@ -1,5 +1,8 @@
 """bench_runtime's planning half (no training): the cost model's view it prints next to the
 measured ratios, the memory flag, and its input checks. The measured half runs in tools/ only."""
+import json
+import re
+
 import pytest
 
 from tests.tool_helpers import load_tool
@@ -13,10 +16,11 @@ def test_predict_only_prints_predicted_ratio_below_its_ceiling(capsys):
     assert "40 MiB per rank, cap 4096 tokens" in lines[0]
     for kind in ("longtail", "uniform"):
         line = next(x for x in lines if x.startswith(f"predicted ratio_{kind}="))
-        predicted = float(line.split("=")[1].split()[0])
-        ceiling = float(line.rsplit("=", 1)[1].rstrip(")"))
-        # every dcp estimate is at least the lower bound, so per batch static/dcp <= static/bound
+        predicted, ceiling, predicted_total, ceiling_total = (float(x) for x in re.findall(r"\d+\.\d+", line))
+        # every dcp estimate is at least the lower bound, so per batch (and summed) static/dcp <= static/bound
         assert 0.99 <= predicted <= ceiling + 1e-9
+        assert 0.99 <= predicted_total <= ceiling_total + 1e-9
+    assert "static layout: CP=2 for every sequence" in "\n".join(lines)
 
 
 def test_memory_budget_flag_sets_the_cap(capsys):
@@ -47,3 +51,23 @@ def test_both_policies_plan_every_batch_and_dcp_never_loses():
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         bench.main(["--predict-only", "--mem-per-rank-mib", "0"])
+
+
+def test_headroom_sweep_reports_the_largest_ceiling_among_static_cp2_regimes(capsys, tmp_path):
+    headroom = load_tool("runtime_headroom")
+    out = tmp_path / "rows.json"
+    # 32 MiB with a 2,048 cap holds a cap-length document on one rank (static CP=1); the others need CP=2
+    assert headroom.main(["--mem-per-rank-mib", "32,40", "--max-seq-len", "2048,4096", "--tokens-per-step", "8192",
+                          "--steps", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4 and {r["static_cp_size"] for r in rows} == {1, 2}
+    for row in rows:
+        assert 0.99 <= row["predicted_total"] <= row["ceiling_total"] + 1e-9
+    best = max(r["ceiling_total"] for r in rows if r["static_cp_size"] == 2)
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == f"max_ceiling_total={best:.4f}"
+
+
+def test_headroom_refuses_an_empty_grid():
+    with pytest.raises(SystemExit):
+        load_tool("runtime_headroom").main(["--tokens-per-step", ""])

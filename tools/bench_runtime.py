@@ -52,6 +52,7 @@ from dcp_megatron.planner.cost import CostModel, load_profile  # noqa: E402
 from dcp_megatron.planner.distributions import builtin_lengths  # noqa: E402
 from dcp_megatron.planner.model import model_preset  # noqa: E402
 from dcp_megatron.planner.policies import make_plan  # noqa: E402
+from dcp_megatron.planner.policies.static import static_layout  # noqa: E402
 from dcp_megatron.runtime.executor import StepExecutor  # noqa: E402
 from dcp_megatron.runtime.group_pool import GroupPool  # noqa: E402
 from dcp_megatron.runtime.parity import dcp_train_step, seeded_tokens  # noqa: E402
@@ -60,6 +61,12 @@ from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig  # noqa:
 WORLD = 2
 POLICIES = ("static", "dcp")
 MODEL = "gpt-tiny"
+
+
+def cost_model(mem_per_rank_mib: float, profile=None) -> CostModel:
+    """gpt-tiny on the `cpu` preset's 2 ranks, with this modelled memory budget per rank."""
+    cluster = dataclasses.replace(cpu_cluster(WORLD), mem_bytes_per_gpu=int(mem_per_rank_mib * 2 ** 20))
+    return CostModel(model_preset(MODEL), cluster, profile=profile)
 
 
 def memory_cap(cost: CostModel, limit: int) -> int:
@@ -102,6 +109,11 @@ def predicted_ratios(plans) -> dict:
             p["static"].est_step_time_s / p["dcp"].est_step_time_s for p in timed)
         out[f"ratio_{kind}_ceiling"] = statistics.median(
             p["static"].est_step_time_s / p["static"].lower_bound_s for p in timed)
+        # The same over summed seconds (= tokens/s over all timed batches): batches that hold one
+        # cap-length document weigh here by their time, as they do in a training run.
+        static_s = sum(p["static"].est_step_time_s for p in timed)
+        out[f"ratio_{kind}_predicted_total"] = static_s / sum(p["dcp"].est_step_time_s for p in timed)
+        out[f"ratio_{kind}_ceiling_total"] = static_s / sum(p["static"].lower_bound_s for p in timed)
     return out
 
 
@@ -175,18 +187,20 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.tokens_per_step < 1 or args.max_seq_len < 2 or args.mem_per_rank_mib <= 0:
         parser.error("--steps, --tokens-per-step must be >= 1, --max-seq-len >= 2, --mem-per-rank-mib > 0")
-    profile = load_profile(args.profile) if args.profile else None
-    cluster = dataclasses.replace(cpu_cluster(WORLD), mem_bytes_per_gpu=int(args.mem_per_rank_mib * 2 ** 20))
-    cost = CostModel(model_preset(MODEL), cluster, profile=profile)
+    cost = cost_model(args.mem_per_rank_mib, load_profile(args.profile) if args.profile else None)
     cap = memory_cap(cost, min(args.max_seq_len, args.tokens_per_step))
     batches = make_batches(args, cap)
     plans = make_plans(batches, cost, cap)
     predicted = predicted_ratios(plans)
     print(f"{MODEL} on {WORLD} CPU ranks, {args.mem_per_rank_mib:g} MiB per rank, cap {cap} tokens, "
           f"{args.tokens_per_step} tokens/step, {args.steps} timed steps per kind", flush=True)
+    layout = static_layout(cost, cap)
+    print(f"static layout: CP={layout.cp_size} for every sequence, recompute {layout.recompute}", flush=True)
     for kind in ("longtail", "uniform"):
         print(f"predicted ratio_{kind}={predicted[f'ratio_{kind}_predicted']:.3f} "
-              f"(ceiling: static / lower bound = {predicted[f'ratio_{kind}_ceiling']:.3f})", flush=True)
+              f"(ceiling: static / lower bound = {predicted[f'ratio_{kind}_ceiling']:.3f}); summed tokens/s: "
+              f"predicted {predicted[f'ratio_{kind}_predicted_total']:.3f}, "
+              f"ceiling {predicted[f'ratio_{kind}_ceiling_total']:.3f}", flush=True)
     if args.predict_only:
         return 0
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -16,10 +16,10 @@ def test_predict_only_prints_predicted_ratio_below_its_ceiling(capsys):
     assert "40 MiB per rank, cap 4096 tokens" in lines[0]
     for kind in ("longtail", "uniform"):
         line = next(x for x in lines if x.startswith(f"predicted ratio_{kind}="))
-        predicted, ceiling, predicted_total, ceiling_total = (float(x) for x in re.findall(r"\d+\.\d+", line))
-        # every dcp estimate is at least the lower bound, so per batch (and summed) static/dcp <= static/bound
+        predicted, ceiling, predicted_median, ceiling_median = (float(x) for x in re.findall(r"\d+\.\d+", line))
+        # every dcp estimate is at least the lower bound, so summed (and per batch) static/dcp <= static/bound
         assert 0.99 <= predicted <= ceiling + 1e-9
-        assert 0.99 <= predicted_total <= ceiling_total + 1e-9
+        assert 0.99 <= predicted_median <= ceiling_median + 1e-9
     assert "static layout: CP=2 for every sequence" in "\n".join(lines)
 
 
@@ -45,7 +45,9 @@ def test_both_policies_plan_every_batch_and_dcp_never_loses():
             assert by_policy["dcp"].est_step_time_s <= by_policy["static"].est_step_time_s * (1 + 1e-12)
     ratios = bench.predicted_ratios(plans)
     assert ratios["ratio_uniform_predicted"] == pytest.approx(1.0, abs=0.01)
-    assert all(ratios[f"ratio_{k}_predicted"] <= ratios[f"ratio_{k}_ceiling"] + 1e-12 for k in ("longtail", "uniform"))
+    for kind in ("longtail", "uniform"):
+        for suffix in ("", "_median"):
+            assert ratios[f"ratio_{kind}_predicted{suffix}"] <= ratios[f"ratio_{kind}_ceiling{suffix}"] + 1e-12
 
 
 def test_bad_arguments_are_refused():
@@ -62,10 +64,10 @@ def test_headroom_sweep_reports_the_largest_ceiling_among_static_cp2_regimes(cap
     rows = json.loads(out.read_text())
     assert len(rows) == 4 and {r["static_cp_size"] for r in rows} == {1, 2}
     for row in rows:
-        assert 0.99 <= row["predicted_total"] <= row["ceiling_total"] + 1e-9
-    best = max(r["ceiling_total"] for r in rows if r["static_cp_size"] == 2)
+        assert 0.99 <= row["predicted"] <= row["ceiling"] + 1e-9
+    best = max(r["ceiling"] for r in rows if r["static_cp_size"] == 2)
     last = capsys.readouterr().out.splitlines()[-1]
-    assert last == f"max_ceiling_total={best:.4f}"
+    assert last == f"max_ceiling={best:.4f}"
 
 
 def test_headroom_refuses_an_empty_grid():

@@ -18,14 +18,15 @@ CPU-sized (a second or two) so that many of them fit in a few minutes and the no
 machine averages out.
 
 Prints per-step times next to the plans' predictions, tokens/s per (kind, policy) over the timed
-steps, and ratio_longtail / ratio_uniform: the MEDIAN over timed batches of static step time /
-dcp step time (= dcp tokens/s over static tokens/s on that batch), robust to a step that another
-job slowed down; the ratio of summed throughputs is reported next to it (`*_total`). --json
-writes them. Before training it prints, for the same batches, the cost model's view: `predicted`
-(median of static / dcp estimates) and `ceiling` (median of static's estimate / the memory-aware
-lower bound: the most any plan could gain). --predict-only stops there (seconds); with
---mem-per-rank-mib (the modelled budget, which sets the cap and what needs recompute or CP=2)
-and --tokens-per-step it shows how much a 2-rank domain can gain in each memory regime.
+steps, and ratio_longtail / ratio_uniform: dcp tokens/s over static tokens/s, both summed over the
+timed batches (a batch weighs by its time, as in a training run). Next to them, `*_median`: the
+median over batches of the per-batch ratio, robust to a step that another job slowed down but
+blind to which batches dominate the time. --json writes them. Before training it prints, for the
+same batches, the cost model's view: `predicted` (static / dcp estimates) and `ceiling` (static's
+estimate / the memory-aware lower bound: the most any plan could gain), summed and median.
+--predict-only stops there (seconds); with --mem-per-rank-mib (the modelled budget, which sets the
+cap and what needs recompute or CP=2) and --tokens-per-step it shows how much a 2-rank domain can
+gain in each memory regime; tools/runtime_headroom.py sweeps a grid of them.
 """
 from __future__ import annotations
 
@@ -100,20 +101,19 @@ def make_plans(batches, cost: CostModel, cap: int) -> dict[str, list[dict]]:
 
 
 def predicted_ratios(plans) -> dict:
-    """What the cost model says of the timed batches: the medians of static / dcp (`predicted`)
-    and of static / the memory-aware lower bound (`ceiling`: no plan can gain more than this)."""
+    """What the cost model says of the timed batches: static / dcp (`predicted`) and static / the
+    memory-aware lower bound (`ceiling`: no plan can gain more than this), over summed seconds
+    (= tokens/s over all timed batches) and as the median of the per-batch ratios."""
     out = {}
     for kind, steps in plans.items():
         timed = steps[1:]
-        out[f"ratio_{kind}_predicted"] = statistics.median(
-            p["static"].est_step_time_s / p["dcp"].est_step_time_s for p in timed)
-        out[f"ratio_{kind}_ceiling"] = statistics.median(
-            p["static"].est_step_time_s / p["static"].lower_bound_s for p in timed)
-        # The same over summed seconds (= tokens/s over all timed batches): batches that hold one
-        # cap-length document weigh here by their time, as they do in a training run.
         static_s = sum(p["static"].est_step_time_s for p in timed)
-        out[f"ratio_{kind}_predicted_total"] = static_s / sum(p["dcp"].est_step_time_s for p in timed)
-        out[f"ratio_{kind}_ceiling_total"] = static_s / sum(p["static"].lower_bound_s for p in timed)
+        out[f"ratio_{kind}_predicted"] = static_s / sum(p["dcp"].est_step_time_s for p in timed)
+        out[f"ratio_{kind}_ceiling"] = static_s / sum(p["static"].lower_bound_s for p in timed)
+        out[f"ratio_{kind}_predicted_median"] = statistics.median(
+            p["static"].est_step_time_s / p["dcp"].est_step_time_s for p in timed)
+        out[f"ratio_{kind}_ceiling_median"] = statistics.median(
+            p["static"].est_step_time_s / p["static"].lower_bound_s for p in timed)
     return out
 
 
@@ -162,11 +162,11 @@ def summarize(rows: list[dict]) -> dict:
             step_s[policy] = {r["step"]: r["step_s"] for r in timed}
             busy_s[policy] = {r["step"]: r["busy_cpu_s"] for r in timed}
         per_step = [step_s["static"][s] / step_s["dcp"][s] for s in sorted(step_s["dcp"])]
-        out[f"ratio_{kind}"] = statistics.median(per_step)
+        out[f"ratio_{kind}"] = tput[f"{kind}/dcp"] / tput[f"{kind}/static"]
+        out[f"ratio_{kind}_median"] = statistics.median(per_step)
         # Diagnostic, not the target: the same ratio from the busiest rank's CPU time per step.
         out[f"ratio_{kind}_cpu_time"] = statistics.median(busy_s["static"][s] / busy_s["dcp"][s]
                                                           for s in sorted(busy_s["dcp"]))
-        out[f"ratio_{kind}_total"] = tput[f"{kind}/dcp"] / tput[f"{kind}/static"]
         out[f"ratio_{kind}_per_step"] = per_step
     return {"tokens_per_s": tput, **out}
 
@@ -198,9 +198,9 @@ def main(argv=None) -> int:
     print(f"static layout: CP={layout.cp_size} for every sequence, recompute {layout.recompute}", flush=True)
     for kind in ("longtail", "uniform"):
         print(f"predicted ratio_{kind}={predicted[f'ratio_{kind}_predicted']:.3f} "
-              f"(ceiling: static / lower bound = {predicted[f'ratio_{kind}_ceiling']:.3f}); summed tokens/s: "
-              f"predicted {predicted[f'ratio_{kind}_predicted_total']:.3f}, "
-              f"ceiling {predicted[f'ratio_{kind}_ceiling_total']:.3f}", flush=True)
+              f"(ceiling: static / lower bound = {predicted[f'ratio_{kind}_ceiling']:.3f}); median over batches: "
+              f"predicted {predicted[f'ratio_{kind}_predicted_median']:.3f}, "
+              f"ceiling {predicted[f'ratio_{kind}_ceiling_median']:.3f}", flush=True)
     if args.predict_only:
         return 0
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -229,8 +229,8 @@ def main(argv=None) -> int:
         print(f"tokens/s {name:18s} {value:9.1f}")
     for kind, target in (("longtail", 1.3), ("uniform", 0.97)):
         steps = " ".join(f"{r:.2f}" for r in summary[f"ratio_{kind}_per_step"])
-        print(f"ratio_{kind}={summary[f'ratio_{kind}']:.3f} (median of [{steps}]; summed tokens/s: "
-              f"{summary[f'ratio_{kind}_total']:.3f}; target >= {target}); from CPU time: "
+        print(f"ratio_{kind}={summary[f'ratio_{kind}']:.3f} (summed tokens/s; target >= {target}); per batch "
+              f"[{steps}], median {summary[f'ratio_{kind}_median']:.3f}; median from CPU time: "
               f"{summary[f'ratio_{kind}_cpu_time']:.3f}; predicted {summary[f'ratio_{kind}_predicted']:.3f}, "
               f"ceiling {summary[f'ratio_{kind}_ceiling']:.3f}")
     if args.json:

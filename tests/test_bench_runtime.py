@@ -50,9 +50,12 @@ def test_both_policies_plan_every_batch_and_dcp_never_loses():
             assert ratios[f"ratio_{kind}_predicted{suffix}"] <= ratios[f"ratio_{kind}_ceiling{suffix}"] + 1e-12
 
 
-def test_bad_arguments_are_refused():
+def test_bad_arguments_are_refused(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--predict-only", "--mem-per-rank-mib", "0"])
+    with pytest.raises(SystemExit):   # positive, but smaller than the model's own state
+        bench.main(["--predict-only", "--mem-per-rank-mib", "8"])
+    assert "holds no document at all" in capsys.readouterr().err
 
 
 def test_headroom_sweep_reports_the_largest_ceiling_among_static_cp2_regimes(capsys, tmp_path):
@@ -70,6 +73,10 @@ def test_headroom_sweep_reports_the_largest_ceiling_among_static_cp2_regimes(cap
     assert last == f"max_ceiling={best:.4f}"
 
 
-def test_headroom_refuses_an_empty_grid():
+def test_headroom_refuses_an_empty_grid_and_reports_budgets_that_hold_nothing(capsys):
+    headroom = load_tool("runtime_headroom")
     with pytest.raises(SystemExit):
-        load_tool("runtime_headroom").main(["--tokens-per-step", ""])
+        headroom.main(["--tokens-per-step", ""])
+    assert headroom.main(["--mem-per-rank-mib", "8", "--max-seq-len", "4096", "--tokens-per-step", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "no plan: 8 MiB per rank holds no document at all" in out and "no regime in the grid" in out

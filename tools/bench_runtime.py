@@ -75,6 +75,10 @@ def memory_cap(cost: CostModel, limit: int) -> int:
     lo, hi = 1, limit
     if cost.best_recompute([hi], cost.cluster.domain_size) is not None:
         return hi
+    if cost.best_recompute([lo], cost.cluster.domain_size) is None:
+        raise ValueError(f"{cost.cluster.mem_bytes_per_gpu / 2 ** 20:g} MiB per rank holds no document at all "
+                         f"(the model's weights, gradients and optimizer state alone exceed it); give each rank "
+                         f"more memory (--mem-per-rank-mib)")
     while lo < hi - 1:
         mid = (lo + hi) // 2
         if cost.best_recompute([mid], cost.cluster.domain_size) is not None:
@@ -188,7 +192,10 @@ def main(argv=None) -> int:
     if args.steps < 1 or args.tokens_per_step < 1 or args.max_seq_len < 2 or args.mem_per_rank_mib <= 0:
         parser.error("--steps, --tokens-per-step must be >= 1, --max-seq-len >= 2, --mem-per-rank-mib > 0")
     cost = cost_model(args.mem_per_rank_mib, load_profile(args.profile) if args.profile else None)
-    cap = memory_cap(cost, min(args.max_seq_len, args.tokens_per_step))
+    try:
+        cap = memory_cap(cost, min(args.max_seq_len, args.tokens_per_step))
+    except ValueError as err:
+        parser.error(str(err))
     batches = make_batches(args, cap)
     plans = make_plans(batches, cost, cap)
     predicted = predicted_ratios(plans)

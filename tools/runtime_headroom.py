@@ -72,7 +72,11 @@ def main(argv=None) -> int:
     print(f"{'MiB':>5} {'max_len':>8} {'tok/step':>8} {'cap':>6} {'static':>12} | summed: predicted ceiling | "
           f"median: predicted ceiling")
     for mem, max_len, tokens in itertools.product(*grid):
-        row = regime_row(bench, mem, max_len, tokens, args.steps, args.seed)
+        try:
+            row = regime_row(bench, mem, max_len, tokens, args.steps, args.seed)
+        except ValueError as err:   # a budget that holds nothing: say so and go on with the grid
+            print(f"{mem:5g} {max_len:8d} {tokens:8d}  no plan: {err}", flush=True)
+            continue
         rows.append(row)
         print(f"{mem:5g} {max_len:8d} {tokens:8d} {row['cap']:6d} {'CP%d/%s' % (row['static_cp_size'], row['static_recompute']):>12} |"
               f" {row['predicted']:17.3f} {row['ceiling']:7.3f} | {row['predicted_median']:17.3f} {row['ceiling_median']:7.3f}",

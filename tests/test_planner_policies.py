@@ -4,7 +4,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dcp_megatron.planner.bounds import lower_bound
+from dcp_megatron.planner.bounds import fewest_rank_microbatches, lower_bound
 from dcp_megatron.planner.cluster import cluster_preset
 from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.model import model_preset
@@ -200,5 +200,25 @@ def test_lower_bound_charges_the_recompute_that_memory_forces():
     plan = make_plan("dcp", batch, cost, max_seq_len=length)
     num_mbs = plan.num_microbatches(0)
     assert all(mb.recompute.kind != "none" for w in plan.waves for g in w.groups for mb in g.microbatches)
-    # no overhead or communication on one rank: the plan is exactly compute + forced recompute
-    assert bound == pytest.approx(plan.est_step_time_s - num_mbs * cost.cluster.microbatch_overhead_s, rel=1e-9)
+    # no communication on one rank: the plan is exactly compute + forced recompute + overheads, and the
+    # bound charges the overhead of the fewest micro-batches memory allows
+    fewest = fewest_rank_microbatches([n for _, n in batch], cost)
+    assert 1 <= fewest <= num_mbs
+    assert bound == pytest.approx(plan.est_step_time_s - (num_mbs - fewest) * cost.cluster.microbatch_overhead_s,
+                                  rel=1e-9)
+
+
+def test_lower_bound_charges_the_overhead_of_the_micro_batches_memory_forces():
+    """Many short documents that need no recompute: memory alone forces several micro-batches per rank,
+    and each costs its overhead, so the bound is above the compute alone by at least those overheads."""
+    cost = tiny_cost(2)
+    most_local = max(cost.max_local_tokens(r) for r in cost.recompute_options())
+    lengths = [64] * (6 * most_local // 64)           # six ranks' worth of the most a micro-batch holds
+    batch = list(enumerate(lengths))
+    fewest = fewest_rank_microbatches(lengths, cost)
+    assert fewest >= 6
+    bound = lower_bound(batch, cost)
+    compute_only = cost.ideal_rank_seconds(lengths) / 2
+    assert bound >= compute_only + fewest * cost.cluster.microbatch_overhead_s / 2 * (1 - 1e-12)
+    for policy in ("dcp", "static"):
+        assert bound <= make_plan(policy, batch, cost, max_seq_len=64).est_step_time_s * (1 + 1e-9)

@@ -1,9 +1,9 @@
 """A lower bound on any plan's step time for one batch (DESIGN.md §5), memory-aware.
 
-max( balanced: every document's least rank-seconds, summed and divided by the D ranks — perfect
-     balance, no communication, no per-micro-batch overhead; a document's least rank-seconds is
-     the minimum over group sizes c of c x (its compute at c + the least recompute it needs there
-     even alone in a micro-batch),
+max( balanced: every document's least rank-seconds, plus the overhead of the fewest micro-batches
+     memory allows, summed and divided by the D ranks — perfect balance, no communication; a
+     document's least rank-seconds is the minimum over group sizes c of c x (its compute at c + the
+     least recompute it needs there even alone in a micro-batch),
      longest: the longest sequence alone in a micro-batch on its best allowed group size — it
      has to run somewhere, with the fastest recompute that fits there )
 
@@ -11,6 +11,9 @@ Why the balanced term holds: a rank's busy time is the sum of its micro-batches'
 recompute; a micro-batch holds at least the local tokens of each of its documents, so the
 recompute it needs costs at least what each document alone would need (recompute extra is linear
 in the compute it reruns), and a group of c ranks spends c rank-seconds per second.
+Every rank of a group pays the per-micro-batch overhead, and no rank's share of a micro-batch
+holds more local tokens than the strongest allowed recompute fits, M; the ranks' shares add up to
+at least the batch's tokens, so every plan runs at least ceil(tokens / M) rank-micro-batches.
 Group sizes the policies use (powers of two, divisors of the domain, the limit) are scored
 exactly; any other size c' is bounded from below by the c = 1 compute (padding only adds tokens,
 the attention rate grows with the chunk length) plus the least recompute that fits at the next
@@ -41,7 +44,8 @@ def lower_bound(batch: Sequence[tuple[int, int]], cost) -> float:
 
 def lower_bound_of_lengths(lengths: np.ndarray, cost) -> float:
     check_static_memory(cost)
-    balanced = float(least_rank_seconds(lengths, cost).sum()) / cost.cluster.domain_size
+    overhead = cost.cluster.microbatch_overhead_s * fewest_rank_microbatches(lengths, cost)
+    balanced = (float(least_rank_seconds(lengths, cost).sum()) + overhead) / cost.cluster.domain_size
     longest = int(lengths.max())
     best = math.inf
     for size in candidate_sizes(cost.cluster):
@@ -53,6 +57,13 @@ def lower_bound_of_lengths(lengths: np.ndarray, cost) -> float:
         raise ValueError(f"a sequence of {longest} tokens fits no allowed CP group "
                          f"(cp_size_limit {cost.cluster.cp_size_limit}) even with the strongest allowed recompute")
     return max(balanced, best)
+
+
+def fewest_rank_microbatches(lengths, cost) -> int:
+    """Rank-micro-batches any plan needs: the batch's tokens over the most local tokens one fits."""
+    room = (cost.cluster.mem_budget_bytes - cost.static_bytes) * FIT_SLACK
+    most_local = room / min(cost.bytes_per_local_token(r) for r in cost.recompute_options())
+    return max(1, math.ceil(float(np.sum(lengths)) / most_local * (1 - 1e-12)))
 
 
 def least_rank_seconds(lengths, cost) -> np.ndarray:

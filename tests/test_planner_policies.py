@@ -6,6 +6,7 @@ import pytest
 
 from dcp_megatron.planner.bounds import fewest_rank_microbatches, lower_bound
 from dcp_megatron.planner.cluster import cluster_preset
+from dcp_megatron.planner.cluster_cpu import cpu_cluster
 from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, StepPlan, Wave
@@ -49,7 +50,7 @@ def test_every_policy_plans_validly_and_dcp_never_loses(domain_size, pp):
 
 def test_dcp_adapts_cp_size_and_recompute_to_the_batch():
     cost = tiny_cost(8)
-    batch = long_tailed_batch(0)
+    batch = long_tailed_batch(2)
     dcp = make_plan("dcp", batch, cost, max_seq_len=24000)
     static = make_plan("static", batch, cost, max_seq_len=24000)
     assert "fallback" not in dcp.extra
@@ -222,3 +223,20 @@ def test_lower_bound_charges_the_overhead_of_the_micro_batches_memory_forces():
     assert bound >= compute_only + fewest * cost.cluster.microbatch_overhead_s / 2 * (1 - 1e-12)
     for policy in ("dcp", "static"):
         assert bound <= make_plan(policy, batch, cost, max_seq_len=64).est_step_time_s * (1 + 1e-9)
+
+
+def test_dcp_moves_a_document_to_a_larger_group_when_that_saves_its_recompute():
+    """A document a bit over what one rank holds without recompute: on two ranks it needs none,
+    which costs fewer rank-seconds here than recompute on one, so dcp runs it on two."""
+    cost = CostModel(model_preset("gpt-tiny"), cpu_cluster(2))
+    length = int(cost.max_local_tokens(Recompute("none")) * 1.4)
+    one = float(cost.doc_alone_seconds(np.array([length]), 1)[3][0])
+    two = float(cost.doc_alone_seconds(np.array([length]), 2)[3][0])
+    assert 2 * two < one and cost.best_recompute([length], 1).kind == "full"   # the premise, on this preset
+    batch = [(0, 4096), (1, length), (2, 700), (3, 500), (4, 300), (5, 250)]
+    plan = make_plan("dcp", batch, cost, max_seq_len=4096)
+    validate(plan, batch, cost.cluster, cost)
+    placed = {seq_id: (g.size, mb.recompute.kind) for w in plan.waves for g in w.groups
+              for mb in g.microbatches for seq_id, _ in mb.sequences}
+    assert placed[1] == (2, "none") and "fallback" not in plan.extra
+    assert plan.est_step_time_s < make_plan("static", batch, cost, max_seq_len=4096).est_step_time_s

@@ -4,7 +4,11 @@
    at worst); then, longest first, a sequence that alone outlasts the perfectly balanced step
    (Σ rank-seconds / D) moves to the next larger size while that runs it faster and the
    extra rank-seconds keep the balanced step below the longest one (CP across nodes
-   barely shortens short sequences but costs every rank).
+   barely shortens short sequences but costs every rank). With PP = 1 a second sizing
+   first moves sequences that need recompute up a size while that costs fewer rank-seconds
+   (on more ranks each holds fewer tokens, often few enough to skip recompute); when the two
+   sizings differ both are scheduled (step 2) and the shorter schedule wins, unless the
+   second is already as short as the first could be.
 2. PP = 1 — list scheduling: size classes largest first, each class's sequences longest
    first onto the aligned block of its size whose ranks are free earliest (LPT, decided in
    numpy rounds by `balance.lpt_assign_rounds`, the same result as a heap). Blocks of
@@ -71,6 +75,23 @@ class SizedSequences:
             if faster.any():
                 self.move(sel[faster], np.full(int(faster.sum()), k + 1))
 
+    def grow_cheaper(self, allowed_top: int) -> bool:
+        """Sequences that need recompute where they sit move up a size while that costs fewer
+        rank-seconds: fewer local tokens can drop the recompute (e.g. 1.8K tokens with full
+        recompute on one rank vs 0.9K tokens each on two ranks, without). True if any moved."""
+        room = self.cost.max_local_tokens(self.cost.base_recompute)
+        moved = False
+        for k in range(allowed_top):
+            sel = np.flatnonzero((self.idx == k) & (self.local > room))
+            if not sel.size:
+                continue
+            grown = self.cost.doc_alone_seconds(self.lengths[sel], self.sizes[k + 1])[3]
+            cheaper = grown * self.sizes[k + 1] < self.seconds[sel] * self.sizes[k] * (1 - 1e-3)
+            if cheaper.any():
+                self.move(sel[cheaper], np.full(int(cheaper.sum()), k + 1))
+                moved = True
+        return moved
+
     def grow_long_sequences(self, domain_size: int, allowed_top: int) -> None:
         """Larger groups for sequences that alone outlast the balanced step, while that lowers
         the step estimate max(balanced rank-seconds / D, longest alone-time)."""
@@ -116,17 +137,40 @@ def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) ->
     if cost.model.pp > 1:
         from dcp_megatron.planner.policies.dcp_pipeline import plan_dcp_pipeline
         return plan_dcp_pipeline(ids, lengths, cost)
-    cluster = cost.cluster
-    D = cluster.domain_size
-    sizes = candidate_sizes(cluster)
-    seqs = SizedSequences(lengths, sizes, min_fitting_size(lengths, ids, sizes, cost), cost)
-    seqs.grow_long_sequences(D, len(sizes) - 1)
+    D = cost.cluster.domain_size
+    sizes = candidate_sizes(cost.cluster)
+    top = len(sizes) - 1
+    fitting = SizedSequences(lengths, sizes, min_fitting_size(lengths, ids, sizes, cost), cost)
+    cheaper = fitting.copy()
+    fitting.grow_long_sequences(D, top)
+    if cheaper.grow_cheaper(top):
+        cheaper.grow_long_sequences(D, top)
+    if np.array_equal(cheaper.idx, fitting.idx):      # often the long-sequence growth agrees
+        return assemble_waves(D, _list_schedule(ids, lengths, cost, fitting)[2])
+    makespan, busy, groups = _list_schedule(ids, lengths, cost, cheaper)
+    # Fewer rank-seconds usually mean a shorter step, but larger groups are coarser to balance (on
+    # a few ranks that can lose): schedule the smallest-fitting sizes too, unless this schedule
+    # already ends when theirs would at best (its busy rank-seconds plus the ones it saved, spread
+    # perfectly).
+    saved = fitting.rank_seconds() - cheaper.rank_seconds()
+    if makespan > (busy + saved) / D:
+        other_makespan, _, other_groups = _list_schedule(ids, lengths, cost, fitting)
+        if other_makespan < makespan:
+            groups = other_groups
+    return assemble_waves(D, groups)
+
+
+def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost,
+                   seqs: SizedSequences) -> tuple[float, float, list[Group]]:
+    """(makespan, busy rank-seconds, groups in execution order): the list schedule of `seqs`."""
+    D, sizes = cost.cluster.domain_size, seqs.sizes
     cap_none = cost.max_local_tokens(cost.base_recompute)   # packing room without (extra) recompute
     none_allowed = cost.base_recompute is NO_RECOMPUTE
     mem_per_token = cost.bytes_per_local_token(NO_RECOMPUTE)
     pairs = list(zip(ids.tolist(), lengths.tolist()))
     local, compute, attn = seqs.local.tolist(), seqs.compute.tolist(), seqs.attn.tolist()
     finish = np.zeros(D)
+    busy_rank_seconds = 0.0
     scheduled: list[Group] = []
     for k in range(len(sizes) - 1, -1, -1):
         members = np.flatnonzero(seqs.idx == k)
@@ -165,11 +209,12 @@ def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) ->
                 busy[j] = sum(mb.est_time_s for mb in mbs)
             scheduled.append(Group(first, size, mbs))
         end = starts[used] + busy
+        busy_rank_seconds += float(busy.sum()) * size
         if size == 1:
             finish[firsts] = end
         else:
             finish[:num_blocks * size].reshape(num_blocks, size)[used] = end[:, None]
-    return assemble_waves(D, scheduled)
+    return float(finish.max()), busy_rank_seconds, scheduled
 
 
 def _next_fit(items: list[int], local: list[float], room: float) -> list[list[int]]:

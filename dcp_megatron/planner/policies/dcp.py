@@ -142,10 +142,12 @@ def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) ->
     top = len(sizes) - 1
     fitting = SizedSequences(lengths, sizes, min_fitting_size(lengths, ids, sizes, cost), cost)
     cheaper = fitting.copy()
+    moved = cheaper.grow_cheaper(top)
     fitting.grow_long_sequences(D, top)
-    if cheaper.grow_cheaper(top):
+    if moved:
         cheaper.grow_long_sequences(D, top)
-    if np.array_equal(cheaper.idx, fitting.idx):      # often the long-sequence growth agrees
+    # nothing moved, or the long-sequence growth moved the same sequences anyway: one sizing
+    if not moved or np.array_equal(cheaper.idx, fitting.idx):
         return assemble_waves(D, _list_schedule(ids, lengths, cost, fitting)[2])
     makespan, busy, groups = _list_schedule(ids, lengths, cost, cheaper)
     # Fewer rank-seconds usually mean a shorter step, but larger groups are coarser to balance (on

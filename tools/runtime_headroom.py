@@ -16,23 +16,15 @@ ceiling among the CP=2 regimes: the most tokens/s any plan can gain there.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import os
 import sys
 
-TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(TOOLS_DIR))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tools/: bench_runtime adds the repo root
 
+import bench_runtime  # noqa: E402
 from dcp_megatron.planner.policies.static import static_layout  # noqa: E402
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_runtime", os.path.join(TOOLS_DIR, "bench_runtime.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _int_list(text: str) -> list[int]:
@@ -43,13 +35,13 @@ def _float_list(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
-def regime_row(bench, mem_mib: float, max_seq_len: int, tokens_per_step: int, steps: int, seed: int) -> dict:
-    cost = bench.cost_model(mem_mib)
-    cap = bench.memory_cap(cost, min(max_seq_len, tokens_per_step))
+def regime_row(mem_mib: float, max_seq_len: int, tokens_per_step: int, steps: int, seed: int) -> dict:
+    cost = bench_runtime.cost_model(mem_mib)
+    cap = bench_runtime.memory_cap(cost, min(max_seq_len, tokens_per_step))
     layout = static_layout(cost, cap)
     args = argparse.Namespace(steps=steps, tokens_per_step=tokens_per_step, max_seq_len=max_seq_len, seed=seed)
-    batches = {"longtail": bench.make_batches(args, cap)["longtail"]}
-    ratios = bench.predicted_ratios(bench.make_plans(batches, cost, cap))
+    batches = {"longtail": bench_runtime.make_batches(args, cap)["longtail"]}
+    ratios = bench_runtime.predicted_ratios(bench_runtime.make_plans(batches, cost, cap))
     return {"mem_per_rank_mib": mem_mib, "max_seq_len": max_seq_len, "tokens_per_step": tokens_per_step,
             "cap": cap, "static_cp_size": layout.cp_size, "static_recompute": str(layout.recompute),
             **{key.replace("ratio_longtail_", ""): value for key, value in ratios.items()}}
@@ -67,13 +59,12 @@ def main(argv=None) -> int:
     grid = (args.mem_per_rank_mib, args.max_seq_len, args.tokens_per_step)
     if args.steps < 1 or not all(grid) or min(map(min, grid)) <= 0 or min(args.max_seq_len) < 2:
         parser.error("--steps >= 1; every list non-empty and positive; --max-seq-len values >= 2")
-    bench = _load_bench()
     rows = []
     print(f"{'MiB':>5} {'max_len':>8} {'tok/step':>8} {'cap':>6} {'static':>12} | summed: predicted ceiling | "
           f"median: predicted ceiling")
     for mem, max_len, tokens in itertools.product(*grid):
         try:
-            row = regime_row(bench, mem, max_len, tokens, args.steps, args.seed)
+            row = regime_row(mem, max_len, tokens, args.steps, args.seed)
         except ValueError as err:   # a budget that holds nothing: say so and go on with the grid
             print(f"{mem:5g} {max_len:8d} {tokens:8d}  no plan: {err}", flush=True)
             continue

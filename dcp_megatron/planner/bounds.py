@@ -62,7 +62,7 @@ def lower_bound_of_lengths(lengths: np.ndarray, cost) -> float:
 def fewest_rank_microbatches(lengths, cost) -> int:
     """Rank-micro-batches any plan needs: the batch's tokens over the most local tokens one fits."""
     room = (cost.cluster.mem_budget_bytes - cost.static_bytes) * FIT_SLACK
-    most_local = room / min(cost.bytes_per_local_token(r) for r in cost.recompute_options())
+    most_local = room / cost.bytes_per_local_token(cost.strongest_recompute)
     return max(1, math.ceil(float(np.sum(lengths)) / most_local * (1 - 1e-12)))
 
 

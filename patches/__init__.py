@@ -7,5 +7,5 @@ join them in `dcp_megatron.megatron.patch_set.megatron_patch_registry()`, which 
 applies once at start-up.
 """
 
-# The megatron-core releases these patches were written against and tested on.
-MEGATRON_CORE_VERSIONS = ">=0.16.1,<0.17"
+# The megatron-core release these patches were written against and run on (widen only to versions that were run).
+MEGATRON_CORE_VERSIONS = "==0.19.2"

@@ -25,6 +25,17 @@ _CPU_PATCH_MODULES = (
     "tensor_parallel_mappings",
     "tensor_parallel_random",
     "transformer_utils",
+    "training_training",
+    "torch_cuda_methods",
+    "core_timers",
+    "training_models_dist_utils",
+    "core_rerun_state_machine",
+    "models_backends",
+    "training_utils_common_utils",
+    "training_utils_utils",
+    "training_checkpointing",
+    "tensor_parallel_data",
+    "optimizer_distrib_optimizer",
 )
 
 
@@ -33,9 +44,18 @@ def needs_cpu_compat() -> bool:
     return not torch.cuda.is_available()
 
 
+# patches/ modules whose shims are built at apply time (`cpu_patches()`: they wrap upstream functions).
+_CPU_PATCH_BUILDERS = (
+    "training_initialize",
+)
+
+
 def cpu_compat_patches() -> tuple[Patch, ...]:
-    return tuple(patch for name in _CPU_PATCH_MODULES
-                 for patch in importlib.import_module(f"patches.{name}").CPU_PATCHES)
+    static = tuple(patch for name in _CPU_PATCH_MODULES
+                   for patch in importlib.import_module(f"patches.{name}").CPU_PATCHES)
+    built = tuple(patch for name in _CPU_PATCH_BUILDERS
+                  for patch in importlib.import_module(f"patches.{name}").cpu_patches())
+    return static + built
 
 
 def cpu_compat_registry(*, installed_version: str | None = None) -> PatchRegistry:

@@ -9,9 +9,17 @@ Input shapes under THD (Megatron squeezes the batch dimension): query [T, heads,
 key/value [T, kv_heads, head_dim]; `packed_seq_params.cu_seqlens_q` gives document bounds.
 The output is [T, heads * head_dim], what `Attention` feeds its output projection.
 
-When the params carry a DCP shard (`ShardPackedSeqParams`), the rows are this rank's zig-zag
-share of the micro-batch and keys of the other group members are needed: the runtime's
-`cp_attention` computes it over `packed_seq_params.cp_group` (None: the group is this rank).
+When the params name a CP group (`cp_group` with `local_cp_size > 1`, as Megatron-LM's
+`forward_step` builds them from a batch's `cu_seqlens_padded`/`local_cp_size`), the rows are this
+rank's zig-zag share of the micro-batch and keys of the other group members are needed: the
+runtime's `cp_attention` computes it over that group. The shard is rebuilt from the params alone
+(the padded global document bounds, the group's size and this rank's place in it); DCP's own
+`ShardPackedSeqParams` carry it ready-made. Padding sits at the end of each document, so treating
+padded lengths as document lengths changes no real token's output (causal) and the padding rows
+are masked out of the loss.
+
+Without packed params (Megatron's default `sbhd` layout, e.g. evaluation without
+`--dataloader-inter-document-masking`) it is plain causal attention over each sequence.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from dcp_megatron.runtime.cp_attention import cp_attention
+from dcp_megatron.runtime.sharding import LocalShard, shard_microbatch
 
 
 class PackedCoreAttention(MegatronModule):
@@ -62,18 +71,48 @@ class PackedCoreAttention(MegatronModule):
     ) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("PackedCoreAttention does not support attention_bias")
+        dropout_p = self.dropout_p if self.training else 0.0
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
-            raise ValueError("PackedCoreAttention needs THD input: pass PackedSeqParams(qkv_format='thd')")
+            return sequence_causal_attention(query, key, value, self.softmax_scale, dropout_p)
         shard = getattr(packed_seq_params, "shard", None)
+        if shard is None:
+            shard = shard_from_params(packed_seq_params, query.device)
         if shard is not None:
             if self.dropout_p > 0 and self.training:
                 raise ValueError("attention dropout is not supported with DCP context-parallel attention")
             out = cp_attention(query, key, value, shard, packed_seq_params.cp_group, softmax_scale=self.softmax_scale)
             return out.reshape(out.shape[0], -1)
         cu_seqlens = packed_seq_params.cu_seqlens_q.tolist()
-        dropout_p = self.dropout_p if self.training else 0.0
         out = packed_causal_attention(query, key, value, cu_seqlens, self.softmax_scale, dropout_p)
         return out.reshape(out.shape[0], -1)
+
+
+def shard_from_params(params: PackedSeqParams, device) -> Optional[LocalShard]:
+    """This rank's zig-zag shard, rebuilt from a CP micro-batch's params; None without a CP group."""
+    cp_size = int(params.local_cp_size or 1)
+    group = params.cp_group
+    if cp_size <= 1 or group is None:
+        return None
+    if group.size() != cp_size:
+        raise ValueError(f"PackedSeqParams: local_cp_size={cp_size} but cp_group has {group.size()} ranks")
+    bounds = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    lengths = (bounds[1:] - bounds[:-1]).tolist()
+    if any(length % (2 * cp_size) for length in lengths):
+        raise ValueError(f"CP size {cp_size}: every padded document length must be a multiple of {2 * cp_size}, "
+                         f"got {lengths}")
+    return shard_microbatch([length for length in lengths if length > 0], cp_size, group.rank())
+
+
+def sequence_causal_attention(query, key, value, softmax_scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention over whole sequences: q [S, B, H, D], k/v [S, B, Hkv, D] -> [S, B, H * D]."""
+    num_heads, num_kv_heads = query.shape[2], key.shape[2]
+    repeat = num_heads // num_kv_heads
+    q = query.permute(1, 2, 0, 3)
+    k = key.repeat_interleave(repeat, dim=2).permute(1, 2, 0, 3)
+    v = value.repeat_interleave(repeat, dim=2).permute(1, 2, 0, 3)
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=softmax_scale)
+    seq, batch = query.shape[0], query.shape[1]
+    return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
 
 def packed_causal_attention(

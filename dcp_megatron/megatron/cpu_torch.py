@@ -10,6 +10,7 @@ backward and recompute, which run outside any Python context the forward set up.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from typing import Any, Callable
@@ -70,6 +71,42 @@ class CpuCuda(types.ModuleType):
     def empty_cache() -> None:
         return None
 
+    # One "device" per process: megatron.training initialises model parallelism only when it sees
+    # a device, and pins each rank to its local one.
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        return None
+
+    @staticmethod
+    def set_stream(stream: Any) -> None:
+        return None
+
+    @staticmethod
+    def current_stream(device: Any = None) -> "CpuStream":
+        return CpuStream()
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> "CpuStream":  # noqa: N802 - mirrors torch.cuda.Stream
+        return CpuStream()
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def memory_allocated(device: Any = None) -> int:
+        return 0
+
+    max_memory_allocated = memory_reserved = max_memory_reserved = memory_allocated
+
+    @staticmethod
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        return None
+
     # The "CUDA" RNG of a CPU run is the CPU generator: Megatron saves and restores it around
     # recompute and forks it for tensor-parallel regions, which is exactly what CPU needs.
     @staticmethod
@@ -85,6 +122,28 @@ class CpuCuda(types.ModuleType):
         torch.manual_seed(seed)
 
 
+class CpuStream:
+    """A CUDA stream stand-in: work on CPU is already ordered, so waits and syncs are no-ops."""
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> None:
+        return None
+
+    def __enter__(self) -> "CpuStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 class CpuTorch(types.ModuleType):
     """The real `torch`, except that CUDA device requests land on CPU (see the module docstring)."""
 
@@ -93,6 +152,13 @@ class CpuTorch(types.ModuleType):
         self.cuda = CpuCuda()
         for name in _FACTORY_NAMES:
             setattr(self, name, _on_cpu(getattr(torch, name)))
+
+    @staticmethod
+    def device(*args: Any, **kwargs: Any) -> torch.device:
+        """torch.device, with CUDA specs (`"cuda:1"`, `("cuda", 1)`) mapped to the CPU."""
+        if args and (cpu_device(args[0]) is _CPU or cpu_device(kwargs.get("type")) is _CPU):
+            return _CPU
+        return torch.device(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -107,3 +173,12 @@ def get_cpu_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: boo
 def set_cpu_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
     """Replacement for megatron's `_set_cuda_rng_state`."""
     torch.set_rng_state(new_state)
+
+
+def cpu_torch_patch(module: str, reason: str, versions: str):
+    """The registry entry that binds a `CpuTorch` as `torch` inside one upstream module."""
+    from patches.registry import Patch
+
+    # Only this module's view of torch changes; other modules keep the real one.
+    return Patch(target=f"{module}:torch", replacement=CpuTorch(), reason=reason, versions=versions,
+                 rebind_aliases=False)

@@ -1,15 +1,74 @@
-"""CPU shim for `megatron.core.utils`: GlobalMemoryBuffer allocates on torch.cuda.current_device() (sequence-parallel all-gather buffers)."""
-from dcp_megatron.megatron.cpu_torch import CpuTorch
+"""Patches for `megatron.core.utils`.
+
+CPU shim (no GPU only): the module's `torch` is a CPU view (GlobalMemoryBuffer and the batch
+broadcast helpers allocate on torch.cuda.current_device()).
+
+DCP: a DCP micro-batch (a batch dict carrying `dcp_microbatch`, see
+dcp_megatron/megatron/microbatches.py) is already this rank's zig-zag shard of its documents, in
+THD form. Megatron-LM's `get_batch` passes every batch through two helpers of this module, which
+the script imports by name:
+- `flatten_batch_for_packed_sequences` merges per-sample `cu_seqlens`, cutting each row at the first
+  entry equal to the local row count; DCP bounds are global (a CP group's, TE's convention), so the
+  cut would be wrong: a DCP batch is returned as it is (it is already one packed row);
+- `get_batch_on_this_cp_rank` would re-shard over the static CP group; for a DCP batch it instead
+  sets `hybrid_cp_group` to the micro-batch's own group (None for a group of one), which the script
+  passes to `PackedSeqParams.cp_group` - how each micro-batch's group reaches attention.
+Any other batch goes to Megatron's functions unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+
+from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
 
-CPU_PATCHES = (
-    Patch(
-        target="megatron.core.utils:torch",
-        replacement=CpuTorch(),
-        reason="GlobalMemoryBuffer allocates on torch.cuda.current_device() (sequence-parallel all-gather buffers).",
-        versions=MEGATRON_CORE_VERSIONS,
-        # Only this module's view of torch changes; other modules keep the real one.
-        rebind_aliases=False,
-    ),
-)
+_MODULE = "megatron.core.utils"
+_MICROBATCH_KEY = "dcp_microbatch"  # dcp_megatron.megatron.microbatches.MICROBATCH_KEY
+
+CPU_PATCHES = (cpu_torch_patch(_MODULE, "GlobalMemoryBuffer and batch broadcasts allocate on "
+                                        "torch.cuda.current_device().", MEGATRON_CORE_VERSIONS),)
+
+
+def _keep_dcp_batch(original):
+    @functools.wraps(original)
+    def flatten_batch_for_packed_sequences(batch, *args, **kwargs):
+        if isinstance(batch, dict) and batch.get(_MICROBATCH_KEY) is not None:
+            return batch
+        return original(batch, *args, **kwargs)
+
+    flatten_batch_for_packed_sequences.dcp_original = original
+    return flatten_batch_for_packed_sequences
+
+
+def _dcp_group_for_batch(original):
+    @functools.wraps(original)
+    def get_batch_on_this_cp_rank(batch, *args, **kwargs):
+        context = batch.get(_MICROBATCH_KEY) if isinstance(batch, dict) else None
+        if context is None:
+            return original(batch, *args, **kwargs)
+        batch["hybrid_cp_group"] = context.group
+        return batch
+
+    get_batch_on_this_cp_rank.dcp_original = original
+    return get_batch_on_this_cp_rank
+
+
+def dcp_patches() -> tuple[Patch, ...]:
+    module = importlib.import_module(_MODULE)
+
+    def unwrapped(name: str):
+        function = getattr(module, name)
+        return getattr(function, "dcp_original", function)
+
+    return (
+        Patch(target=f"{_MODULE}:flatten_batch_for_packed_sequences",
+              replacement=_keep_dcp_batch(unwrapped("flatten_batch_for_packed_sequences")),
+              reason="would cut a DCP micro-batch's global cu_seqlens at its local row count.",
+              versions=MEGATRON_CORE_VERSIONS),
+        Patch(target=f"{_MODULE}:get_batch_on_this_cp_rank",
+              replacement=_dcp_group_for_batch(unwrapped("get_batch_on_this_cp_rank")),
+              reason="a DCP micro-batch is already sharded; its own CP group becomes the batch's hybrid_cp_group.",
+              versions=MEGATRON_CORE_VERSIONS),
+    )

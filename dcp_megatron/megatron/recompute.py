@@ -40,3 +40,17 @@ def apply_recompute(model, config, recompute: Recompute) -> None:
         config.recompute_num_layers = None
     for layer in layers:
         layer.self_attention.checkpoint_core_attention = recompute.kind == "selective"
+
+
+def snapshot_recompute(model_chunks, config) -> tuple:
+    """The run's own recompute settings, to put back after a DCP step (evaluation uses them)."""
+    flags = [layer.self_attention.checkpoint_core_attention
+             for chunk in model_chunks for layer in decoder_layers(chunk)]
+    return (config.recompute_granularity, config.recompute_method, config.recompute_num_layers, flags)
+
+
+def restore_recompute(model_chunks, config, saved: tuple) -> None:
+    config.recompute_granularity, config.recompute_method, config.recompute_num_layers, flags = saved
+    layers = [layer for chunk in model_chunks for layer in decoder_layers(chunk)]
+    for layer, flag in zip(layers, flags):
+        layer.self_attention.checkpoint_core_attention = flag

@@ -1,0 +1,134 @@
+"""The `--dcp*` flags inside Megatron's own argument parser, their checks, and the run's DcpConfig.
+
+`add_dcp_arguments(parser)` adds one argument group to Megatron's parser (patches/training_arguments.py
+calls it from `add_megatron_arguments`, so every script built on `megatron.training` has the flags).
+`validate_dcp_args(args)` runs after Megatron's own `validate_args`: it refuses combinations DCP
+cannot honour, with the reason and the flag to change, before any model is built. Everything
+downstream gets only `DcpConfig`, never Megatron's whole `args`.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import dataclass
+
+DCP_POLICIES = ("static", "static-balanced", "megatron-hybrid", "dcp")
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+
+def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("data-centric parallelism (dcp-megatron)")
+    group.add_argument("--dcp", action="store_true",
+                       help="plan each global batch: CP size per document, micro-batches per rank, recompute")
+    group.add_argument("--dcp-policy", choices=DCP_POLICIES, default=None, help="planner policy (default: dcp)")
+    group.add_argument("--dcp-max-cp-size", type=int, default=None, help="largest CP group a document may use")
+    group.add_argument("--dcp-memory-budget-gb", type=float, default=None,
+                       help="memory per rank the planner may fill (GiB; default: the cluster preset's)")
+    group.add_argument("--dcp-recompute", default=None,
+                       help=f"comma list of recompute kinds the planner may choose from {','.join(RECOMPUTE_CHOICES)}")
+    group.add_argument("--dcp-profile", default=None, help="measured profile JSON overriding the cost model")
+    group.add_argument("--dcp-dump-plans", default=None, metavar="DIR", help="write each step's plan JSON to DIR")
+    group.add_argument("--dcp-check-plans", action="store_true",
+                       help="all-reduce a hash of every plan to prove all ranks planned the same step")
+    return parser
+
+
+@dataclass(frozen=True, kw_only=True)
+class DcpConfig:
+    """What the DCP adapter needs of a run (validated; built from Megatron's args once)."""
+
+    policy: str = "dcp"
+    max_cp_size: int | None = None
+    memory_budget_gb: float | None = None
+    recompute: tuple[str, ...] = RECOMPUTE_CHOICES
+    profile: str | None = None
+    dump_plans: str | None = None
+    check_plans: bool = False
+    seq_length: int
+    log_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if self.policy not in DCP_POLICIES:
+            raise ValueError(f"--dcp-policy {self.policy!r} is not one of {DCP_POLICIES}")
+        if self.max_cp_size is not None and self.max_cp_size < 1:
+            raise ValueError(f"--dcp-max-cp-size must be >= 1, got {self.max_cp_size}")
+        if self.memory_budget_gb is not None and not (math.isfinite(self.memory_budget_gb)
+                                                      and self.memory_budget_gb > 0):
+            raise ValueError(f"--dcp-memory-budget-gb must be a positive number of GiB, got {self.memory_budget_gb}")
+        bad = [r for r in self.recompute if r not in RECOMPUTE_CHOICES]
+        if bad or not self.recompute:
+            raise ValueError(f"--dcp-recompute: unknown {bad or 'empty list'}; give a comma list from "
+                             f"{','.join(RECOMPUTE_CHOICES)}")
+        if self.seq_length < 1:
+            raise ValueError(f"--seq-length must be positive, got {self.seq_length}")
+
+
+def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
+    recompute = (tuple(r.strip() for r in args.dcp_recompute.split(",") if r.strip())
+                 if args.dcp_recompute is not None else RECOMPUTE_CHOICES)
+    return DcpConfig(policy=args.dcp_policy or "dcp", max_cp_size=args.dcp_max_cp_size,
+                     memory_budget_gb=args.dcp_memory_budget_gb, recompute=recompute, profile=args.dcp_profile,
+                     dump_plans=args.dcp_dump_plans, check_plans=bool(args.dcp_check_plans),
+                     seq_length=args.seq_length, log_interval=args.log_interval)
+
+
+def validate_dcp_args(args: argparse.Namespace) -> None:
+    """Refuse what --dcp cannot honour (ValueError naming the flag); without --dcp, refuse stray --dcp-* flags."""
+    given = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+             if name.startswith("dcp_") and value not in (None, False)]
+    if not getattr(args, "dcp", False):
+        if given:
+            raise ValueError(f"{', '.join(given)} only take effect with --dcp")
+        return
+    refusals = (
+        (args.context_parallel_size > 1,
+         f"--context-parallel-size {args.context_parallel_size} conflicts with --dcp: DCP chooses the CP size of "
+         "every document per step (Megatron's own CP stays 1); cap it with --dcp-max-cp-size"),
+        (getattr(args, "hybrid_context_parallel", False),
+         "--hybrid-context-parallel is Megatron's own per-batch CP scheduler; use it or --dcp, not both"),
+        (args.recompute_granularity is not None,
+         f"--recompute-granularity {args.recompute_granularity} conflicts with --dcp: DCP chooses recompute per "
+         "micro-batch; restrict its choices with --dcp-recompute"),
+        (args.pipeline_model_parallel_size > 1,
+         "--dcp with --pipeline-model-parallel-size > 1 is not supported inside megatron.training yet "
+         "(the planner and runtime support PP; the loop integration does not); use PP 1"),
+        (args.tensor_model_parallel_size > 1,
+         "--dcp with --tensor-model-parallel-size > 1 is not supported inside megatron.training yet "
+         "(per-micro-batch shapes are not broadcast over the TP group); use TP 1"),
+        (args.attention_dropout > 0,
+         f"--attention-dropout {args.attention_dropout} is not supported by DCP's context-parallel attention; use 0"),
+        (getattr(args, "virtual_pipeline_model_parallel_size", None) is not None,
+         "--dcp does not support virtual pipeline stages"),
+        (args.micro_batch_size != 1 and not args.dataloader_inter_document_masking,
+         "--dcp packs documents into its own micro-batches: with --micro-batch-size > 1 it needs "
+         "--dataloader-inter-document-masking so documents keep their boundaries"),
+    )
+    for refused, message in refusals:
+        if refused:
+            raise ValueError(message)
+    if args.dcp_profile is not None and not os.path.isfile(args.dcp_profile):
+        raise ValueError(f"--dcp-profile {args.dcp_profile}: no such file")
+    if args.dcp_dump_plans is not None:
+        _check_writable_dir(args.dcp_dump_plans, "--dcp-dump-plans")
+    if args.dcp_max_cp_size is not None and args.dcp_max_cp_size > args.data_parallel_size:
+        raise ValueError(f"--dcp-max-cp-size {args.dcp_max_cp_size} exceeds the DCP domain of "
+                         f"{args.data_parallel_size} ranks (world size / (TP x PP))")
+    dcp_config_from_args(args)  # the remaining value checks live in DcpConfig
+    if not args.calculate_per_token_loss:
+        # Ranks run different numbers of micro-batches: only a per-token loss (global sum / global
+        # token count) gives the gradient of the whole global batch.
+        args.calculate_per_token_loss = True
+        if args.rank == 0:
+            print("dcp: --dcp turns on --calculate-per-token-loss (ranks run different micro-batch counts; "
+                  "the loss is the global batch's token mean)", flush=True)
+
+
+def _check_writable_dir(path: str, flag: str) -> None:
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: exists and is not a directory")
+    parent = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: {parent} is not writable")

@@ -1,0 +1,94 @@
+"""This rank's micro-batches of a StepPlan, as the batch dicts a Megatron-LM `get_batch` reads.
+
+Each micro-batch's documents are zig-zag sharded over its CP group (`shard_microbatch`) and
+packed THD into the 0.19 packed-sequence contract of Megatron-LM's `pretrain_gpt.py`:
+
+- `tokens`, `labels`, `loss_mask`, `position_ids`: [1, T_local], this rank's rows; the loss mask
+  is the dataset's, and 0 at the padding each document gets to a multiple of 2c;
+- `cu_seqlens`: [1, n+1] global bounds of the true document lengths (FLOP accounting);
+  `cu_seqlens_padded`: [1, n+1] global bounds of the padded documents (what attention and RoPE
+  use, TE's THD-under-CP convention); `max_seqlen`: [1]; `local_cp_size`: [1], the group size c;
+- `dcp_microbatch`: a `MicroBatchContext` (the group and the recompute the plan chose). It is not a
+  tensor, so `get_batch`'s `.cuda()` loop (over its known keys) passes it by; our patched
+  `get_batch_on_this_cp_rank` turns it into the batch's `hybrid_cp_group`, which the script hands
+  to `PackedSeqParams.cp_group` — the upstream seam for a per-micro-batch CP group.
+
+A rank the plan gives no micro-batch runs one filler: a masked 1-token document, so it still
+joins the step's gradient reduction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute, StepPlan
+from dcp_megatron.runtime.sharding import shard_microbatch
+
+MICROBATCH_KEY = "dcp_microbatch"
+
+
+@dataclass(frozen=True)
+class MicroBatchContext:
+    """What one micro-batch carries besides tensors: its CP group and its recompute."""
+
+    wave_index: int
+    cp_size: int
+    cp_rank: int
+    group: object            # torch.distributed.ProcessGroup, None for a group of one
+    recompute: Recompute
+    num_real_tokens: int
+
+
+def _prefix(lengths) -> torch.Tensor:
+    bounds = torch.zeros(1, len(lengths) + 1, dtype=torch.int32)
+    bounds[0, 1:] = torch.cumsum(torch.tensor(list(lengths), dtype=torch.int64), 0).to(torch.int32)
+    return bounds
+
+
+def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, group, recompute: Recompute,
+                wave_index: int, device) -> dict:
+    """One micro-batch dict from its documents' [L, 3] rows (token, label, loss mask)."""
+    if documents:
+        rows = torch.cat(documents)
+        lengths = [int(d.shape[0]) for d in documents]
+    else:  # filler: one masked token
+        rows = torch.zeros(1, 3, dtype=torch.int64)
+        lengths = [1]
+    shard = shard_microbatch(lengths, cp_size, cp_rank)
+    local = shard.take(rows)
+    loss_mask = local[:, 2].to(torch.float32) * shard.valid_mask.to(torch.float32)
+
+    def row(x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(0).to(device)
+
+    context = MicroBatchContext(wave_index=wave_index, cp_size=cp_size, cp_rank=cp_rank,
+                                group=group if cp_size > 1 else None,
+                                recompute=recompute if documents else NO_RECOMPUTE,
+                                num_real_tokens=int(loss_mask.sum()))
+    return {
+        "tokens": row(local[:, 0]), "labels": row(local[:, 1]), "loss_mask": row(loss_mask),
+        "position_ids": row(shard.position_ids),
+        "cu_seqlens": _prefix(lengths).to(device),
+        "cu_seqlens_padded": _prefix(shard.padded_lengths).to(device),
+        "max_seqlen": torch.tensor([max(shard.padded_lengths)], dtype=torch.int32, device=device),
+        "local_cp_size": torch.tensor([cp_size], dtype=torch.int32, device=device),
+        MICROBATCH_KEY: context,
+    }
+
+
+def rank_batches(plan: StepPlan, documents: dict[int, torch.Tensor], *, pool, device) -> list[dict]:
+    """This rank's micro-batch dicts in plan order (wave after wave); one filler if it has none."""
+    rank = pool.domain_rank
+    batches = []
+    for wave_index, group in plan.rank_schedule(rank):
+        process_group = pool.group(group.first_rank, group.size)
+        for microbatch in group.microbatches:
+            docs = [documents[int(sid)] for sid, _ in microbatch.sequences]
+            batches.append(build_batch(docs, cp_size=group.size, cp_rank=rank - group.first_rank,
+                                       group=process_group, recompute=microbatch.recompute,
+                                       wave_index=wave_index, device=device))
+    if not batches:
+        batches.append(build_batch([], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE,
+                                   wave_index=0, device=device))
+    return batches

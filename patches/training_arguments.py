@@ -1,0 +1,59 @@
+"""Patches for `megatron.training.arguments`: the `--dcp*` flags in Megatron's own parser and checks.
+
+- `add_megatron_arguments` builds Megatron's parser for every script on megatron.training; after
+  it, our argument group is added (dcp_megatron/megatron/dcp_args.py). A script's own
+  `extra_args_provider` is untouched, so zero lines change in the user's script.
+- `validate_args` runs Megatron's checks; after them, ours (`validate_dcp_args`): a flag DCP cannot
+  honour stops the run at start-up with the reason, before any model is built.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+
+from patches import MEGATRON_CORE_VERSIONS
+from patches.registry import Patch
+
+_MODULE = "megatron.training.arguments"
+
+
+def _unwrapped(function):
+    return getattr(function, "dcp_original", function)
+
+
+def _with_dcp_arguments(original):
+    @functools.wraps(original)
+    def add_megatron_arguments(parser):
+        from dcp_megatron.megatron.dcp_args import add_dcp_arguments
+
+        return add_dcp_arguments(original(parser))
+
+    add_megatron_arguments.dcp_original = original
+    return add_megatron_arguments
+
+
+def _with_dcp_validation(original):
+    @functools.wraps(original)
+    def validate_args(args, defaults={}):  # noqa: B006 - Megatron's own signature
+        from dcp_megatron.megatron.dcp_args import validate_dcp_args
+
+        result = original(args, defaults)
+        validate_dcp_args(args)
+        return result
+
+    validate_args.dcp_original = original
+    return validate_args
+
+
+def dcp_patches() -> tuple[Patch, ...]:
+    module = importlib.import_module(_MODULE)
+    return (
+        Patch(target=f"{_MODULE}:add_megatron_arguments",
+              replacement=_with_dcp_arguments(_unwrapped(module.add_megatron_arguments)),
+              reason="adds the --dcp* argument group to Megatron's parser (no change to the user's script).",
+              versions=MEGATRON_CORE_VERSIONS),
+        Patch(target=f"{_MODULE}:validate_args",
+              replacement=_with_dcp_validation(_unwrapped(module.validate_args)),
+              reason="refuses flags --dcp cannot honour at start-up; --dcp implies a per-token loss.",
+              versions=MEGATRON_CORE_VERSIONS),
+    )

@@ -14,6 +14,9 @@ import os
 import runpy
 import sys
 
+from dcp_megatron.megatron.dcp_args import DcpUsageError
+from patches.registry import PatchVersionError
+
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -24,15 +27,22 @@ def main(argv: list[str] | None = None) -> None:
     if not os.path.isfile(script):
         print(f"dcp_megatron.launch: error: script {script!r} does not exist", file=sys.stderr)
         sys.exit(2)
-    from dcp_megatron.megatron.patch_set import megatron_patch_registry
+    import dcp_megatron
 
-    registry = megatron_patch_registry()
-    registry.apply()
+    try:
+        registry = dcp_megatron.enable()
+    except PatchVersionError as err:
+        print(f"dcp_megatron.launch: error: {err}", file=sys.stderr)
+        sys.exit(2)
     script = os.path.abspath(script)
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(script))
     try:
         runpy.run_path(script, run_name="__main__")
+    except DcpUsageError as err:
+        # A flag or input --dcp cannot honour: one clear line, no traceback.
+        print(f"dcp_megatron.launch: error: {err}", file=sys.stderr)
+        sys.exit(2)
     finally:
         registry.remove()
 

@@ -1,169 +1,132 @@
-"""GPT pretraining on megatron-core over variable-length, packed documents, with DCP.
+"""GPT pretraining on megatron.training, with or without `--dcp` (dcp-megatron's own script).
 
-    torchrun --nproc-per-node 2 pretrain_scripts/pretrain_gpt.py --mock-data \
-        --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 256 \
-        --tokens-per-step 2048 --train-iters 10 --lr 1e-3 --dcp
+    torchrun --nproc-per-node 2 pretrain_scripts/pretrain_gpt.py <Megatron flags> [--dcp --dcp-*]
 
-The recipe reads top to bottom: flags -> data -> device and patches -> distributed start-up -> parallel state and
-the DCP group pool -> model (GPTModel, local spec with our packed/CP core attention) -> DDP ->
-optimizer -> LR schedule -> cost model -> checkpoint load -> train loop -> save.
-Every step: plan the global batch (the same plan on every rank), run this rank's micro-batches
-through Megatron's schedule, step the optimizer. Without --dcp the plan is Megatron's static
-layout from the flags (--context-parallel-size C included), run by the same runtime.
-Runs on CPU (gloo, fp32, CPU shims applied) and on GPU (NCCL; --bf16 with Transformer Engine
-attention when installed, see tools/gpu_check.sh).
+Megatron's loop, flags, datasets, checkpoints, evaluation and logging, unchanged; what this file
+supplies is what every megatron.training script supplies: a model provider (megatron-core's
+GPTModel with the local or the Transformer Engine layer spec), a datasets provider (Megatron's
+GPT / mock datasets through its blended builder), and a forward step whose batches follow the
+0.19 packed-sequence contract (`cu_seqlens`, `cu_seqlens_padded`, `max_seqlen`, `local_cp_size`
+and the micro-batch's CP group become `PackedSeqParams`), with a per-token loss. The two lines
+after the docstring are all DCP needs in a script (the launcher `-m dcp_megatron.launch` does the same
+for scripts that lack them).
 """
-from __future__ import annotations
+import dcp_megatron
 
-import math
-import os
-import sys
-from datetime import timedelta
+dcp_megatron.enable()
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
+from megatron.core import mpu  # noqa: E402
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
+    get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer  # noqa: E402
+from megatron.core.utils import (  # noqa: E402
+    flatten_batch_for_packed_sequences, get_batch_on_this_cp_rank, get_batch_on_this_tp_rank)
+from megatron.training import get_args, pretrain, print_rank_0  # noqa: E402
+from megatron.training.argument_utils import pretrain_cfg_container_from_args  # noqa: E402
+from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args  # noqa: E402
+from megatron.training.utils import get_blend_and_blend_per_split  # noqa: E402
 
-from dcp_megatron.megatron.arguments import parse_args  # noqa: E402
-from dcp_megatron.megatron.patch_set import megatron_patch_registry  # noqa: E402
-
-GROUP_TIMEOUT = timedelta(minutes=5)
-
-
-def init_distributed(*, backend: str) -> None:
-    """torchrun's env:// rendezvous; a plain `python pretrain_gpt.py` runs as a world of one."""
-    if "RANK" in os.environ:
-        torch.distributed.init_process_group(backend=backend, timeout=GROUP_TIMEOUT)
-        return
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torch.distributed.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                         world_size=1, timeout=GROUP_TIMEOUT)
+# The order get_batch returns a batch's fields in.
+FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "cu_seqlens_padded", "max_seqlen",
+          "local_cp_size", "hybrid_cp_group")
 
 
-def main(argv: list[str] | None = None) -> None:
-    # 1. Flags, checked against each other and the machine before any work.
-    has_gpu = torch.cuda.is_available()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    args = parse_args(argv, world_size=world_size, has_gpu=has_gpu)
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    args = get_args()
+    config = config if config is not None else core_transformer_config_from_args(args)
+    if args.transformer_impl == "transformer_engine":
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, vp_stage=vp_stage, pg_collection=pg_collection)
 
-    # 2. Data (layout-independent global batches): opened first, so bad data stops the run before any work.
-    from dcp_megatron.megatron.data_source import batch_stream, open_documents
 
-    documents = open_documents(args)
-    stream = batch_stream(args, documents)
+def datasets_provider(num_samples, vp_stage=None):
+    """Megatron's GPT datasets (or its mock dataset) for the train/valid/test sample counts it asks for."""
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
+        split=args.split, path_to_cache=args.data_cache_path, tokenizer=build_tokenizer(args),
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
+        mmap_bin_files=args.mmap_bin_files, inter_document_masking=args.dataloader_inter_document_masking,
+        context_parallel_size=args.context_parallel_size, data_parallel_size=args.data_parallel_size)
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0(f"> building {dataset_type.__name__} train/valid/test datasets")
 
-    # 3. This rank's device, then the patches to megatron-core (version-checked), applied before it builds
-    #    anything. The device comes first: the TE patch creates its CP stream on the current CUDA device.
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if has_gpu else torch.device("cpu")
-    if has_gpu:
-        torch.cuda.set_device(device)
-    patches = megatron_patch_registry().apply()
+    def built_here():  # the first TP rank reads data; the others receive it by broadcast
+        return mpu.get_tensor_model_parallel_rank() == 0
 
-    from megatron.core import parallel_state, tensor_parallel
+    return BlendedMegatronDatasetBuilder(dataset_type, num_samples, built_here, config).build()
 
-    from dcp_megatron.megatron import checkpoint, model_setup
-    from dcp_megatron.megatron.domain import build_group_pool
-    from dcp_megatron.megatron.plan_dump import PlanDumper
-    from dcp_megatron.megatron.plan_microbatches import num_rank_microbatches, rank_microbatches
-    from dcp_megatron.megatron.planning import build_cost_model, check_same_plan, plan_step
-    from dcp_megatron.megatron.train_step import format_log_line, train_step
-    from dcp_megatron.runtime.group_pool import plan_blocks
 
-    # 4. Distributed start-up, Megatron's parallel state (TP x PP x DP; its own CP stays 1) and the
-    #    pool of CP groups over each TP/PP coordinate's DP x CP domain.
-    init_distributed(backend="nccl" if has_gpu else "gloo")
-    rank = torch.distributed.get_rank()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
+datasets_provider.is_distributed = True
+
+
+def get_batch(data_iterator):
+    """This rank's micro-batch: read on TP rank 0, broadcast over TP, packed, then split over its CP group."""
+    args = get_args()
+    has_cu_seqlens = args.dataloader_inter_document_masking
+    batch = {}
+    if mpu.get_tensor_model_parallel_rank() == 0:
+        batch = next(data_iterator)
+        for key in FIELDS[:-1]:
+            if batch.get(key) is not None:
+                batch[key] = batch[key].cuda(non_blocking=True)
+    batch = get_batch_on_this_tp_rank(
+        batch, has_cu_seqlens=has_cu_seqlens, is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
+        tp_rank=mpu.get_tensor_model_parallel_rank(), micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length, mtp_on_this_rank=False,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-    )
-    pool = build_group_pool(tp_size=args.tensor_model_parallel_size, pp_size=args.pipeline_model_parallel_size,
-                            timeout=GROUP_TIMEOUT)
-    torch.manual_seed(args.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    is_logging_rank = rank == 0
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage())
+    batch = flatten_batch_for_packed_sequences(batch)
+    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group(),
+                                      use_per_sequence_balancing=has_cu_seqlens)
+    return [batch.get(key) for key in FIELDS]
 
-    # 5. Model, DDP, optimizer, LR schedule.
-    config = model_setup.transformer_config(args)
-    model = model_setup.build_model(args, config)
-    model = model_setup.wrap_ddp(model, config)
-    optimizer = model_setup.build_optimizer(args, model)
-    lr_schedule = model_setup.build_lr_schedule(args, optimizer)
 
-    # 6. The cost model the planner scores plans with.
-    vocab = model_setup.padded_vocab_size(args.vocab_size, divisible_by=args.make_vocab_size_divisible_by,
-                                          tp_size=args.tensor_model_parallel_size)
-    cost = build_cost_model(args, padded_vocab_size=vocab, domain_size=pool.domain_size, has_gpu=has_gpu)
-    # Local rows per micro-batch: split over TP with sequence parallelism; FP8 GEMMs need multiples of 16.
-    rows_multiple = math.lcm(args.tensor_model_parallel_size if args.sequence_parallel else 1,
-                             16 if args.fp8_format else 1)
+def loss_func(loss_mask, output_tensor):
+    """Per-token loss: (sum of the micro-batch's token losses, its token count, report)."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum().detach()])}
 
-    # 7. Resume (model, optimizer, schedule, RNG and the data position).
-    iteration = 0
-    if args.load is not None:
-        iteration, data_state = checkpoint.load_checkpoint(
-            args.load, args=args, model=model, optimizer=optimizer, lr_schedule=lr_schedule)
-        if data_state is not None:
-            stream.load_state_dict(data_state)
-        if is_logging_rank:
-            print(f"loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
 
-    tensorboard = None
-    if args.tensorboard_dir is not None and is_logging_rank:
-        from torch.utils.tensorboard import SummaryWriter
-        tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
-    dumper = PlanDumper(args.dcp_dump_plans) if args.dcp_dump_plans and is_logging_rank else None
-
-    # 8. Train: plan the global batch, run this rank's micro-batches, step.
-    model.train()
-    consumed_tokens = 0
-    while iteration < args.train_iters:
-        batch = next(stream)
-        plan = plan_step(args, batch.sequences, cost)
-        if args.dcp_check_plans:
-            check_same_plan(plan, iteration=iteration + 1, device=device)
-        pool.ensure_groups(plan_blocks(plan))  # collective when the plan needs a new block; same on every rank
-        microbatches = rank_microbatches(plan, pool=pool, source=documents, batch=batch,
-                                         rows_multiple=rows_multiple, device=device)
-        lr = optimizer.param_groups[0]["lr"]  # the rate this step uses (the schedule advances in train_step)
-        result = train_step(microbatches, num_microbatches=num_rank_microbatches(plan, pool.domain_rank), plan=plan,
-                            model=model, optimizer=optimizer, lr_schedule=lr_schedule, config=config,
-                            domain_group=pool.domain_group, device=device)
-        iteration += 1
-        consumed_tokens += result.num_tokens
-        if is_logging_rank and iteration % args.log_interval == 0:
-            print(format_log_line(iteration, args.train_iters, result, lr=lr, consumed_tokens=consumed_tokens),
-                  flush=True)
-        if dumper is not None:
-            dumper.write(iteration, plan)
-        if tensorboard is not None:
-            tensorboard.add_scalar("lm loss", result.loss, iteration)
-            tensorboard.add_scalar("tokens/s", result.num_tokens / result.step_time_s, iteration)
-            tensorboard.add_scalar("learning rate", lr, iteration)
-            tensorboard.add_scalar("imbalance", result.imbalance, iteration)
-        if args.save is not None and args.save_interval is not None and iteration % args.save_interval == 0:
-            checkpoint.save_checkpoint(args.save, iteration=iteration, data_state=stream.state_dict(), args=args,
-                                       model=model, optimizer=optimizer, lr_schedule=lr_schedule)
-
-    # 9. Save and shut down.
-    if args.save is not None:
-        checkpoint.save_checkpoint(args.save, iteration=iteration, data_state=stream.state_dict(), args=args,
-                                   model=model, optimizer=optimizer, lr_schedule=lr_schedule)
-    if tensorboard is not None:
-        tensorboard.close()
-    torch.distributed.barrier()
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
-    patches.remove()
+def forward_step(data_iterator, model):
+    tokens, labels, loss_mask, position_ids, cu_seqlens, cu_seqlens_padded, max_seqlen, local_cp_size, cp_group = \
+        get_batch(data_iterator)
+    packed_seq_params = None
+    if cu_seqlens is not None:
+        bounds = (cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens).view(-1)
+        packed_seq_params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=bounds,
+            cu_seqlens_kv_padded=bounds, max_seqlen_q=int(max_seqlen.max()), max_seqlen_kv=int(max_seqlen.max()),
+            local_cp_size=int(local_cp_size.item()) if local_cp_size is not None else None, cp_group=cp_group)
+    output = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask,
+                   packed_seq_params=packed_seq_params)
+    return output, partial(loss_func, loss_mask)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as err:
-        # User mistakes (flags, data, checkpoints): one clear line, no traceback.
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    pretrain(pretrain_cfg_container_from_args(run_args), datasets_provider, ModelType.encoder_or_decoder,
+             forward_step, model_provider=model_provider)

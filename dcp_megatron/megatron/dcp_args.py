@@ -17,6 +17,10 @@ DCP_POLICIES = ("static", "static-balanced", "megatron-hybrid", "dcp")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
+class DcpUsageError(ValueError):
+    """A flag or input that --dcp cannot honour; the message says what to change."""
+
+
 def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("data-centric parallelism (dcp-megatron)")
     group.add_argument("--dcp", action="store_true",
@@ -50,18 +54,18 @@ class DcpConfig:
 
     def __post_init__(self) -> None:
         if self.policy not in DCP_POLICIES:
-            raise ValueError(f"--dcp-policy {self.policy!r} is not one of {DCP_POLICIES}")
+            raise DcpUsageError(f"--dcp-policy {self.policy!r} is not one of {DCP_POLICIES}")
         if self.max_cp_size is not None and self.max_cp_size < 1:
-            raise ValueError(f"--dcp-max-cp-size must be >= 1, got {self.max_cp_size}")
+            raise DcpUsageError(f"--dcp-max-cp-size must be >= 1, got {self.max_cp_size}")
         if self.memory_budget_gb is not None and not (math.isfinite(self.memory_budget_gb)
                                                       and self.memory_budget_gb > 0):
-            raise ValueError(f"--dcp-memory-budget-gb must be a positive number of GiB, got {self.memory_budget_gb}")
+            raise DcpUsageError(f"--dcp-memory-budget-gb must be a positive number of GiB, got {self.memory_budget_gb}")
         bad = [r for r in self.recompute if r not in RECOMPUTE_CHOICES]
         if bad or not self.recompute:
-            raise ValueError(f"--dcp-recompute: unknown {bad or 'empty list'}; give a comma list from "
+            raise DcpUsageError(f"--dcp-recompute: unknown {bad or 'empty list'}; give a comma list from "
                              f"{','.join(RECOMPUTE_CHOICES)}")
         if self.seq_length < 1:
-            raise ValueError(f"--seq-length must be positive, got {self.seq_length}")
+            raise DcpUsageError(f"--seq-length must be positive, got {self.seq_length}")
 
 
 def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
@@ -79,7 +83,7 @@ def validate_dcp_args(args: argparse.Namespace) -> None:
              if name.startswith("dcp_") and value not in (None, False)]
     if not getattr(args, "dcp", False):
         if given:
-            raise ValueError(f"{', '.join(given)} only take effect with --dcp")
+            raise DcpUsageError(f"{', '.join(given)} only take effect with --dcp")
         return
     refusals = (
         (args.context_parallel_size > 1,
@@ -106,13 +110,13 @@ def validate_dcp_args(args: argparse.Namespace) -> None:
     )
     for refused, message in refusals:
         if refused:
-            raise ValueError(message)
+            raise DcpUsageError(message)
     if args.dcp_profile is not None and not os.path.isfile(args.dcp_profile):
-        raise ValueError(f"--dcp-profile {args.dcp_profile}: no such file")
+        raise DcpUsageError(f"--dcp-profile {args.dcp_profile}: no such file")
     if args.dcp_dump_plans is not None:
         _check_writable_dir(args.dcp_dump_plans, "--dcp-dump-plans")
     if args.dcp_max_cp_size is not None and args.dcp_max_cp_size > args.data_parallel_size:
-        raise ValueError(f"--dcp-max-cp-size {args.dcp_max_cp_size} exceeds the DCP domain of "
+        raise DcpUsageError(f"--dcp-max-cp-size {args.dcp_max_cp_size} exceeds the DCP domain of "
                          f"{args.data_parallel_size} ranks (world size / (TP x PP))")
     dcp_config_from_args(args)  # the remaining value checks live in DcpConfig
     if not args.calculate_per_token_loss:
@@ -126,9 +130,9 @@ def validate_dcp_args(args: argparse.Namespace) -> None:
 
 def _check_writable_dir(path: str, flag: str) -> None:
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: exists and is not a directory")
+        raise DcpUsageError(f"{flag} {path}: exists and is not a directory")
     parent = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.access(parent, os.W_OK):
-        raise ValueError(f"{flag} {path}: {parent} is not writable")
+        raise DcpUsageError(f"{flag} {path}: {parent} is not writable")

@@ -1,15 +1,21 @@
 # Two entry points: `make demo` (the main job) and `make test`. Each creates .venv/ first.
+# The stack users run: Python 3.12, torch 2.13.0, megatron-core 0.19.2, deepspeed 0.19.8.
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
+# Python 3.12: $(PYTHON312) if given, else the first of pyenv's 3.12.x and python3.12 on PATH that runs.
+PYTHON312 ?= $(shell for c in $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null) \
+	$$(command -v python3.12 2>/dev/null); do "$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' \
+	2>/dev/null && echo "$$c" && break; done)
 
 .PHONY: demo test venv simulate
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: setup.py
-	python3 -m venv $(VENV)
+	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found. Install it (e.g. 'pyenv install 3.12') or run 'make PYTHON312=/path/to/python3.12 ...'"; exit 2; }
+	$(PYTHON312) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# torch first and pinned: the CPU build on local disk; unpinned would pull a CUDA build.
+	# torch first and pinned (for Python 3.12 the registry's build is the CUDA one; it runs on CPU).
 	$(PIP) install -q torch==2.13.0
 	DS_BUILD_OPS=0 $(PIP) install -q -e '.[megatron,deepspeed,test]'
 	touch $@

@@ -4,12 +4,12 @@ setup(
     name="dcp-megatron",
     version="0.1.0",
     description="Data-Centric Parallel training for Megatron-core and DeepSpeed",
-    python_requires=">=3.10",
+    python_requires=">=3.12",
     packages=find_packages(include=["dcp_megatron", "dcp_megatron.*", "patches", "patches.*"]),
     install_requires=["numpy>=1.24"],
     extras_require={
         # torch itself is installed first, pinned (see Makefile): an unpinned torch pulls CUDA.
-        "megatron": ["megatron-core==0.16.1"],
+        "megatron": ["megatron-core==0.19.2"],
         "deepspeed": ["deepspeed==0.19.8"],
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "matplotlib>=3.7"],

@@ -35,7 +35,6 @@ _CPU_PATCH_MODULES = (
     "training_utils_utils",
     "training_checkpointing",
     "tensor_parallel_data",
-    "optimizer_distrib_optimizer",
 )
 
 
@@ -47,6 +46,7 @@ def needs_cpu_compat() -> bool:
 # patches/ modules whose shims are built at apply time (`cpu_patches()`: they wrap upstream functions).
 _CPU_PATCH_BUILDERS = (
     "training_initialize",
+    "optimizer_distrib_optimizer",
 )
 
 

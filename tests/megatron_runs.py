@@ -1,0 +1,102 @@
+"""Launch real megatron.training runs from tests and read what they print.
+
+`run_training(...)` starts torchrun (optionally through `-m dcp_megatron.launch`) on a script
+with the flag set of Megatron-LM's Llama-3 example at tiny size (GQA, RoPE, SwiGLU, RMSNorm,
+untied embeddings, no bias, distributed optimizer, per-token loss, cosine LR, clip-grad, eval)
+plus the CPU flags, and returns the exit code, the output and the parsed iteration lines.
+Each launch costs ~15-30 s on 2 cores (imports and start-up): tests share runs through
+module-scoped fixtures.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from tests.dist_utils import free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUR_SCRIPT = os.path.join(REPO, "pretrain_scripts", "pretrain_gpt.py")
+
+LLAMA_TINY = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+    "--ffn-hidden-size 128 --seq-length 1024 --max-position-embeddings 1024 "
+    "--micro-batch-size 1 --global-batch-size 8 "
+    "--position-embedding-type rope --swiglu --normalization RMSNorm --disable-bias-linear "
+    "--untie-embeddings-and-output-weights --use-distributed-optimizer --calculate-per-token-loss "
+    "--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 2 --clip-grad 1.0 --weight-decay 0.1 "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 256 --split 98,1,1 --eval-iters 1 --eval-interval 5 "
+    "--dataloader-inter-document-masking --attention-dropout 0 --hidden-dropout 0 --log-interval 1 --seed 1234"
+).split()
+
+CPU_FLAGS = (
+    "--transformer-impl local --use-cpu-initialization --distributed-backend gloo --no-gradient-accumulation-fusion "
+    "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
+    "--no-persist-layer-norm --distributed-timeout-minutes 3"
+).split()
+
+_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+)")
+_DCP = re.compile(r" dcp iteration\s+(\d+) \| plan (\S+): .*?cp sizes (\S+) \| micro-batches/rank (\S+) .*?"
+                  r"recompute (\S+) \| predicted \(ms\): ([0-9.]+) \| forward-backward \(ms\): ([0-9.]+)")
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    output: str
+    losses: dict[int, float] = field(default_factory=dict)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    dcp_steps: dict[int, dict] = field(default_factory=dict)
+
+    def loss_trace(self) -> list[float]:
+        return [self.losses[i] for i in sorted(self.losses)]
+
+    def check(self) -> "RunResult":
+        assert self.returncode == 0, f"run failed (exit {self.returncode}):\n{self.output[-6000:]}"
+        return self
+
+
+def parse_output(returncode: int, output: str) -> RunResult:
+    result = RunResult(returncode, output)
+    for match in _ITERATION.finditer(output):
+        result.losses[int(match[1])] = float(match[2])
+        result.grad_norms[int(match[1])] = float(match[3])
+    for match in _DCP.finditer(output):
+        result.dcp_steps[int(match[1])] = {
+            "policy": match[2], "cp_sizes": match[3], "counts": [int(c) for c in match[4].split("/")],
+            "recompute": match[5], "predicted_ms": float(match[6]), "measured_ms": float(match[7])}
+    return result
+
+
+def torchrun_command(script: str, flags: list[str], *, nproc: int, launcher: bool, port: int,
+                     nnodes: int = 1, node_rank: int = 0) -> list[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}",
+               f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}"]
+    command += ["-m", "dcp_megatron.launch", script] if launcher else [script]
+    return command + flags
+
+
+def run_env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_training(script: str, extra: list[str], *, nproc: int = 2, launcher: bool = True, iters: int = 10,
+                 base: tuple[str, ...] | list[str] = LLAMA_TINY, timeout_s: float = 600) -> RunResult:
+    flags = list(base) + CPU_FLAGS + ["--train-iters", str(iters)] + list(extra)
+    command = torchrun_command(script, flags, nproc=nproc, launcher=launcher, port=free_port())
+    proc = subprocess.run(command, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout_s)
+    return parse_output(proc.returncode, proc.stdout + proc.stderr)
+
+
+def strip_dcp_lines(source: str, destination: str) -> None:
+    """A copy of our script without its two DCP lines: a user's unmodified Megatron script."""
+    with open(source) as f:
+        text = f.read()
+    stripped = text.replace("import dcp_megatron\n\ndcp_megatron.enable()\n", "")
+    assert stripped != text, "pretrain_gpt.py no longer has the two lines this helper removes"
+    with open(destination, "w") as f:
+        f.write(stripped)

@@ -1,0 +1,154 @@
+"""`--dcp` inside megatron.training's own loop, end to end (real runs, 1-2 CPU ranks, gloo, fp32).
+
+Three ways in: a user's unmodified megatron.training script through `-m dcp_megatron.launch`
+(our script with its two DCP lines stripped), our `pretrain_scripts/pretrain_gpt.py` run
+directly (it carries the two lines), and the same with Megatron's checkpoint resume. Every
+run trains the same 8 global batches of Megatron's mock dataset (documents separated by
+`--dataloader-inter-document-masking`), so loss traces must agree whatever the layout.
+The reference is independent of DCP and of micro-batching: one rank, Megatron's plain path,
+the whole global batch in ONE micro-batch (`--micro-batch-size 8`), so a wrong
+1/num-micro-batches scale in a layout would not cancel out.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+from dcp_megatron.planner.plan import StepPlan
+from tests.megatron_runs import OUR_SCRIPT, run_training, strip_dcp_lines
+
+pytestmark = pytest.mark.timeout(1500)
+
+# 4 MiB per rank: with this tiny model, 480 local tokens fit without recompute, so 1,024-token
+# documents need CP 2 or recompute and short ones run alone: plans mix CP sizes and recompute.
+SMALL_BUDGET = ["--dcp-memory-budget-gb", "0.004"]
+ITERS = 10
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_loop")
+    user_script = str(root / "user_pretrain_gpt.py")
+    strip_dcp_lines(OUR_SCRIPT, user_script)
+    return root, user_script
+
+
+@pytest.fixture(scope="module")
+def runs(work):
+    root, user_script = work
+    cache: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = _RUNS[name](root, user_script).check()
+        return cache[name]
+
+    return get
+
+
+_RUNS = {
+    # One rank, no DCP, the whole global batch as one micro-batch: the independent reference.
+    "reference": lambda root, script: run_training(OUR_SCRIPT, ["--micro-batch-size", "8"], nproc=1,
+                                                   launcher=False, iters=ITERS),
+    # Way 1: the user's unmodified script through the launcher, without and with --dcp.
+    "plain": lambda root, script: run_training(script, [], iters=ITERS),
+    "dcp_launcher": lambda root, script: run_training(
+        script, ["--dcp", *SMALL_BUDGET, "--dcp-dump-plans", str(root / "plans"), "--dcp-check-plans"], iters=ITERS),
+    # Way 3 (and 2: the script carries the two lines): our script run directly; saves at 5 for the resume.
+    "dcp_direct_first_half": lambda root, script: run_training(
+        OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, "--save", str(root / "ckpt"), "--save-interval", "5",
+                     "--exit-interval", "5"], launcher=False, iters=ITERS),
+    "dcp_direct_resumed": lambda root, script: run_training(
+        OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, "--load", str(root / "ckpt"), "--save", str(root / "ckpt")],
+        launcher=False, iters=ITERS),
+    # Megatron's static layout (CP 2 for every document, one recompute setting) run by the same runtime.
+    "static_cp2": lambda root, script: run_training(
+        script, ["--dcp", "--dcp-policy", "static", *SMALL_BUDGET], iters=ITERS),
+}
+
+
+def _assert_same_trace(trace, reference, what):
+    assert len(trace) == len(reference) == ITERS, (what, trace, reference)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(trace, reference))
+    assert worst <= TOLERANCE, f"{what}: loss trace differs from the reference by {worst:.2e}\n{trace}\n{reference}"
+
+
+@pytest.mark.parametrize("name", ["plain", "dcp_launcher", "static_cp2"])
+def test_loss_trace_equals_the_one_rank_one_microbatch_reference(runs, name):
+    _assert_same_trace(runs(name).loss_trace(), runs("reference").loss_trace(), name)
+
+
+def test_grad_norms_equal_across_layouts(runs):
+    reference = runs("reference").grad_norms
+    for name in ("plain", "dcp_launcher", "static_cp2"):
+        norms = runs(name).grad_norms
+        assert norms.keys() == reference.keys()
+        for step, norm in norms.items():
+            assert norm == pytest.approx(reference[step], rel=2e-3, abs=2e-3), (name, step, norm, reference[step])
+
+
+def test_resumed_dcp_run_continues_the_trace(runs):
+    first, resumed = runs("dcp_direct_first_half"), runs("dcp_direct_resumed")
+    assert sorted(first.losses) == list(range(1, 6)) and sorted(resumed.losses) == list(range(6, ITERS + 1))
+    assert "loaded checkpoint" in resumed.output or "load checkpoint" in resumed.output.lower()
+    trace = [first.losses[i] for i in range(1, 6)] + [resumed.losses[i] for i in range(6, ITERS + 1)]
+    _assert_same_trace(trace, runs("reference").loss_trace(), "dcp resumed at 5")
+
+
+def test_the_dynamic_path_ran_with_dcps_own_plans(runs, work):
+    root, _ = work
+    run = runs("dcp_launcher")
+    steps = run.dcp_steps
+    assert sorted(steps) == list(range(1, ITERS + 1)), "every training step must be planned by DCP"
+    assert all(s["policy"] == "dcp" for s in steps.values()), "plans must be dcp's own, not a fallback baseline"
+    mixed = [i for i, s in steps.items() if "cp1" in s["cp_sizes"] and "cp2" in s["cp_sizes"]]
+    unequal = [i for i, s in steps.items() if min(s["counts"]) != max(s["counts"])]
+    assert mixed, f"no step mixed CP sizes 1 and 2: {steps}"
+    assert unequal, f"no step ran different micro-batch counts on the two ranks: {steps}"
+    assert any(s["recompute"] != "none" for s in steps.values())
+    dumps = sorted(glob.glob(os.path.join(root, "plans", "step_*.json")))
+    assert len(dumps) == ITERS
+    plans = [StepPlan.from_json(open(path).read()) for path in dumps]
+    assert all(plan.domain_size == 2 for plan in plans)
+    assert {g.size for plan in plans for wave in plan.waves for g in wave.groups} == {1, 2}
+    assert [plan.num_microbatches(0) for plan in plans] != [plan.num_microbatches(1) for plan in plans]
+
+
+def test_static_policy_runs_every_document_on_cp2(runs):
+    steps = runs("static_cp2").dcp_steps
+    assert steps and all(s["cp_sizes"].startswith("cp2") and "cp1" not in s["cp_sizes"] for s in steps.values())
+
+
+def test_plain_run_has_no_dcp_steps(runs):
+    assert runs("plain").dcp_steps == {}
+
+
+def test_gradients_equal_an_independent_one_device_reference(work):
+    """main_grad after one step (clipping off), --dcp on 2 ranks vs 1 rank with one micro-batch."""
+    root, script = work
+    grads = {}
+    for name, nproc, extra in (("reference", 1, ["--micro-batch-size", "8"]),
+                               ("dcp", 2, ["--dcp", *SMALL_BUDGET])):
+        save = root / f"wgrads_{name}"
+        run_training(script, [*extra, "--clip-grad", "0", "--save", str(save), "--save-wgrads-interval", "1",
+                              "--no-save-optim", "--no-save-rng"], nproc=nproc, iters=1).check()
+        (path,) = glob.glob(str(save / "wgrads" / "iter_0000001" / "*"))
+        grads[name] = torch.load(path, map_location="cpu", weights_only=False)
+    reference, dcp = (_flatten(grads[k]) for k in ("reference", "dcp"))
+    assert reference.keys() == dcp.keys() and reference
+    worst = max(float((dcp[k] - reference[k]).abs().max() / reference[k].abs().max().clamp(min=1e-30))
+                for k in reference)
+    assert worst <= 1e-5, f"gradients differ from the 1-device reference: max relative error {worst:.2e}"
+
+
+def _flatten(state, prefix=""):
+    if isinstance(state, torch.Tensor):
+        return {prefix: state.float()}
+    out = {}
+    for key, value in state.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out

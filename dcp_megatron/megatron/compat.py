@@ -35,6 +35,7 @@ _CPU_PATCH_MODULES = (
     "training_utils_utils",
     "training_checkpointing",
     "tensor_parallel_data",
+    "core_dist_checkpointing_filesystem_async",
 )
 
 

@@ -33,6 +33,9 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help=f"comma list of recompute kinds the planner may choose from {','.join(RECOMPUTE_CHOICES)}")
     group.add_argument("--dcp-profile", default=None, help="measured profile JSON overriding the cost model")
     group.add_argument("--dcp-dump-plans", default=None, metavar="DIR", help="write each step's plan JSON to DIR")
+    group.add_argument("--dcp-gpus-per-node", type=int, default=None,
+                       help="ranks per node, for the planner's intra- vs inter-node bandwidth (default: torchrun's "
+                            "LOCAL_WORLD_SIZE)")
     group.add_argument("--dcp-check-plans", action="store_true",
                        help="all-reduce a hash of every plan to prove all ranks planned the same step")
     return parser
@@ -49,6 +52,7 @@ class DcpConfig:
     profile: str | None = None
     dump_plans: str | None = None
     check_plans: bool = False
+    gpus_per_node: int | None = None
     seq_length: int
     log_interval: int = 1
 
@@ -64,6 +68,8 @@ class DcpConfig:
         if bad or not self.recompute:
             raise DcpUsageError(f"--dcp-recompute: unknown {bad or 'empty list'}; give a comma list from "
                              f"{','.join(RECOMPUTE_CHOICES)}")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise DcpUsageError(f"--dcp-gpus-per-node must be >= 1, got {self.gpus_per_node}")
         if self.seq_length < 1:
             raise DcpUsageError(f"--seq-length must be positive, got {self.seq_length}")
 
@@ -74,7 +80,13 @@ def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
     return DcpConfig(policy=args.dcp_policy or "dcp", max_cp_size=args.dcp_max_cp_size,
                      memory_budget_gb=args.dcp_memory_budget_gb, recompute=recompute, profile=args.dcp_profile,
                      dump_plans=args.dcp_dump_plans, check_plans=bool(args.dcp_check_plans),
+                     gpus_per_node=args.dcp_gpus_per_node or _local_world_size(),
                      seq_length=args.seq_length, log_interval=args.log_interval)
+
+
+def _local_world_size() -> int | None:
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value and value.isdigit() and int(value) > 0 else None
 
 
 def validate_dcp_args(args: argparse.Namespace) -> None:

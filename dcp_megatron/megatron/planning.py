@@ -31,7 +31,8 @@ def model_shape_from_args(args) -> ModelShape:
 
 def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:
     """Cluster preset "h200" on GPU, "cpu" without; --dcp-* flags and --dcp-profile override it."""
-    cluster = cluster_preset("h200" if has_gpu else "cpu", domain_size=domain_size)
+    cluster = cluster_preset("h200" if has_gpu else "cpu", domain_size=domain_size,
+                             gpus_per_node=config.gpus_per_node)
     changes = {}
     if config.max_cp_size is not None:
         changes["max_cp_size"] = config.max_cp_size

@@ -1,0 +1,225 @@
+"""Units of the megatron.training adapter: flags, documents out of samples, the exchange, micro-batch
+dicts, the patch set, and that the recompute a micro-batch asks for really runs."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from dcp_megatron.megatron.dcp_args import DcpConfig, DcpUsageError, add_dcp_arguments, validate_dcp_args  # noqa: E402
+from dcp_megatron.megatron.global_batch import (  # noqa: E402
+    DocumentIndex, Documents, documents_needed, exchange_documents, gather_lengths, split_samples)
+from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, build_batch  # noqa: E402
+from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, StepPlan, Wave  # noqa: E402
+from tests.dist_utils import run_distributed  # noqa: E402
+
+
+def _args(**overrides) -> argparse.Namespace:
+    parser = add_dcp_arguments(argparse.ArgumentParser())
+    args = parser.parse_args([])
+    defaults = dict(context_parallel_size=1, hybrid_context_parallel=False, recompute_granularity=None,
+                    pipeline_model_parallel_size=1, tensor_model_parallel_size=1, attention_dropout=0.0,
+                    virtual_pipeline_model_parallel_size=None, micro_batch_size=1,
+                    dataloader_inter_document_masking=True, data_parallel_size=2, calculate_per_token_loss=True,
+                    rank=0, seq_length=1024, log_interval=1)
+    vars(args).update(defaults)
+    vars(args).update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(context_parallel_size=2), "--context-parallel-size 2 conflicts with --dcp"),
+    (dict(recompute_granularity="full"), "--dcp-recompute"),
+    (dict(pipeline_model_parallel_size=2), "use PP 1"),
+    (dict(tensor_model_parallel_size=2), "use TP 1"),
+    (dict(attention_dropout=0.1), "--attention-dropout"),
+    (dict(micro_batch_size=2, dataloader_inter_document_masking=False), "--dataloader-inter-document-masking"),
+    (dict(dcp_max_cp_size=4), "exceeds the DCP domain of 2 ranks"),
+    (dict(dcp_memory_budget_gb=float("nan")), "--dcp-memory-budget-gb must be a positive number"),
+    (dict(dcp_memory_budget_gb=float("inf")), "--dcp-memory-budget-gb must be a positive number"),
+    (dict(dcp_recompute="none,sometimes"), "unknown ['sometimes']"),
+    (dict(dcp_profile="/no/such/profile.json"), "no such file"),
+])
+def test_flags_dcp_cannot_honour_are_refused_with_the_flag_named(overrides, message):
+    with pytest.raises(DcpUsageError, match=None) as err:
+        validate_dcp_args(_args(dcp=True, **overrides))
+    assert message in str(err.value)
+
+
+def test_dcp_flags_without_dcp_are_refused_and_dcp_turns_on_per_token_loss(capsys):
+    with pytest.raises(DcpUsageError, match="only take effect with --dcp"):
+        validate_dcp_args(_args(dcp=False, dcp_policy="static"))
+    args = _args(dcp=True, calculate_per_token_loss=False)
+    validate_dcp_args(args)
+    assert args.calculate_per_token_loss is True
+    assert "--calculate-per-token-loss" in capsys.readouterr().out
+    validate_dcp_args(_args(dcp=False))  # plain runs pass untouched
+
+
+def test_dcp_config_is_validated():
+    with pytest.raises(ValueError):
+        DcpConfig(seq_length=0)
+    with pytest.raises(ValueError):
+        DcpConfig(seq_length=8, policy="best")
+    assert DcpConfig(seq_length=8).recompute == ("none", "selective", "full")
+
+
+def _sample(tokens: list[list[int]], bounds: list[list[int]] | None, seq: int) -> dict:
+    t = torch.tensor(tokens)
+    sample = {"tokens": t, "labels": t + 100, "loss_mask": torch.ones_like(t, dtype=torch.float32)}
+    if bounds is not None:
+        cu = torch.full((len(tokens), seq + 1), seq, dtype=torch.int32)
+        for row, b in enumerate(bounds):
+            cu[row, :len(b)] = torch.tensor(b)
+        sample["cu_seqlens"] = cu
+    return sample
+
+
+def test_samples_are_cut_into_their_documents_with_masks_kept():
+    first = _sample([[1, 2, 3, 4, 5, 6]], [[0, 2, 6]], 6)
+    first["loss_mask"][0, 5] = 0  # the dataset's own masking survives
+    second = _sample([[7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18]], [[0, 6], [0, 1, 3, 6]], 6)
+    docs = split_samples([first, second])
+    assert docs.lengths == (2, 4, 6, 1, 2, 3)
+    assert docs.rows[:, 0].tolist() == list(range(1, 19))
+    assert docs.rows[:, 1].tolist() == list(range(101, 119))
+    assert docs.rows[5, 2] == 0 and int(docs.rows[:, 2].sum()) == 17
+    whole = split_samples([_sample([[1, 2, 3]], None, 3)])  # no cu_seqlens: a sample is one sequence
+    assert whole.lengths == (3,)
+    with pytest.raises(ValueError, match="do not cover"):
+        split_samples([_sample([[1, 2, 3, 4]], [[0, 3, 2, 4]], 4)])
+
+
+def _plan_two_ranks() -> StepPlan:
+    # Wave 0: rank 0 alone runs docs 0 and 3 in two micro-batches, rank 1 runs doc 1; wave 1: both run doc 2.
+    wave0 = Wave((Group(0, 1, (MicroBatch(((0, 3),)), MicroBatch(((3, 2),)))), Group(1, 1, (MicroBatch(((1, 5),)),))))
+    wave1 = Wave((Group(0, 2, (MicroBatch(((2, 8),), Recompute("full", 1)),)),))
+    return StepPlan(domain_size=2, waves=(wave0, wave1), policy="test")
+
+
+def test_documents_needed_follow_the_rank_schedule():
+    plan = _plan_two_ranks()
+    assert documents_needed(plan, 0) == [0, 3, 2]
+    assert documents_needed(plan, 1) == [1, 2]
+
+
+def _exchange_worker(rank: int, world_size: int) -> dict:
+    # Rank 0 read docs of lengths (3, 5), rank 1 read (8, 2): ids 0,1 on rank 0 and 2,3 on rank 1.
+    local_lengths = [(3, 5), (8, 2)][rank]
+    base = 1000 * (rank + 1)
+    rows = torch.stack([torch.arange(sum(local_lengths)) + base, torch.arange(sum(local_lengths)),
+                        torch.ones(sum(local_lengths), dtype=torch.int64)], dim=1)
+    local = Documents(rows=rows, lengths=local_lengths)
+    per_rank = gather_lengths(local.lengths, group=None, domain_size=2)
+    index = DocumentIndex.build(per_rank)
+    received = exchange_documents(_plan_two_ranks(), local, index, domain_rank=rank, group=None)
+    return {"per_rank": per_rank, "received": {k: v[:, 0].tolist() for k, v in received.items()}}
+
+
+def test_documents_reach_exactly_the_ranks_that_run_them():
+    results = run_distributed(_exchange_worker, 2)
+    assert results[0]["per_rank"] == results[1]["per_rank"] == [(3, 5), (8, 2)]
+    assert results[0]["received"] == {0: [1000, 1001, 1002], 3: [2008, 2009], 2: list(range(2000, 2008))}
+    assert results[1]["received"] == {1: [1003, 1004, 1005, 1006, 1007], 2: list(range(2000, 2008))}
+
+
+def test_microbatch_dict_follows_the_packed_contract():
+    docs = [torch.tensor([[5, 6, 1]] * 3), torch.tensor([[7, 8, 1]] * 5)]
+    batch = build_batch(docs, cp_size=2, cp_rank=1, group="G", recompute=Recompute("full", 1), wave_index=3,
+                        device="cpu")
+    assert batch["cu_seqlens"].tolist() == [[0, 3, 8]]
+    assert batch["cu_seqlens_padded"].tolist() == [[0, 4, 12]]  # each document padded to a multiple of 2c
+    assert batch["tokens"].shape == (1, 6) and batch["local_cp_size"].tolist() == [2]
+    assert batch["max_seqlen"].tolist() == [8]
+    assert float(batch["loss_mask"].sum()) == 4  # 8 real tokens over 2 ranks, padding masked
+    context = batch[MICROBATCH_KEY]
+    assert (context.group, context.cp_size, context.cp_rank, context.wave_index) == ("G", 2, 1, 3)
+    filler = build_batch([], cp_size=1, cp_rank=0, group=None, recompute=Recompute("full", 1), wave_index=0,
+                         device="cpu")
+    assert float(filler["loss_mask"].sum()) == 0 and filler[MICROBATCH_KEY].recompute == NO_RECOMPUTE
+
+
+def test_patch_set_supports_only_the_versions_it_was_run_on(monkeypatch):
+    from dcp_megatron.megatron.patch_set import megatron_patch_registry
+    from patches.registry import PatchVersionError
+
+    registry = megatron_patch_registry(installed_version="0.16.1")
+    with pytest.raises(PatchVersionError, match="megatron-core 0.16.1 is not supported"):
+        registry.apply()
+    assert not registry.applied
+    assert all(p.supports("0.19.2") for p in megatron_patch_registry().patches)
+
+
+def test_no_cpu_shim_is_applied_when_a_gpu_is_reported(monkeypatch):
+    from dcp_megatron.megatron import compat
+    from dcp_megatron.megatron.patch_set import megatron_patch_registry
+
+    cpu_targets = {p.target for p in compat.cpu_compat_patches()}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    targets = {p.target for p in megatron_patch_registry().patches}
+    assert not targets & cpu_targets
+    assert "megatron.training.training:get_forward_backward_func" in targets
+
+
+def _recompute_worker(rank: int, world_size: int) -> dict:
+    """Count each layer's and core attention's forward calls during backward, per recompute setting."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from dcp_megatron.megatron.patch_set import megatron_patch_registry
+    from dcp_megatron.megatron.recompute import apply_recompute
+
+    counts: dict[str, int] = {}
+    with megatron_patch_registry():
+        parallel_state.initialize_model_parallel()
+        model_parallel_cuda_manual_seed(1)
+        config = TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                                   hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False)
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
+                         max_sequence_length=32, position_embedding_type="rope")
+        layers = list(model.decoder.layers)
+        phase = {"now": "forward"}
+
+        def hook(name):
+            def count(module, args, output):
+                key = f"{phase['now']}:{name}"
+                counts[key] = counts.get(key, 0) + 1
+            return count
+
+        for i, layer in enumerate(layers):
+            layer.register_forward_hook(hook(f"layer{i}"))
+            layer.self_attention.core_attention.register_forward_hook(hook(f"attn{i}"))
+        tokens = torch.randint(0, 64, (1, 12))
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 5, 12], dtype=torch.int32),
+                                 cu_seqlens_kv=torch.tensor([0, 5, 12], dtype=torch.int32),
+                                 max_seqlen_q=7, max_seqlen_kv=7)
+        results = {}
+        for recompute in (NO_RECOMPUTE, Recompute("full", 2), Recompute("selective")):
+            counts.clear()
+            apply_recompute(model, config, recompute)
+            phase["now"] = "forward"
+            loss = model(tokens, torch.arange(12).unsqueeze(0), None, labels=tokens, packed_seq_params=params).sum()
+            phase["now"] = "backward"
+            loss.backward()
+            results[str(recompute)] = dict(counts)
+        parallel_state.destroy_model_parallel()
+    return results
+
+
+def test_the_recompute_a_microbatch_asks_for_really_runs_in_backward():
+    results = run_distributed(_recompute_worker, 1)[0]
+    none, full, selective = results["none"], results["full2"], results["selective"]
+    assert not any(k.startswith("backward:") for k in none)
+    # full k=2: the first two layers run their forward again in backward, the third does not.
+    assert full.get("backward:layer0") == 1 and full.get("backward:layer1") == 1
+    assert "backward:layer2" not in full
+    # selective: every layer's core attention (and nothing else) is recomputed.
+    assert all(selective.get(f"backward:attn{i}") == 1 for i in range(3))
+    assert not any(k.startswith("backward:layer") for k in selective)

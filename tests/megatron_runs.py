@@ -38,6 +38,7 @@ CPU_FLAGS = (
 ).split()
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+)")
+_EVAL = re.compile(r"validation loss at iteration (\d+) (?:on validation set )?\| lm loss value: ([0-9.E+-]+)")
 _DCP = re.compile(r" dcp iteration\s+(\d+) \| plan (\S+): .*?cp sizes (\S+) \| micro-batches/rank (\S+) .*?"
                   r"recompute (\S+) \| predicted \(ms\): ([0-9.]+) \| forward-backward \(ms\): ([0-9.]+)")
 
@@ -49,6 +50,7 @@ class RunResult:
     losses: dict[int, float] = field(default_factory=dict)
     grad_norms: dict[int, float] = field(default_factory=dict)
     dcp_steps: dict[int, dict] = field(default_factory=dict)
+    eval_losses: dict[int, float] = field(default_factory=dict)
 
     def loss_trace(self) -> list[float]:
         return [self.losses[i] for i in sorted(self.losses)]
@@ -63,6 +65,8 @@ def parse_output(returncode: int, output: str) -> RunResult:
     for match in _ITERATION.finditer(output):
         result.losses[int(match[1])] = float(match[2])
         result.grad_norms[int(match[1])] = float(match[3])
+    for match in _EVAL.finditer(output):
+        result.eval_losses[int(match[1])] = float(match[2])
     for match in _DCP.finditer(output):
         result.dcp_steps[int(match[1])] = {
             "policy": match[2], "cp_sizes": match[3], "counts": [int(c) for c in match[4].split("/")],

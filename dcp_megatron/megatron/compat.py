@@ -36,6 +36,10 @@ _CPU_PATCH_MODULES = (
     "training_checkpointing",
     "tensor_parallel_data",
     "core_dist_checkpointing_filesystem_async",
+    "core_dist_checkpointing_state_dict_saver",
+    "core_dist_checkpointing_exchange_utils",
+    "core_dist_checkpointing_fully_parallel",
+    "core_dist_checkpointing_async_utils",
 )
 
 

@@ -19,7 +19,8 @@ import torch
 
 _CPU = torch.device("cpu")
 # Factories whose `device=` keyword upstream code sets to CUDA.
-_FACTORY_NAMES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint", "as_tensor")
+_FACTORY_NAMES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint", "as_tensor",
+                  "empty_like", "zeros_like", "ones_like", "full_like")
 
 
 def cpu_device(device: Any) -> Any:

@@ -62,3 +62,22 @@ def check_same_plan(plan: StepPlan, *, iteration: int, group, device) -> None:
     if int(low) != int(high):
         raise RuntimeError(f"iteration {iteration}: ranks computed different plans (hash {digest:x} here); "
                            "planning must be deterministic")
+
+
+def check_longest_fits(config: DcpConfig, cost: CostModel) -> None:
+    """Before the first step: a --seq-length document must fit the domain, else say which flag to change."""
+    import numpy as np
+
+    from dcp_megatron.megatron.dcp_args import DcpUsageError
+    from dcp_megatron.planner.policies.common import candidate_sizes, min_fitting_size
+
+    try:
+        min_fitting_size(np.array([config.seq_length]), np.array([0]), candidate_sizes(cost.cluster), cost)
+    except ValueError as err:
+        budget_gib = cost.cluster.mem_budget_bytes / GiB
+        raise DcpUsageError(
+            f"a --seq-length {config.seq_length} document fits no CP group of this {cost.cluster.domain_size}-rank "
+            f"domain (largest allowed group {candidate_sizes(cost.cluster)[-1]}) within "
+            f"{budget_gib:.3f} GiB per rank with recompute {'/'.join(cost.allowed_recompute)}: raise "
+            f"--dcp-memory-budget-gb, allow full recompute (--dcp-recompute), raise --dcp-max-cp-size, lower "
+            f"--seq-length, or use more ranks. (planner: {err})") from None

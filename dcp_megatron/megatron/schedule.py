@@ -32,7 +32,7 @@ from dcp_megatron.megatron.dcp_args import DcpConfig
 from dcp_megatron.megatron.global_batch import DocumentIndex, exchange_documents, gather_lengths, split_samples
 from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, rank_batches
 from dcp_megatron.megatron.plan_log import plan_summary
-from dcp_megatron.megatron.planning import build_cost_model, check_same_plan, plan_global_batch
+from dcp_megatron.megatron.planning import build_cost_model, check_longest_fits, check_same_plan, plan_global_batch
 from dcp_megatron.megatron.recompute import apply_recompute, restore_recompute, snapshot_recompute
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.runtime.group_pool import plan_blocks
@@ -83,6 +83,7 @@ class DcpForwardBackward:
         self._pool = build_group_pool(tp_size=self.model_shape.tp, pp_size=self.model_shape.pp, timeout=self.timeout)
         self._cost = build_cost_model(self.config, self.model_shape, domain_size=self._pool.domain_size,
                                       has_gpu=self.has_gpu)
+        check_longest_fits(self.config, self._cost)
         if self.config.dump_plans and self.is_logging_rank:
             os.makedirs(self.config.dump_plans, exist_ok=True)
 

@@ -1,0 +1,57 @@
+"""Bad input and a dead rank on the megatron.training path: a clear error, exit status, no hang."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.dist_utils import free_port
+from tests.megatron_runs import CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, REPO, run_env, run_training, torchrun_command
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--dcp", "--context-parallel-size", "2"], "--context-parallel-size 2 conflicts with --dcp"),
+    (["--dcp", "--dcp-memory-budget-gb", "nan"], "--dcp-memory-budget-gb must be a positive number"),
+    (["--dcp-policy", "static"], "only take effect with --dcp"),
+    # No budget holds a 1,024-token document on 2 ranks here: stopped before the first step, flags named.
+    (["--dcp", "--dcp-memory-budget-gb", "0.0013", "--dcp-recompute", "none"],
+     "fits no CP group of this 2-rank domain"),
+])
+def test_bad_flags_stop_the_run_with_one_clear_line(extra, message):
+    run = run_training(OUR_SCRIPT, extra, iters=2, timeout_s=300)
+    assert run.returncode != 0
+    assert message in run.output, run.output[-3000:]
+    assert not run.losses, "nothing may train before a refused flag stops the run"
+
+
+def test_a_dead_rank_ends_the_run_naming_it():
+    flags = [*LLAMA_TINY, *CPU_FLAGS, "--train-iters", "200", "--dcp", "--dcp-memory-budget-gb", "0.004"]
+    command = torchrun_command(OUR_SCRIPT, flags, nproc=2, launcher=False, port=free_port())
+    agent = subprocess.Popen(command, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in agent.stdout:
+            lines.append(line)
+            if "iteration        2/" in line:
+                break
+        workers = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
+        assert len(workers) == 2, workers
+        victim = sorted(int(pid) for pid in workers)[1]
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        rest, _ = agent.communicate(timeout=240)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    output = "".join(lines) + rest
+    assert agent.returncode != 0
+    assert elapsed < 180, f"the surviving rank took {elapsed:.0f} s to stop"
+    assert f"pid: {victim}" in output or "Signal 9" in output or "SIGKILL" in output, output[-3000:]
+    assert "rank      : 1" in output or "rank 1" in output, output[-3000:]

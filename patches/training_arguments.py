@@ -3,7 +3,8 @@
 - `add_megatron_arguments` builds Megatron's parser for every script on megatron.training; after
   it, our argument group is added (dcp_megatron/megatron/dcp_args.py). A script's own
   `extra_args_provider` is untouched, so zero lines change in the user's script.
-- `validate_args` runs Megatron's checks; after them, ours (`validate_dcp_args`): a flag DCP cannot
+- `validate_args` runs Megatron's checks between ours: flag conflicts first (`refuse_conflicting_flags`,
+  so e.g. `--context-parallel-size 2` is refused before Megatron sets CP up), the rest after (`validate_dcp_args`): a flag DCP cannot
   honour stops the run at start-up with the reason, before any model is built.
 """
 from __future__ import annotations
@@ -35,8 +36,9 @@ def _with_dcp_arguments(original):
 def _with_dcp_validation(original):
     @functools.wraps(original)
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's own signature
-        from dcp_megatron.megatron.dcp_args import validate_dcp_args
+        from dcp_megatron.megatron.dcp_args import refuse_conflicting_flags, validate_dcp_args
 
+        refuse_conflicting_flags(args)  # first: Megatron's own checks may fail on what we refuse
         result = original(args, defaults)
         validate_dcp_args(args)
         return result

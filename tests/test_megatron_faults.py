@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(900)
      "fits no CP group of this 2-rank domain"),
 ])
 def test_bad_flags_stop_the_run_with_one_clear_line(extra, message):
-    run = run_training(OUR_SCRIPT, extra, iters=2, timeout_s=300)
+    run = run_training(OUR_SCRIPT, extra, iters=3, timeout_s=300)
     assert run.returncode != 0
     assert message in run.output, run.output[-3000:]
     assert not run.losses, "nothing may train before a refused flag stops the run"

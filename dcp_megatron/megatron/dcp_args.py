@@ -89,8 +89,8 @@ def _local_world_size() -> int | None:
     return int(value) if value and value.isdigit() and int(value) > 0 else None
 
 
-def validate_dcp_args(args: argparse.Namespace) -> None:
-    """Refuse what --dcp cannot honour (ValueError naming the flag); without --dcp, refuse stray --dcp-* flags."""
+def refuse_conflicting_flags(args: argparse.Namespace) -> None:
+    """Before Megatron's own validation: --dcp* flags without --dcp, and flags --dcp cannot honour."""
     given = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
              if name.startswith("dcp_") and value not in (None, False)]
     if not getattr(args, "dcp", False):
@@ -123,6 +123,20 @@ def validate_dcp_args(args: argparse.Namespace) -> None:
     for refused, message in refusals:
         if refused:
             raise DcpUsageError(message)
+    if not args.calculate_per_token_loss:
+        # Ranks run different numbers of micro-batches: only a per-token loss (global sum / global
+        # token count) gives the gradient of the whole global batch.
+        args.calculate_per_token_loss = True
+        if int(os.environ.get('RANK', getattr(args, 'rank', 0) or 0)) == 0:
+            print("dcp: --dcp turns on --calculate-per-token-loss (ranks run different micro-batch counts; "
+                  "the loss is the global batch's token mean)", flush=True)
+
+
+def validate_dcp_args(args: argparse.Namespace) -> None:
+    """After Megatron's validation (data-parallel size known): every check, and --dcp's per-token loss."""
+    refuse_conflicting_flags(args)
+    if not getattr(args, "dcp", False):
+        return
     if args.dcp_profile is not None and not os.path.isfile(args.dcp_profile):
         raise DcpUsageError(f"--dcp-profile {args.dcp_profile}: no such file")
     if args.dcp_dump_plans is not None:
@@ -131,13 +145,6 @@ def validate_dcp_args(args: argparse.Namespace) -> None:
         raise DcpUsageError(f"--dcp-max-cp-size {args.dcp_max_cp_size} exceeds the DCP domain of "
                          f"{args.data_parallel_size} ranks (world size / (TP x PP))")
     dcp_config_from_args(args)  # the remaining value checks live in DcpConfig
-    if not args.calculate_per_token_loss:
-        # Ranks run different numbers of micro-batches: only a per-token loss (global sum / global
-        # token count) gives the gradient of the whole global batch.
-        args.calculate_per_token_loss = True
-        if args.rank == 0:
-            print("dcp: --dcp turns on --calculate-per-token-loss (ranks run different micro-batch counts; "
-                  "the loss is the global batch's token mean)", flush=True)
 
 
 def _check_writable_dir(path: str, flag: str) -> None:

@@ -9,24 +9,31 @@ import time
 import pytest
 
 from tests.dist_utils import free_port
-from tests.megatron_runs import CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, REPO, run_env, run_training, torchrun_command
+from tests.megatron_runs import (CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, REPO, run_env, run_training, strip_dcp_lines,
+                                torchrun_command)
 
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--dcp", "--context-parallel-size", "2"], "--context-parallel-size 2 conflicts with --dcp"),
-    (["--dcp", "--dcp-memory-budget-gb", "nan"], "--dcp-memory-budget-gb must be a positive number"),
-    (["--dcp-policy", "static"], "only take effect with --dcp"),
-    # No budget holds a 1,024-token document on 2 ranks here: stopped before the first step, flags named.
+@pytest.mark.parametrize("extra, message, launcher", [
+    (["--dcp", "--context-parallel-size", "2"], "--context-parallel-size 2 conflicts with --dcp", True),
+    (["--dcp", "--dcp-memory-budget-gb", "nan"], "--dcp-memory-budget-gb must be a positive number", False),
+    (["--dcp-policy", "static"], "only take effect with --dcp", False),
+    # This 1.3 MiB budget holds no 1,024-token document on 2 ranks: stopped before the first step, flags named.
     (["--dcp", "--dcp-memory-budget-gb", "0.0013", "--dcp-recompute", "none"],
-     "fits no CP group of this 2-rank domain"),
+     "fits no CP group of this 2-rank domain", True),
 ])
-def test_bad_flags_stop_the_run_with_one_clear_line(extra, message):
-    run = run_training(OUR_SCRIPT, extra, iters=3, timeout_s=300)
+def test_bad_flags_stop_the_run_with_one_clear_line(extra, message, launcher, tmp_path):
+    script = OUR_SCRIPT
+    if launcher:  # the user's unmodified script: the launcher prints the error as one line and exits 2
+        script = str(tmp_path / "user_pretrain_gpt.py")
+        strip_dcp_lines(OUR_SCRIPT, script)
+    run = run_training(script, extra, iters=3, timeout_s=300, launcher=launcher)
     assert run.returncode != 0
     assert message in run.output, run.output[-3000:]
     assert not run.losses, "nothing may train before a refused flag stops the run"
+    if launcher:
+        assert f"dcp_megatron.launch: error: " in run.output and "exitcode  : 2" in run.output
 
 
 def test_a_dead_rank_ends_the_run_naming_it():

@@ -1,15 +1,9 @@
-"""CPU shim for `megatron.core.pipeline_parallel.schedules`: the schedules create total_num_tokens with device='cuda'."""
-from dcp_megatron.megatron.cpu_torch import CpuTorch
+"""CPU shim for `megatron.core.pipeline_parallel.schedules` (no GPU only): its `torch` is a CPU view.
+the schedules create total_num_tokens with device='cuda'.
+"""
+from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
-from patches.registry import Patch
 
-CPU_PATCHES = (
-    Patch(
-        target="megatron.core.pipeline_parallel.schedules:torch",
-        replacement=CpuTorch(),
-        reason="the schedules create total_num_tokens with device='cuda'.",
-        versions=MEGATRON_CORE_VERSIONS,
-        # Only this module's view of torch changes; other modules keep the real one.
-        rebind_aliases=False,
-    ),
-)
+_REASON = ("the schedules create total_num_tokens with device='cuda'.")
+_MODULE = "megatron.core.pipeline_parallel.schedules"
+CPU_PATCHES = (cpu_torch_patch(_MODULE, _REASON, MEGATRON_CORE_VERSIONS),)

@@ -1,15 +1,11 @@
-"""CPU shim for `megatron.core.tensor_parallel.layers`: sequence-parallel linear layers all-gather their input into a buffer on torch.cuda.current_device() (forward and backward)."""
-from dcp_megatron.megatron.cpu_torch import CpuTorch
+"""CPU shim for `megatron.core.tensor_parallel.layers` (no GPU only): its `torch` is a CPU view.
+sequence-parallel linear layers all-gather their input into a buffer on torch.cuda.current_device()
+(forward and backward).
+"""
+from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
-from patches.registry import Patch
 
-CPU_PATCHES = (
-    Patch(
-        target="megatron.core.tensor_parallel.layers:torch",
-        replacement=CpuTorch(),
-        reason="sequence-parallel linear layers all-gather their input into a buffer on torch.cuda.current_device() (forward and backward).",
-        versions=MEGATRON_CORE_VERSIONS,
-        # Only this module's view of torch changes; other modules keep the real one.
-        rebind_aliases=False,
-    ),
-)
+_REASON = ('sequence-parallel linear layers all-gather their input into a buffer on '
+           'torch.cuda.current_device() (forward and backward).')
+_MODULE = "megatron.core.tensor_parallel.layers"
+CPU_PATCHES = (cpu_torch_patch(_MODULE, _REASON, MEGATRON_CORE_VERSIONS),)

@@ -1,15 +1,10 @@
-"""CPU shim for `megatron.core.tensor_parallel.mappings`: sequence-parallel all-gather / reduce-scatter outputs are allocated on torch.cuda.current_device()."""
-from dcp_megatron.megatron.cpu_torch import CpuTorch
+"""CPU shim for `megatron.core.tensor_parallel.mappings` (no GPU only): its `torch` is a CPU view.
+sequence-parallel all-gather / reduce-scatter outputs are allocated on torch.cuda.current_device().
+"""
+from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
-from patches.registry import Patch
 
-CPU_PATCHES = (
-    Patch(
-        target="megatron.core.tensor_parallel.mappings:torch",
-        replacement=CpuTorch(),
-        reason="sequence-parallel all-gather / reduce-scatter outputs are allocated on torch.cuda.current_device().",
-        versions=MEGATRON_CORE_VERSIONS,
-        # Only this module's view of torch changes; other modules keep the real one.
-        rebind_aliases=False,
-    ),
-)
+_REASON = ('sequence-parallel all-gather / reduce-scatter outputs are allocated on '
+           'torch.cuda.current_device().')
+_MODULE = "megatron.core.tensor_parallel.mappings"
+CPU_PATCHES = (cpu_torch_patch(_MODULE, _REASON, MEGATRON_CORE_VERSIONS),)

@@ -4,8 +4,9 @@
   it, our argument group is added (dcp_megatron/megatron/dcp_args.py). A script's own
   `extra_args_provider` is untouched, so zero lines change in the user's script.
 - `validate_args` runs Megatron's checks between ours: flag conflicts first (`refuse_conflicting_flags`,
-  so e.g. `--context-parallel-size 2` is refused before Megatron sets CP up), the rest after (`validate_dcp_args`): a flag DCP cannot
-  honour stops the run at start-up with the reason, before any model is built.
+  so e.g. `--context-parallel-size 2` is refused before Megatron sets CP up), the rest after
+  (`validate_dcp_args`): a flag DCP cannot honour stops the run at start-up with the reason, before
+  any model is built.
 """
 from __future__ import annotations
 

@@ -40,6 +40,8 @@ _CPU_PATCH_MODULES = (
     "core_dist_checkpointing_exchange_utils",
     "core_dist_checkpointing_fully_parallel",
     "core_dist_checkpointing_async_utils",
+    "core_datasets_data_schedule",
+    "pipeline_parallel_hybrid_cp_schedule",
 )
 
 

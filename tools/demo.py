@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The CPU demo: `--dcp` inside Megatron's own training loop vs Megatron's static layout, on real text.
 
-  .venv/bin/python tools/demo.py            (what `make demo` runs; ~4 min on 2 cores)
+  .venv/bin/python tools/demo.py            (what `make demo` runs; 4-6 min on 2 cores)
 
 1. Builds a small real-text dataset from the Python standard library's own sources
    (tools/make_demo_data.py: one document per top-level definition, byte tokenizer, EOD 256):

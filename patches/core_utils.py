@@ -21,11 +21,11 @@ import functools
 import importlib
 
 from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from dcp_megatron.megatron.microbatches import MICROBATCH_KEY as _MICROBATCH_KEY
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
 
 _MODULE = "megatron.core.utils"
-_MICROBATCH_KEY = "dcp_microbatch"  # dcp_megatron.megatron.microbatches.MICROBATCH_KEY
 
 CPU_PATCHES = (cpu_torch_patch(_MODULE, "GlobalMemoryBuffer and batch broadcasts allocate on "
                                         "torch.cuda.current_device().", MEGATRON_CORE_VERSIONS),)

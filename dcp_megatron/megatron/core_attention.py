@@ -13,8 +13,8 @@ When the params name a CP group (`cp_group` with `local_cp_size > 1`, as Megatro
 `forward_step` builds them from a batch's `cu_seqlens_padded`/`local_cp_size`), the rows are this
 rank's zig-zag share of the micro-batch and keys of the other group members are needed: the
 runtime's `cp_attention` computes it over that group. The shard is rebuilt from the params alone
-(the padded global document bounds, the group's size and this rank's place in it); DCP's own
-`ShardPackedSeqParams` carry it ready-made. Padding sits at the end of each document, so treating
+(the padded global document bounds, the group's size and this rank's place in it), once per
+micro-batch: it is kept on the params object, which every layer and every recompute receives. Padding sits at the end of each document, so treating
 padded lengths as document lengths changes no real token's output (causal) and the padding rows
 are masked out of the loss.
 
@@ -35,6 +35,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from dcp_megatron.runtime.cp_attention import cp_attention
 from dcp_megatron.runtime.sharding import LocalShard, shard_microbatch
+
+
+# Attribute of a PackedSeqParams holding this rank's rebuilt shard (None without a CP group).
+_SHARD_ATTR = "_dcp_local_shard"
 
 
 class PackedCoreAttention(MegatronModule):
@@ -74,9 +78,10 @@ class PackedCoreAttention(MegatronModule):
         dropout_p = self.dropout_p if self.training else 0.0
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             return sequence_causal_attention(query, key, value, self.softmax_scale, dropout_p)
-        shard = getattr(packed_seq_params, "shard", None)
-        if shard is None:
-            shard = shard_from_params(packed_seq_params, query.device)
+        # Every layer (and its recompute) sees the same params object: rebuild the shard once per micro-batch.
+        if not hasattr(packed_seq_params, _SHARD_ATTR):
+            setattr(packed_seq_params, _SHARD_ATTR, shard_from_params(packed_seq_params))
+        shard = getattr(packed_seq_params, _SHARD_ATTR)
         if shard is not None:
             if self.dropout_p > 0 and self.training:
                 raise ValueError("attention dropout is not supported with DCP context-parallel attention")
@@ -87,7 +92,7 @@ class PackedCoreAttention(MegatronModule):
         return out.reshape(out.shape[0], -1)
 
 
-def shard_from_params(params: PackedSeqParams, device) -> Optional[LocalShard]:
+def shard_from_params(params: PackedSeqParams) -> Optional[LocalShard]:
     """This rank's zig-zag shard, rebuilt from a CP micro-batch's params; None without a CP group."""
     cp_size = int(params.local_cp_size or 1)
     group = params.cp_group

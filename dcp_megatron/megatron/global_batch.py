@@ -22,7 +22,7 @@ import torch.distributed as dist
 from dcp_megatron.planner.plan import StepPlan
 
 # Rows of the exchange buffer: token id, label id, loss mask (0/1, as an integer).
-_FIELDS = 3
+ROW_FIELDS = 3
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def split_samples(samples: list[dict]) -> Documents:
                 if end > start:
                     pieces.append(rows[start:end])
                     lengths.append(end - start)
-    rows = torch.cat(pieces) if pieces else torch.zeros(0, _FIELDS, dtype=torch.int64)
+    rows = torch.cat(pieces) if pieces else torch.zeros(0, ROW_FIELDS, dtype=torch.int64)
     return Documents(rows=rows, lengths=tuple(lengths))
 
 
@@ -130,8 +130,8 @@ def exchange_documents(plan: StepPlan, local: Documents, index: DocumentIndex, *
         from_src = [sid for sid in needs[domain_rank] if index.owners[sid][0] == src]
         received_order.extend(from_src)
         recv_sizes.append(sum(index.lengths[sid] for sid in from_src))
-    send = torch.cat(send_parts) if send_parts else torch.zeros(0, _FIELDS, dtype=torch.int64)
-    recv = torch.empty(sum(recv_sizes), _FIELDS, dtype=torch.int64)
+    send = torch.cat(send_parts) if send_parts else torch.zeros(0, ROW_FIELDS, dtype=torch.int64)
+    recv = torch.empty(sum(recv_sizes), ROW_FIELDS, dtype=torch.int64)
     dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=group)
     pieces = torch.split(recv, [index.lengths[sid] for sid in received_order]) if received_order else []
     return dict(zip(received_order, pieces))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dcp_megatron.megatron.global_batch import ROW_FIELDS
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute, StepPlan
 from dcp_megatron.runtime.sharding import shard_microbatch
 
@@ -37,7 +38,6 @@ class MicroBatchContext:
     cp_rank: int
     group: object            # torch.distributed.ProcessGroup, None for a group of one
     recompute: Recompute
-    num_real_tokens: int
 
 
 def _prefix(lengths) -> torch.Tensor:
@@ -53,7 +53,7 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
         rows = torch.cat(documents)
         lengths = [int(d.shape[0]) for d in documents]
     else:  # filler: one masked token
-        rows = torch.zeros(1, 3, dtype=torch.int64)
+        rows = torch.zeros(1, ROW_FIELDS, dtype=torch.int64)
         lengths = [1]
     shard = shard_microbatch(lengths, cp_size, cp_rank)
     local = shard.take(rows)
@@ -64,8 +64,7 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
 
     context = MicroBatchContext(wave_index=wave_index, cp_size=cp_size, cp_rank=cp_rank,
                                 group=group if cp_size > 1 else None,
-                                recompute=recompute if documents else NO_RECOMPUTE,
-                                num_real_tokens=int(loss_mask.sum()))
+                                recompute=recompute if documents else NO_RECOMPUTE)
     return {
         "tokens": row(local[:, 0]), "labels": row(local[:, 1]), "loss_mask": row(loss_mask),
         "position_ids": row(shard.position_ids),

@@ -1,4 +1,8 @@
-"""--dcp-dump-plans DIR: each step's plan as JSON (StepPlan.dumps) and as a per-rank timeline PNG."""
+"""--dcp-dump-plans DIR: each step's plan as JSON (StepPlan.dumps), one file per iteration.
+
+Only JSON is written during training (it is cheap); `tools/draw_plan.py DIR/step_*.json` draws them
+as per-rank timelines afterwards, off the training path.
+"""
 from __future__ import annotations
 
 import os
@@ -11,11 +15,8 @@ class PlanDumper:
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
 
-    def write(self, iteration: int, plan: StepPlan) -> tuple[str, str]:
-        from dcp_megatron.plotting import draw_step_timelines
-
-        stem = os.path.join(self.directory, f"step_{iteration:07d}")
-        with open(stem + ".json", "w") as f:
+    def write(self, iteration: int, plan: StepPlan) -> str:
+        path = os.path.join(self.directory, f"step_{iteration:07d}.json")
+        with open(path, "w") as f:
             f.write(plan.dumps() + "\n")
-        draw_step_timelines({plan.policy or "plan": plan}, stem + ".png", title=f"iteration {iteration}")
-        return stem + ".json", stem + ".png"
+        return path

@@ -21,7 +21,6 @@ Evaluation (`forward_only=True`) runs Megatron's schedule unchanged.
 """
 from __future__ import annotations
 
-import os
 import time
 from datetime import timedelta
 from typing import Iterator
@@ -31,6 +30,7 @@ import torch
 from dcp_megatron.megatron.dcp_args import DcpConfig
 from dcp_megatron.megatron.global_batch import DocumentIndex, exchange_documents, gather_lengths, split_samples
 from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, rank_batches
+from dcp_megatron.megatron.plan_dump import PlanDumper
 from dcp_megatron.megatron.plan_log import plan_summary
 from dcp_megatron.megatron.planning import build_cost_model, check_longest_fits, check_same_plan, plan_global_batch
 from dcp_megatron.megatron.recompute import apply_recompute, restore_recompute, snapshot_recompute
@@ -45,7 +45,6 @@ class _RecomputeSwitchingIterator:
         self._batches = iter(batches)
         self._model_chunks = model_chunks
         self._config = config
-        self.recomputes: list[str] = []
 
     def __iter__(self) -> Iterator[dict]:
         return self
@@ -55,7 +54,6 @@ class _RecomputeSwitchingIterator:
         recompute = batch[MICROBATCH_KEY].recompute
         for chunk in self._model_chunks:
             apply_recompute(chunk, self._config, recompute)
-        self.recomputes.append(str(recompute))
         return batch
 
 
@@ -72,9 +70,7 @@ class DcpForwardBackward:
         self.has_gpu = has_gpu
         self._pool = None
         self._cost = None
-        self.steps_run = 0
-        self.last_plan = None
-        self.last_recomputes: list[str] = []
+        self._dumper = None
 
     # Lazily, at the first training step: every rank of the world reaches it, in the same order.
     def _setup(self) -> None:
@@ -85,7 +81,7 @@ class DcpForwardBackward:
                                       has_gpu=self.has_gpu)
         check_longest_fits(self.config, self._cost)
         if self.config.dump_plans and self.is_logging_rank:
-            os.makedirs(self.config.dump_plans, exist_ok=True)
+            self._dumper = PlanDumper(self.config.dump_plans)
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
                  micro_batch_size: int, forward_only: bool = False, **kwargs):
@@ -124,14 +120,10 @@ class DcpForwardBackward:
                                         micro_batch_size=1, forward_only=False, **kwargs)
         finally:
             restore_recompute(model_chunks, config, saved)
-        self.steps_run += 1
-        self.last_plan = plan
-        self.last_recomputes = list(microbatches.recomputes)
         measured_s = time.perf_counter() - started
+        if self._dumper is not None:
+            self._dumper.write(iteration, plan)
         if self.is_logging_rank:
-            if self.config.dump_plans:
-                with open(os.path.join(self.config.dump_plans, f"step_{iteration:07d}.json"), "w") as f:
-                    f.write(plan.dumps() + "\n")
             if iteration % self.config.log_interval == 0:
                 print(f" dcp iteration {iteration:8d} | {plan_summary(plan)} | predicted (ms): "
                       f"{plan.est_step_time_s * 1000:.1f} | forward-backward (ms): {measured_s * 1000:.1f} "
@@ -140,7 +132,9 @@ class DcpForwardBackward:
                       f"{sorted({b[MICROBATCH_KEY].cp_size for b in batches})} |", flush=True)
         return losses_reduced
 
-    def _iteration(self) -> int:
+    @staticmethod
+    def _iteration() -> int:
+        """The 1-based iteration Megatron is running (train() sets curr_iteration before each step)."""
         from megatron.training import get_args
 
-        return int(getattr(get_args(), "curr_iteration", self.steps_run)) + 1
+        return int(get_args().curr_iteration) + 1

@@ -60,5 +60,5 @@ def test_a_dead_rank_ends_the_run_naming_it():
     output = "".join(lines) + rest
     assert agent.returncode != 0
     assert elapsed < 180, f"the surviving rank took {elapsed:.0f} s to stop"
-    assert f"pid: {victim}" in output or "Signal 9" in output or "SIGKILL" in output, output[-3000:]
-    assert "rank      : 1" in output or "rank 1" in output, output[-3000:]
+    # torchrun's failure report names the killed worker: its rank and its pid.
+    assert f"pid: {victim}" in output and "rank      : 1 (local_rank: 1)" in output, output[-3000:]

@@ -13,6 +13,10 @@ the script imports by name:
 - `get_batch_on_this_cp_rank` would re-shard over the static CP group; for a DCP batch it instead
   sets `hybrid_cp_group` to the micro-batch's own group (None for a group of one), which the script
   passes to `PackedSeqParams.cp_group` - how each micro-batch's group reaches attention.
+- `get_batch_on_this_tp_rank` broadcasts TP rank 0's batch into `[micro_batch, seq_length]` buffers on
+  the other TP ranks; every TP rank already holds its own copy of a DCP micro-batch (of its own
+  shape), so while one runs (`current_microbatch()`, dcp_megatron/megatron/forward_step.py) each
+  rank gets that copy and nothing is broadcast.
 Any other batch goes to Megatron's functions unchanged.
 """
 from __future__ import annotations
@@ -55,6 +59,22 @@ def _dcp_group_for_batch(original):
     return get_batch_on_this_cp_rank
 
 
+def _dcp_batch_on_every_tp_rank(original):
+    @functools.wraps(original)
+    def get_batch_on_this_tp_rank(batch, *args, **kwargs):
+        from dcp_megatron.megatron.forward_step import current_microbatch
+
+        current = current_microbatch()
+        if current is None:
+            return original(batch, *args, **kwargs)
+        if batch and batch.get(_MICROBATCH_KEY) is not current.get(_MICROBATCH_KEY):
+            raise RuntimeError("get_batch read a different batch than the DCP micro-batch of this forward step")
+        return dict(current)
+
+    get_batch_on_this_tp_rank.dcp_original = original
+    return get_batch_on_this_tp_rank
+
+
 def dcp_patches() -> tuple[Patch, ...]:
     module = importlib.import_module(_MODULE)
 
@@ -70,5 +90,10 @@ def dcp_patches() -> tuple[Patch, ...]:
         Patch(target=f"{_MODULE}:get_batch_on_this_cp_rank",
               replacement=_dcp_group_for_batch(unwrapped("get_batch_on_this_cp_rank")),
               reason="a DCP micro-batch is already sharded; its own CP group becomes the batch's hybrid_cp_group.",
+              versions=MEGATRON_CORE_VERSIONS),
+        Patch(target=f"{_MODULE}:get_batch_on_this_tp_rank",
+              replacement=_dcp_batch_on_every_tp_rank(unwrapped("get_batch_on_this_tp_rank")),
+              reason="would broadcast a DCP micro-batch into [micro_batch, seq_length] buffers; every TP rank "
+                     "already holds its own copy.",
               versions=MEGATRON_CORE_VERSIONS),
     )

@@ -7,6 +7,11 @@
   so e.g. `--context-parallel-size 2` is refused before Megatron sets CP up), the rest after
   (`validate_dcp_args`): a flag DCP cannot honour stops the run at start-up with the reason, before
   any model is built.
+
+CPU shim (no GPU only): with TP or CP > 1, `validate_args` asks `get_device_arch_version()`
+(imported by name) for the GPU generation, which calls into CUDA and fails without a driver.
+On CPU it answers 9 (Hopper, the H200s our users run), so validation takes the same path as there
+(e.g. it requires CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1).
 """
 from __future__ import annotations
 
@@ -46,6 +51,21 @@ def _with_dcp_validation(original):
 
     validate_args.dcp_original = original
     return validate_args
+
+
+# The GPU generation validate_args sees on CPU: Hopper (H200).
+_CPU_DEVICE_ARCH = 9
+
+
+def _cpu_device_arch_version() -> int:
+    return _CPU_DEVICE_ARCH
+
+
+CPU_PATCHES = (
+    Patch(target=f"{_MODULE}:get_device_arch_version", replacement=_cpu_device_arch_version,
+          reason="validate_args asks CUDA for the GPU generation when TP or CP > 1; on CPU: Hopper.",
+          versions=MEGATRON_CORE_VERSIONS),
+)
 
 
 def dcp_patches() -> tuple[Patch, ...]:

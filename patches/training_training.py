@@ -43,7 +43,8 @@ def _with_dcp_schedule(original):
         return DcpForwardBackward(
             inner, config=dcp_config_from_args(run_args), model_shape=model_shape_from_args(run_args),
             timeout=timedelta(minutes=run_args.distributed_timeout_minutes),
-            is_logging_rank=torch.distributed.get_rank() == 0, has_gpu=torch.cuda.is_available())
+            is_logging_rank=torch.distributed.get_rank() == 0, has_gpu=torch.cuda.is_available(),
+            sequence_parallel=bool(run_args.sequence_parallel))
 
     get_forward_backward_func.dcp_original = original
     return get_forward_backward_func

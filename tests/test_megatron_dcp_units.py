@@ -33,8 +33,7 @@ def _args(**overrides) -> argparse.Namespace:
 @pytest.mark.parametrize("overrides, message", [
     (dict(context_parallel_size=2), "--context-parallel-size 2 conflicts with --dcp"),
     (dict(recompute_granularity="full"), "--dcp-recompute"),
-    (dict(pipeline_model_parallel_size=2), "use PP 1"),
-    (dict(tensor_model_parallel_size=2), "use TP 1"),
+    (dict(pipeline_model_parallel_size=4), "--pipeline-model-parallel-size 1 or 2, got 4"),
     (dict(attention_dropout=0.1), "--attention-dropout"),
     (dict(micro_batch_size=2, dataloader_inter_document_masking=False), "--dataloader-inter-document-masking"),
     (dict(dcp_max_cp_size=4), "exceeds the DCP domain of 2 ranks"),
@@ -57,6 +56,7 @@ def test_dcp_flags_without_dcp_are_refused_and_dcp_turns_on_per_token_loss(capsy
     assert args.calculate_per_token_loss is True
     assert "--calculate-per-token-loss" in capsys.readouterr().out
     validate_dcp_args(_args(dcp=False))  # plain runs pass untouched
+    validate_dcp_args(_args(dcp=True, tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
 
 
 def test_dcp_config_is_validated():

@@ -99,3 +99,26 @@ def test_for_rank_and_empty_microbatch():
 def test_bad_arguments(args, message):
     with pytest.raises(ValueError, match=message):
         shard_microbatch(*args)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 200), min_size=1, max_size=8), cp_size=st.integers(1, 4),
+       pad_multiple=st.integers(1, 4))
+def test_pad_multiple_splits_rows_evenly_and_still_covers_every_token_once(lengths, cp_size, pad_multiple):
+    """Sequence parallelism splits a micro-batch's local rows over TP: they must divide evenly."""
+    shards = [shard_microbatch(lengths, cp_size, r, pad_multiple=pad_multiple) for r in range(cp_size)]
+    unit = 2 * cp_size * pad_multiple
+    seen = []
+    for rank, shard in enumerate(shards):
+        assert shard.num_local_tokens % pad_multiple == 0
+        assert all(length <= padded < length + unit and padded % unit == 0
+                   for length, padded in zip(lengths, shard.padded_lengths))
+        assert shard.for_rank(rank).token_index.tolist() == shard.token_index.tolist()
+        # real tokens keep their positions; padding only ever follows a document's last real token
+        for doc in range(len(lengths)):
+            rows = shard.doc_ids == doc
+            assert bool((shard.position_ids[rows][shard.valid_mask[rows]] < lengths[doc]).all())
+        seen += [i for i in shard.token_index.tolist() if i >= 0]
+    assert sorted(seen) == list(range(sum(lengths)))
+    with pytest.raises(ValueError, match="pad_multiple"):
+        shard_microbatch(lengths, cp_size, 0, pad_multiple=0)

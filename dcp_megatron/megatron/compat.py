@@ -42,6 +42,7 @@ _CPU_PATCH_MODULES = (
     "core_dist_checkpointing_async_utils",
     "core_datasets_data_schedule",
     "pipeline_parallel_hybrid_cp_schedule",
+    "training_arguments",
 )
 
 
@@ -54,6 +55,7 @@ def needs_cpu_compat() -> bool:
 _CPU_PATCH_BUILDERS = (
     "training_initialize",
     "optimizer_distrib_optimizer",
+    "transformer_torch_norm",
 )
 
 

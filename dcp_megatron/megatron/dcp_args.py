@@ -106,12 +106,10 @@ def refuse_conflicting_flags(args: argparse.Namespace) -> None:
         (args.recompute_granularity is not None,
          f"--recompute-granularity {args.recompute_granularity} conflicts with --dcp: DCP chooses recompute per "
          "micro-batch; restrict its choices with --dcp-recompute"),
-        (args.pipeline_model_parallel_size > 1,
-         "--dcp with --pipeline-model-parallel-size > 1 is not supported inside megatron.training yet "
-         "(the planner and runtime support PP; the loop integration does not); use PP 1"),
-        (args.tensor_model_parallel_size > 1,
-         "--dcp with --tensor-model-parallel-size > 1 is not supported inside megatron.training yet "
-         "(per-micro-batch shapes are not broadcast over the TP group); use TP 1"),
+        (args.pipeline_model_parallel_size > 2,
+         f"--dcp supports --pipeline-model-parallel-size 1 or 2, got {args.pipeline_model_parallel_size}: "
+         "Megatron-LM's get_batch hands middle pipeline stages no CP group, so a CP > 1 micro-batch would "
+         "run there without its group"),
         (args.attention_dropout > 0,
          f"--attention-dropout {args.attention_dropout} is not supported by DCP's context-parallel attention; use 0"),
         (getattr(args, "virtual_pipeline_model_parallel_size", None) is not None,

@@ -69,6 +69,23 @@ def split_samples(samples: list[dict]) -> Documents:
     return Documents(rows=rows, lengths=tuple(lengths))
 
 
+def broadcast_documents(local: Documents | None, *, src: int, group) -> Documents:
+    """`src`'s documents on every rank of `group` (TP peers and later stages read no data of their own)."""
+    is_source = dist.get_rank() == src
+    if is_source:
+        assert local is not None
+        count = torch.tensor([len(local.lengths)], dtype=torch.int64)
+    else:
+        count = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(count, src=src, group=group)
+    lengths = (torch.tensor(local.lengths, dtype=torch.int64) if is_source
+               else torch.zeros(int(count), dtype=torch.int64))
+    dist.broadcast(lengths, src=src, group=group)
+    rows = local.rows if is_source else torch.empty(int(lengths.sum()), ROW_FIELDS, dtype=torch.int64)
+    dist.broadcast(rows, src=src, group=group)
+    return local if is_source else Documents(rows=rows, lengths=tuple(int(n) for n in lengths.tolist()))
+
+
 def gather_lengths(lengths: tuple[int, ...], *, group, domain_size: int) -> list[tuple[int, ...]]:
     """Every domain rank's document lengths, in domain-rank order (collective over the domain)."""
     if domain_size == 1:

@@ -47,15 +47,18 @@ def _prefix(lengths) -> torch.Tensor:
 
 
 def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, group, recompute: Recompute,
-                wave_index: int, device) -> dict:
-    """One micro-batch dict from its documents' [L, 3] rows (token, label, loss mask)."""
+                wave_index: int, device, pad_multiple: int = 1) -> dict:
+    """One micro-batch dict from its documents' [L, 3] rows (token, label, loss mask).
+
+    `pad_multiple`: every document's local rows become a multiple of it (the TP size under sequence
+    parallelism, which splits the rows evenly over the TP group)."""
     if documents:
         rows = torch.cat(documents)
         lengths = [int(d.shape[0]) for d in documents]
     else:  # filler: one masked token
         rows = torch.zeros(1, ROW_FIELDS, dtype=torch.int64)
         lengths = [1]
-    shard = shard_microbatch(lengths, cp_size, cp_rank)
+    shard = shard_microbatch(lengths, cp_size, cp_rank, pad_multiple=pad_multiple)
     local = shard.take(rows)
     loss_mask = local[:, 2].to(torch.float32) * shard.valid_mask.to(torch.float32)
 
@@ -76,7 +79,8 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
     }
 
 
-def rank_batches(plan: StepPlan, documents: dict[int, torch.Tensor], *, pool, device) -> list[dict]:
+def rank_batches(plan: StepPlan, documents: dict[int, torch.Tensor], *, pool, device,
+                 pad_multiple: int = 1) -> list[dict]:
     """This rank's micro-batch dicts in plan order (wave after wave); one filler if it has none."""
     rank = pool.domain_rank
     batches = []
@@ -86,8 +90,8 @@ def rank_batches(plan: StepPlan, documents: dict[int, torch.Tensor], *, pool, de
             docs = [documents[int(sid)] for sid, _ in microbatch.sequences]
             batches.append(build_batch(docs, cp_size=group.size, cp_rank=rank - group.first_rank,
                                        group=process_group, recompute=microbatch.recompute,
-                                       wave_index=wave_index, device=device))
+                                       wave_index=wave_index, device=device, pad_multiple=pad_multiple))
     if not batches:
         batches.append(build_batch([], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE,
-                                   wave_index=0, device=device))
+                                   wave_index=0, device=device, pad_multiple=pad_multiple))
     return batches

@@ -3,16 +3,21 @@
 megatron.training's `train()` asks `get_forward_backward_func()` once for the schedule it calls
 every step with the step's data iterator and `num_microbatches = get_num_microbatches()`, the same
 on every rank. Under `--dcp` (patches/training_training.py) it gets a `DcpForwardBackward` around
-Megatron's own no-pipelining schedule, which per training step:
+Megatron's own schedule (no pipelining, or 1F1B with PP 2), which per training step:
 
-1. pulls this rank's share of the global batch from Megatron's iterator (`num_microbatches`
-   pulls: exactly the samples Megatron would have trained this step), cuts it into documents,
-   gathers every rank's lengths, plans the step (the same plan on every rank), exchanges the
-   documents (`global_batch.py`), and builds this rank's micro-batch dicts (`microbatches.py`);
-2. runs Megatron's schedule on them with THIS rank's count (ranks differ), the user's
-   `forward_step` unchanged; the iterator switches each micro-batch's recompute on the model
-   right when `get_batch` pulls it, i.e. just before that micro-batch's forward;
-3. leaves the loss to Megatron's `--calculate-per-token-loss` path: each micro-batch backpropagates
+1. reads this data-parallel rank's share of the global batch from Megatron's iterator
+   (`num_microbatches` pulls: exactly the samples Megatron would have trained this step) on the
+   first rank of its model-parallel group (TP rank 0 of the first stage) and broadcasts the
+   documents to the group's other TP ranks and stages, which then work alike on their own domain;
+2. gathers every domain rank's lengths, plans the step (the same plan on every rank of every
+   domain), exchanges the documents (`global_batch.py`) and builds this rank's micro-batch dicts
+   (`microbatches.py`; with sequence parallelism every document is padded so the rows split
+   evenly over TP);
+3. runs Megatron's schedule with THIS rank's count (ranks differ when PP = 1; with PP 2 the plan
+   gives every rank one micro-batch per wave, and p2p shapes are exchanged per micro-batch) and a
+   `DcpForwardStep` (`forward_step.py`) that feeds the user's forward step each micro-batch on
+   every TP rank and switches its recompute on the model just before its forward;
+4. leaves the loss to Megatron's `--calculate-per-token-loss` path: each micro-batch backpropagates
    its unscaled token-loss sum, `finalize_model_grads` all-reduces the token count over the data-
    parallel group (with Megatron's CP kept at 1, exactly the DCP domain) and divides: gradients
    are those of one device on the whole global batch.
@@ -23,51 +28,33 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Iterator
-
 import torch
 
 from dcp_megatron.megatron.dcp_args import DcpConfig
-from dcp_megatron.megatron.global_batch import DocumentIndex, exchange_documents, gather_lengths, split_samples
+from dcp_megatron.megatron.forward_step import DcpForwardStep
+from dcp_megatron.megatron.global_batch import (DocumentIndex, broadcast_documents, exchange_documents,
+                                                gather_lengths, split_samples)
 from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, rank_batches
 from dcp_megatron.megatron.plan_dump import PlanDumper
 from dcp_megatron.megatron.plan_log import plan_summary
 from dcp_megatron.megatron.planning import build_cost_model, check_longest_fits, check_same_plan, plan_global_batch
-from dcp_megatron.megatron.recompute import apply_recompute, restore_recompute, snapshot_recompute
+from dcp_megatron.megatron.recompute import restore_recompute, snapshot_recompute
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.runtime.group_pool import plan_blocks
-
-
-class _RecomputeSwitchingIterator:
-    """Hands out micro-batch dicts; sets each one's recompute on the model as it is pulled."""
-
-    def __init__(self, batches: list[dict], *, model_chunks, config) -> None:
-        self._batches = iter(batches)
-        self._model_chunks = model_chunks
-        self._config = config
-
-    def __iter__(self) -> Iterator[dict]:
-        return self
-
-    def __next__(self) -> dict:
-        batch = next(self._batches)
-        recompute = batch[MICROBATCH_KEY].recompute
-        for chunk in self._model_chunks:
-            apply_recompute(chunk, self._config, recompute)
-        return batch
 
 
 class DcpForwardBackward:
     """Megatron's forward-backward function with the step planned by DCP (see the module docstring)."""
 
     def __init__(self, inner, *, config: DcpConfig, model_shape: ModelShape, timeout: timedelta,
-                 is_logging_rank: bool, has_gpu: bool) -> None:
+                 is_logging_rank: bool, has_gpu: bool, sequence_parallel: bool = False) -> None:
         self.inner = inner
         self.config = config
         self.model_shape = model_shape
         self.timeout = timeout
         self.is_logging_rank = is_logging_rank
         self.has_gpu = has_gpu
+        self.sequence_parallel = sequence_parallel
         self._pool = None
         self._cost = None
         self._dumper = None
@@ -80,6 +67,14 @@ class DcpForwardBackward:
         self._cost = build_cost_model(self.config, self.model_shape, domain_size=self._pool.domain_size,
                                       has_gpu=self.has_gpu)
         check_longest_fits(self.config, self._cost)
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_model_parallel_group()
+        ranks = torch.distributed.get_process_group_ranks(group)
+        # TP rank 0 of the first stage reads the data (Megatron builds datasets there).
+        self._model_parallel_group = group if len(ranks) > 1 else None
+        self._share_source_rank = min(ranks) if len(ranks) > 1 else None
+        self._pad_multiple = self.model_shape.tp if self.sequence_parallel else 1
         if self.config.dump_plans and self.is_logging_rank:
             self._dumper = PlanDumper(self.config.dump_plans)
 
@@ -99,8 +94,7 @@ class DcpForwardBackward:
         device = torch.device("cuda", torch.cuda.current_device()) if self.has_gpu else torch.device("cpu")
         iteration = self._iteration()
 
-        samples = [next(data_iterator) for _ in range(num_microbatches)]
-        local = split_samples(samples)
+        local = self._read_share(data_iterator, num_microbatches)
         per_rank = gather_lengths(local.lengths, group=pool.domain_group, domain_size=pool.domain_size)
         index = DocumentIndex.build(per_rank)
         plan = plan_global_batch(self.config, index.sequences(), self._cost)
@@ -108,18 +102,23 @@ class DcpForwardBackward:
             check_same_plan(plan, iteration=iteration, group=pool.domain_group, device=device)
         pool.ensure_groups(plan_blocks(plan))
         documents = exchange_documents(plan, local, index, domain_rank=pool.domain_rank, group=pool.domain_group)
-        batches = rank_batches(plan, documents, pool=pool, device=device)
+        batches = rank_batches(plan, documents, pool=pool, device=device, pad_multiple=self._pad_multiple)
         planned_s = time.perf_counter() - started
 
         config = get_model_config(model_chunks[0])
-        saved = snapshot_recompute(model_chunks, config)
-        microbatches = _RecomputeSwitchingIterator(batches, model_chunks=model_chunks, config=config)
+        saved = snapshot_recompute(model_chunks, config), config.variable_seq_lengths
+        step = DcpForwardStep(forward_step_func, batches, model_chunks=model_chunks, config=config)
+        # With PP, stages send activations of each micro-batch's own length: shapes go with them.
+        config.variable_seq_lengths = config.variable_seq_lengths or self.model_shape.pp > 1
         try:
-            losses_reduced = self.inner(forward_step_func=forward_step_func, data_iterator=microbatches,
-                                        model=model, num_microbatches=len(batches), seq_length=seq_length,
+            losses_reduced = self.inner(forward_step_func=step, data_iterator=iter(()), model=model,
+                                        num_microbatches=len(batches), seq_length=seq_length,
                                         micro_batch_size=1, forward_only=False, **kwargs)
         finally:
-            restore_recompute(model_chunks, config, saved)
+            restore_recompute(model_chunks, config, saved[0])
+            config.variable_seq_lengths = saved[1]
+        if step.num_run != len(batches):
+            raise AssertionError(f"the schedule ran {step.num_run} of this rank's {len(batches)} DCP micro-batches")
         measured_s = time.perf_counter() - started
         if self._dumper is not None:
             self._dumper.write(iteration, plan)
@@ -131,6 +130,18 @@ class DcpForwardBackward:
                       f"{len(batches)} micro-batches, cp sizes "
                       f"{sorted({b[MICROBATCH_KEY].cp_size for b in batches})} |", flush=True)
         return losses_reduced
+
+    def _read_share(self, data_iterator, num_microbatches: int):
+        """This data-parallel rank's documents: read on its model-parallel group's first rank, broadcast."""
+        source = self._share_source_rank
+        local = None
+        if source is None or torch.distributed.get_rank() == source:
+            if data_iterator is None:
+                raise RuntimeError("--dcp: this rank reads the global batch but Megatron gave it no data iterator")
+            local = split_samples([next(data_iterator) for _ in range(num_microbatches)])
+        if source is None:
+            return local
+        return broadcast_documents(local, src=source, group=self._model_parallel_group)
 
     @staticmethod
     def _iteration() -> int:

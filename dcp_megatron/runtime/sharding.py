@@ -28,12 +28,13 @@ class LocalShard:
     cp_size: int
     cp_rank: int
     doc_lengths: tuple[int, ...]     # true token counts of the micro-batch's documents, in order
-    padded_lengths: tuple[int, ...]  # each rounded up to a multiple of 2 * cp_size
+    padded_lengths: tuple[int, ...]  # each rounded up to a multiple of 2 * cp_size * pad_multiple
     token_index: torch.Tensor        # int64 [T_local]: index into the concatenated true tokens, -1 at padding
     position_ids: torch.Tensor       # int64 [T_local]: position inside the token's own document
     doc_ids: torch.Tensor            # int64 [T_local]: index of the token's document in the micro-batch
     valid_mask: torch.Tensor         # bool  [T_local]: False at padding
     cu_seqlens: torch.Tensor         # int32 [num_docs + 1]: prefix sums of local rows per document
+    pad_multiple: int = 1            # local rows per document are a multiple of 2 * pad_multiple
 
     @property
     def num_local_tokens(self) -> int:
@@ -65,26 +66,31 @@ class LocalShard:
 
     def for_rank(self, cp_rank: int) -> "LocalShard":
         """The shard another rank of the same group holds (computed locally, nothing is sent)."""
-        return shard_microbatch(self.doc_lengths, self.cp_size, cp_rank)
+        return shard_microbatch(self.doc_lengths, self.cp_size, cp_rank, pad_multiple=self.pad_multiple)
 
 
-def padded_length(length: int, cp_size: int) -> int:
-    """length rounded up to a multiple of 2 * cp_size."""
-    unit = 2 * cp_size
+def padded_length(length: int, cp_size: int, pad_multiple: int = 1) -> int:
+    """length rounded up to a multiple of 2 * cp_size * pad_multiple."""
+    unit = 2 * cp_size * pad_multiple
     return -(-length // unit) * unit
 
 
-def shard_microbatch(doc_lengths: Sequence[int], cp_size: int, cp_rank: int) -> LocalShard:
-    """The zig-zag shard of a micro-batch with documents `doc_lengths` held by `cp_rank` of a group of `cp_size`."""
+def shard_microbatch(doc_lengths: Sequence[int], cp_size: int, cp_rank: int, *, pad_multiple: int = 1) -> LocalShard:
+    """The zig-zag shard of a micro-batch with documents `doc_lengths` held by `cp_rank` of a group of `cp_size`.
+
+    `pad_multiple` > 1 pads every document further, so each rank's local row count is a multiple of
+    it (sequence parallelism splits a micro-batch's rows evenly over the TP group)."""
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if pad_multiple < 1:
+        raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
     lengths = tuple(int(n) for n in doc_lengths)
     bad = [(i, n) for i, n in enumerate(lengths) if n < 1]
     if bad:
         raise ValueError(f"document lengths must be >= 1, got (index, length) {bad[:5]}")
-    padded = tuple(padded_length(n, cp_size) for n in lengths)
+    padded = tuple(padded_length(n, cp_size, pad_multiple) for n in lengths)
 
     true_len = torch.tensor(lengths, dtype=torch.int64)
     chunk_len = torch.tensor(padded, dtype=torch.int64) // (2 * cp_size)
@@ -113,4 +119,5 @@ def shard_microbatch(doc_lengths: Sequence[int], cp_size: int, cp_rank: int) -> 
         doc_ids=doc_ids,
         valid_mask=valid_mask,
         cu_seqlens=cu_seqlens.to(torch.int32),
+        pad_multiple=pad_multiple,
     )

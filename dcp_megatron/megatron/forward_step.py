@@ -1,0 +1,59 @@
+"""How each DCP micro-batch reaches the user's forward step, on every TP rank and pipeline stage.
+
+Megatron-LM's `get_batch` reads the data iterator on TP rank 0 only; the other TP ranks get the
+batch by broadcast inside `get_batch_on_this_tp_rank`, into `[micro_batch, seq_length]` buffers. A
+DCP micro-batch has its own shape and CP group, and every TP rank already holds its own copy
+(each builds its micro-batches from the same plan and documents), so nothing needs broadcasting.
+
+The schedule therefore calls a `DcpForwardStep` in place of the user's forward step. Per call it
+takes the rank's next micro-batch, switches the model's recompute to the one the plan chose for it
+(on every TP rank and stage alike: recompute replays TP collectives in backward, so all members must
+agree), and calls the user's forward step with an iterator holding just that batch. While that call
+runs, `current_microbatch()` returns the batch: the patched `get_batch_on_this_tp_rank`
+(patches/core_utils.py) hands it to TP ranks > 0 instead of receiving a broadcast. The context
+variable is set only for the duration of one forward step; outside it Megatron's functions behave
+as upstream (evaluation, plain runs).
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import Optional
+
+from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
+from dcp_megatron.megatron.recompute import apply_recompute
+
+_CURRENT_MICROBATCH: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
+    "dcp_current_microbatch", default=None)
+
+
+def current_microbatch() -> Optional[dict]:
+    """The DCP micro-batch whose forward step is running on this rank, else None."""
+    return _CURRENT_MICROBATCH.get()
+
+
+class DcpForwardStep:
+    """The user's forward step fed this rank's DCP micro-batches in plan order (module docstring)."""
+
+    def __init__(self, forward_step_func, batches: list[dict], *, model_chunks, config) -> None:
+        functools.update_wrapper(self, forward_step_func)  # Megatron inspects the step's parameters
+        self._forward_step = forward_step_func
+        self._batches = iter(batches)
+        self._model_chunks = model_chunks
+        self._config = config
+        self.num_run = 0
+
+    def __call__(self, data_iterator, model, *args, **kwargs):
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            raise AssertionError("the schedule ran more forward steps than this rank has DCP micro-batches") from None
+        recompute = batch[MICROBATCH_KEY].recompute
+        for chunk in self._model_chunks:
+            apply_recompute(chunk, self._config, recompute)
+        self.num_run += 1
+        token = _CURRENT_MICROBATCH.set(batch)
+        try:
+            return self._forward_step(iter([batch]), model, *args, **kwargs)
+        finally:
+            _CURRENT_MICROBATCH.reset(token)

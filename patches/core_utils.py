@@ -59,6 +59,10 @@ def _dcp_group_for_batch(original):
     return get_batch_on_this_cp_rank
 
 
+_TP_BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "cu_seqlens",
+                  "cu_seqlens_padded", "max_seqlen", "local_cp_size", "hybrid_cp_group")
+
+
 def _dcp_batch_on_every_tp_rank(original):
     @functools.wraps(original)
     def get_batch_on_this_tp_rank(batch, *args, **kwargs):
@@ -69,7 +73,8 @@ def _dcp_batch_on_every_tp_rank(original):
             return original(batch, *args, **kwargs)
         if batch and batch.get(_MICROBATCH_KEY) is not current.get(_MICROBATCH_KEY):
             raise RuntimeError("get_batch read a different batch than the DCP micro-batch of this forward step")
-        return dict(current)
+        # The keys upstream returns on TP ranks > 0 (Megatron-LM's get_batch indexes them all).
+        return {**dict.fromkeys(_TP_BATCH_KEYS), **current}
 
     get_batch_on_this_tp_rank.dcp_original = original
     return get_batch_on_this_tp_rank

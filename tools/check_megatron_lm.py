@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Train Megatron-LM's own, unmodified `pretrain_gpt.py` with and without `--dcp` through our launcher.
 
-  .venv/bin/python tools/check_megatron_lm.py DIR [--iters 4]
+  .venv/bin/python tools/check_megatron_lm.py DIR [--iters 4] [--layout dp|tp2sp|pp2]
 
 DIR holds Megatron-LM's top-level `pretrain_gpt.py`, `gpt_builders.py` and `model_provider.py` (tag
 core_v0.19.0; public, not shipped here) and no `megatron/` package, so the installed megatron-core 0.19.2
-wheel is the one imported. Runs 2 CPU ranks with the tiny Llama-3 flag set of tests/megatron_runs.py, prints
-both loss traces and the DCP plans, and exits 1 unless the traces agree within 1e-5.
+wheel is the one imported. Runs the tiny Llama-3 flag set of tests/megatron_runs.py, prints both loss traces
+and the DCP plans, and exits 1 unless the traces agree within 1e-5. Layouts: `dp` (2 ranks, both runs),
+`tp2sp` (TP 2 + sequence parallelism) and `pp2` (PP 2): plain on 2 ranks, `--dcp` on 4 (a 2-rank domain).
 """
 from __future__ import annotations
 
@@ -20,10 +21,20 @@ sys.path.insert(0, ROOT)
 from tests.megatron_runs import run_training  # noqa: E402
 
 
+# layout: (flags of both runs, --dcp budget flags, ranks of the --dcp run)
+_LAYOUTS = {
+    "dp": ([], ["--dcp-memory-budget-gb", "0.004"], 2),
+    "tp2sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--dcp-memory-budget-gb", "0.002"], 4),
+    "pp2": (["--pipeline-model-parallel-size", "2"],
+            ["--dcp-memory-budget-gb", "0.0035", "--dcp-recompute", "selective,full"], 4),
+}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory")
     parser.add_argument("--iters", type=int, default=4)
+    parser.add_argument("--layout", choices=sorted(_LAYOUTS), default="dp")
     args = parser.parse_args(argv)
     script = os.path.join(args.directory, "pretrain_gpt.py")
     for name in ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py"):
@@ -35,8 +46,9 @@ def main(argv=None) -> int:
               "megatron-core; copy the three scripts to a directory of their own", file=sys.stderr)
         return 2
     runs = {}
-    for label, extra in (("plain", []), ("dcp", ["--dcp", "--dcp-memory-budget-gb", "0.004"])):
-        runs[label] = run = run_training(script, extra, iters=args.iters).check()
+    layout, budget, dcp_ranks = _LAYOUTS[args.layout]
+    for label, extra, nproc in (("plain", layout, 2), ("dcp", [*layout, "--dcp", *budget], dcp_ranks)):
+        runs[label] = run = run_training(script, extra, nproc=nproc, iters=args.iters).check()
         print(f"{label:5s} loss trace: {run.loss_trace()}")
     for step, info in sorted(runs["dcp"].dcp_steps.items()):
         print(f"  dcp step {step}: {info['policy']} cp sizes {info['cp_sizes']} micro-batches/rank "

@@ -1,0 +1,113 @@
+"""`--dcp` with tensor and pipeline parallelism inside megatron.training (4 CPU ranks, gloo, fp32).
+
+With TP 2 or PP 2 on 4 ranks the DCP domain is Megatron's data-parallel group of 2 ranks at each
+TP/PP coordinate. Megatron's initial weights depend on the TP/PP layout (its RNG is consumed per
+partition), so each `--dcp` run is compared with Megatron's own plain path at the same TP/PP on
+2 ranks (data-parallel size 1: one micro-batch of one sample at a time, the whole global batch on
+one model replica). That plain path was checked against a 1-rank run on the same weights: a TP-2
+checkpoint loaded by one rank gives the same losses to 7 digits (README, Status).
+
+- TP 2 + sequence parallelism: every TP rank builds its own micro-batches from the same plan
+  (nothing is broadcast per micro-batch), documents are padded so rows split evenly over TP, the
+  plans mix CP 1 and 2, full and selective recompute and unequal micro-batch counts.
+- PP 2: Megatron's 1F1B schedule with per-micro-batch shapes; the plan gives every rank one
+  micro-batch per wave (equal counts), mixing CP 1 and 2, recompute chosen per micro-batch.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from dcp_megatron.planner.plan import StepPlan
+from tests.megatron_runs import OUR_SCRIPT, run_training
+
+pytestmark = pytest.mark.timeout(1500)
+
+ITERS = 10
+TOLERANCE = 1e-5
+TP_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+PP = ["--pipeline-model-parallel-size", "2"]
+# Budgets that make 1,024-token documents need CP 2 or recompute at this layout (TP halves the
+# activations per rank; 1F1B keeps two micro-batches per stage in flight).
+TP_BUDGET = ["--dcp-memory-budget-gb", "0.002"]
+PP_BUDGET = ["--dcp-memory-budget-gb", "0.0035", "--dcp-recompute", "selective,full"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_mp")
+    specs = {
+        "tp_plain": lambda: run_training(OUR_SCRIPT, TP_SP, nproc=2, iters=ITERS),
+        "tp_dcp": lambda: run_training(OUR_SCRIPT, [*TP_SP, "--dcp", *TP_BUDGET, "--dcp-check-plans",
+                                                    "--dcp-dump-plans", str(root / "tp_plans")],
+                                       nproc=4, iters=ITERS),
+        "pp_plain": lambda: run_training(OUR_SCRIPT, PP, nproc=2, iters=ITERS),
+        "pp_dcp": lambda: run_training(OUR_SCRIPT, [*PP, "--dcp", *PP_BUDGET, "--dcp-check-plans",
+                                                    "--dcp-dump-plans", str(root / "pp_plans")],
+                                       nproc=4, iters=ITERS),
+    }
+    cache: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = specs[name]().check()
+        return cache[name]
+
+    get.root = root
+    return get
+
+
+def _plans(directory) -> list[StepPlan]:
+    files = sorted(glob.glob(os.path.join(directory, "step_*.json")))
+    assert len(files) == ITERS, files
+    plans = []
+    for path in files:
+        with open(path) as f:
+            plans.append(StepPlan.from_json(f.read()))
+    return plans
+
+
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_dcp_loss_trace_and_grad_norms_equal_megatrons_plain_path_at_the_same_layout(runs, layout):
+    dcp, plain = runs(f"{layout}_dcp"), runs(f"{layout}_plain")
+    trace, reference = dcp.loss_trace(), plain.loss_trace()
+    assert len(trace) == len(reference) == ITERS
+    worst = max(abs(a - b) / abs(b) for a, b in zip(trace, reference))
+    print(f"\n{layout}: --dcp vs plain loss trace, max relative difference {worst:.2e} over {ITERS} steps")
+    assert worst <= TOLERANCE, f"{layout}: trace differs by {worst:.2e}\n{trace}\n{reference}"
+    for step, norm in dcp.grad_norms.items():
+        assert norm == pytest.approx(plain.grad_norms[step], rel=2e-3, abs=2e-3), (layout, step)
+    assert dcp.eval_losses.keys() == plain.eval_losses.keys() and dcp.eval_losses
+    for step, loss in dcp.eval_losses.items():
+        assert loss == pytest.approx(plain.eval_losses[step], rel=TOLERANCE), (layout, "validation", step)
+
+
+def test_tp_dcp_path_ran_dcps_own_plans_with_mixed_cp_recompute_and_counts(runs):
+    dcp = runs("tp_dcp")
+    assert sorted(dcp.dcp_steps) == list(range(1, ITERS + 1))
+    assert all(step["policy"] == "dcp" for step in dcp.dcp_steps.values())
+    plans = _plans(runs.root / "tp_plans")
+    assert all(plan.policy == "dcp" and plan.domain_size == 2 for plan in plans)
+    sizes = {g.size for plan in plans for wave in plan.waves for g in wave.groups}
+    assert sizes == {1, 2}
+    kinds = {mb.recompute.kind for plan in plans for wave in plan.waves for g in wave.groups
+             for mb in g.microbatches if mb.sequences}
+    assert {"full", "selective"} <= kinds, kinds
+    assert any(min(step["counts"]) != max(step["counts"]) for step in dcp.dcp_steps.values())
+
+
+def test_pp_dcp_path_ran_one_microbatch_per_group_per_wave_with_mixed_cp(runs):
+    dcp = runs("pp_dcp")
+    assert sorted(dcp.dcp_steps) == list(range(1, ITERS + 1))
+    assert all(step["policy"] == "dcp" for step in dcp.dcp_steps.values())
+    plans = _plans(runs.root / "pp_plans")
+    for plan in plans:
+        assert plan.policy == "dcp" and plan.domain_size == 2
+        assert all(len(g.microbatches) == 1 for wave in plan.waves for g in wave.groups)
+    assert any({g.size for wave in plan.waves for g in wave.groups} == {1, 2} for plan in plans)
+    assert all(min(step["counts"]) == max(step["counts"]) for step in dcp.dcp_steps.values())
+    kinds = {mb.recompute.kind for plan in plans for wave in plan.waves for g in wave.groups
+             for mb in g.microbatches if mb.sequences}
+    assert kinds and kinds <= {"selective", "full"}, kinds

@@ -43,6 +43,7 @@ _CPU_PATCH_MODULES = (
     "core_datasets_data_schedule",
     "pipeline_parallel_hybrid_cp_schedule",
     "training_arguments",
+    "models_rope_utils",
 )
 
 

@@ -18,8 +18,13 @@ micro-batch: it is kept on the params object, which every layer and every recomp
 padded lengths as document lengths changes no real token's output (causal) and the padding rows
 are masked out of the loss.
 
-Without packed params (Megatron's default `sbhd` layout, e.g. evaluation without
-`--dataloader-inter-document-masking`) it is plain causal attention over each sequence.
+Without packed params (Megatron's default `sbhd` layout, e.g. without
+`--dataloader-inter-document-masking`) it is causal attention over each sequence; under Megatron's
+own `--context-parallel-size > 1` each sequence arrives zig-zag sharded over Megatron's CP group
+(chunks r and 2c-1-r of 2c, `get_batch_on_this_cp_rank`'s per-sequence layout), which is exactly
+our layout of one document per sequence, so the same CP attention runs over that group. Megatron's
+static CP with packed documents (THD) is refused: it shards whole samples, not documents, a layout
+only Transformer Engine's attention implements.
 """
 from __future__ import annotations
 
@@ -62,6 +67,9 @@ class PackedCoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        # Megatron's own (static) CP group; a DCP micro-batch brings its own group in its params.
+        static_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        self.static_cp_group = static_group if static_group is not None and static_group.size() > 1 else None
 
     def forward(
         self,
@@ -77,7 +85,16 @@ class PackedCoreAttention(MegatronModule):
             raise ValueError("PackedCoreAttention does not support attention_bias")
         dropout_p = self.dropout_p if self.training else 0.0
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            if self.static_cp_group is not None:
+                if self.dropout_p > 0 and self.training:
+                    raise ValueError("attention dropout is not supported by the CPU context-parallel attention")
+                return sequence_cp_attention(query, key, value, self.static_cp_group, self.softmax_scale)
             return sequence_causal_attention(query, key, value, self.softmax_scale, dropout_p)
+        if self.static_cp_group is not None and packed_seq_params.cp_group is None:
+            raise ValueError(
+                "--context-parallel-size > 1 with packed documents (--dataloader-inter-document-masking): Megatron "
+                "shards each sample, not each document, over its CP group, a layout only Transformer Engine's "
+                "attention implements; on CPU use --dcp (DCP shards per document) or drop the document masking")
         # Every layer (and its recompute) sees the same params object: rebuild the shard once per micro-batch.
         if not hasattr(packed_seq_params, _SHARD_ATTR):
             setattr(packed_seq_params, _SHARD_ATTR, shard_from_params(packed_seq_params))
@@ -106,6 +123,15 @@ def shard_from_params(params: PackedSeqParams) -> Optional[LocalShard]:
         raise ValueError(f"CP size {cp_size}: every padded document length must be a multiple of {2 * cp_size}, "
                          f"got {lengths}")
     return shard_microbatch([length for length in lengths if length > 0], cp_size, group.rank())
+
+
+def sequence_cp_attention(query, key, value, group, softmax_scale: float) -> torch.Tensor:
+    """Causal attention over zig-zag sharded sequences: q [S_local, B, H, D] -> [S_local, B, H * D]."""
+    cp_size = group.size()
+    shard = shard_microbatch([query.shape[0] * cp_size], cp_size, group.rank())
+    outputs = [cp_attention(query[:, b], key[:, b], value[:, b], shard, group, softmax_scale=softmax_scale)
+               for b in range(query.shape[1])]
+    return torch.stack(outputs, dim=1).reshape(query.shape[0], query.shape[1], -1)
 
 
 def sequence_causal_attention(query, key, value, softmax_scale: float, dropout_p: float = 0.0) -> torch.Tensor:

@@ -12,6 +12,10 @@ checkpoint loaded by one rank gives the same losses to 7 digits (README, Status)
   plans mix CP 1 and 2, full and selective recompute and unequal micro-batch counts.
 - PP 2: Megatron's 1F1B schedule with per-micro-batch shapes; the plan gives every rank one
   micro-batch per wave (equal counts), mixing CP 1 and 2, recompute chosen per micro-batch.
+- Megatron's own static `--context-parallel-size 2` (2 ranks) against one rank, both starting from
+  the same weights (a 1-rank checkpoint loaded with `--finetune`: CP, too, changes Megatron's
+  initial weights). Megatron shards each sample over its CP group, so these runs train whole
+  samples as sequences (no `--dataloader-inter-document-masking`, see core_attention.py).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import os
 import pytest
 
 from dcp_megatron.planner.plan import StepPlan
-from tests.megatron_runs import OUR_SCRIPT, run_training
+from tests.megatron_runs import LLAMA_TINY, OUR_SCRIPT, run_training
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -48,7 +52,23 @@ def runs(tmp_path_factory):
                                                     "--dcp-dump-plans", str(root / "pp_plans")],
                                        nproc=4, iters=ITERS),
     }
+    no_masking = [flag for flag in LLAMA_TINY if flag != "--dataloader-inter-document-masking"]
+    from_init = ["--load", str(root / "init"), "--finetune", "--no-load-optim", "--no-load-rng"]
+    specs.update({
+        # The initial weights of a 1-rank run (lr 0: one step changes nothing but the optimizer's moments).
+        "init": lambda: run_training(OUR_SCRIPT, ["--lr", "0", "--min-lr", "0", "--lr-warmup-iters", "0", "--save",
+                                                  str(root / "init"), "--save-interval", "1"],
+                                     nproc=1, launcher=False, iters=1, base=no_masking),
+        "cp_reference": lambda: runs_after("init", lambda: run_training(
+            OUR_SCRIPT, from_init, nproc=1, launcher=False, iters=ITERS, base=no_masking)),
+        "cp_static": lambda: runs_after("init", lambda: run_training(
+            OUR_SCRIPT, [*from_init, "--context-parallel-size", "2"], nproc=2, iters=ITERS, base=no_masking)),
+    })
     cache: dict[str, object] = {}
+
+    def runs_after(name, run):
+        get(name)
+        return run()
 
     def get(name: str):
         if name not in cache:
@@ -111,3 +131,15 @@ def test_pp_dcp_path_ran_one_microbatch_per_group_per_wave_with_mixed_cp(runs):
     kinds = {mb.recompute.kind for plan in plans for wave in plan.waves for g in wave.groups
              for mb in g.microbatches if mb.sequences}
     assert kinds and kinds <= {"selective", "full"}, kinds
+
+
+def test_megatrons_static_cp2_trains_the_one_rank_trace_from_the_same_weights(runs):
+    static, reference = runs("cp_static"), runs("cp_reference")
+    assert "successfully loaded checkpoint" in static.output and not static.dcp_steps
+    trace, expected = static.loss_trace(), reference.loss_trace()
+    assert len(trace) == len(expected) == ITERS
+    worst = max(abs(a - b) / abs(b) for a, b in zip(trace, expected))
+    print(f"\nMegatron --context-parallel-size 2 vs 1 rank: max relative loss difference {worst:.2e}")
+    assert worst <= TOLERANCE, f"static CP 2 differs by {worst:.2e}\n{trace}\n{expected}"
+    for step, norm in static.grad_norms.items():
+        assert norm == pytest.approx(reference.grad_norms[step], rel=2e-3, abs=2e-3), step

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 
 import pytest
 import torch
@@ -66,8 +67,10 @@ _RUNS = {
         script, ["--dcp", *SMALL_BUDGET, "--dcp-dump-plans", str(root / "plans"), "--dcp-check-plans"], iters=ITERS),
     # Way 3 (and 2: the script carries the two lines): our script run directly, uninterrupted and
     # stopped at 5 then resumed from Megatron's checkpoint; evaluated after every step.
+    # (This one plans each step when it starts, --dcp-sync-planning; all others plan one step ahead.)
     "dcp_direct": lambda root, script: run_training(
-        OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS], launcher=False, iters=ITERS, base=RESUME_BASE),
+        OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--dcp-sync-planning", "--dcp-dump-plans",
+                     str(root / "plans_sync")], launcher=False, iters=ITERS, base=RESUME_BASE),
     "dcp_direct_first_half": lambda root, script: run_training(
         OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--save", str(root / "ckpt"), "--save-interval", "5",
                      "--exit-interval", "5"], launcher=False, iters=ITERS, base=RESUME_BASE),
@@ -175,3 +178,22 @@ def _flatten(state, prefix=""):
     for key, value in state.items():
         out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
     return out
+
+
+_PLANNING = re.compile(r" dcp iteration\s+(\d+) \|.*?\| planning \(ms\): ([0-9.]+) (ahead|at step start), exposed ([0-9.]+) \|")
+
+
+def test_plans_made_one_step_ahead_equal_plans_made_at_each_step(runs, work):
+    """Planning off the critical path changes when a plan is made, never what: the launcher run planned each
+    step during the previous one, the direct run at each step's start; their plan files are identical."""
+    root, _ = work
+    ahead, sync = runs("dcp_launcher"), runs("dcp_direct")
+    for name in [f"step_{i:07d}.json" for i in range(1, ITERS + 1)]:
+        with open(root / "plans" / name) as f, open(root / "plans_sync" / name) as g:
+            assert f.read() == g.read(), name
+    ahead_steps = {int(m[1]): (m[3], float(m[2]), float(m[4])) for m in _PLANNING.finditer(ahead.output)}
+    sync_steps = {int(m[1]): (m[3], float(m[2]), float(m[4])) for m in _PLANNING.finditer(sync.output)}
+    assert sorted(ahead_steps) == sorted(sync_steps) == list(range(1, ITERS + 1))
+    # The first step has no previous one to plan behind; every later one was planned during its predecessor.
+    assert [ahead_steps[i][0] for i in range(1, ITERS + 1)] == ["at step start"] + ["ahead"] * (ITERS - 1)
+    assert all(when == "at step start" and exposed == planning for when, planning, exposed in sync_steps.values())

@@ -34,7 +34,7 @@ def test_plans_made_ahead_equal_synchronous_plans(steps):
     finally:
         ahead.close()
     for k, (step, batch) in enumerate(zip(planned, batches)):
-        assert step.step == k and step.plan_s >= 0 and step.exposed_s >= 0
+        assert step.step == k and step.plan_s >= 0 and step.exposed_s >= 0 and step.ahead == (k > 0)
         assert step.plan.dumps() == _plan(batch).dumps()
 
 

@@ -36,6 +36,9 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--dcp-gpus-per-node", type=int, default=None,
                        help="ranks per node, for the planner's intra- vs inter-node bandwidth (default: torchrun's "
                             "LOCAL_WORLD_SIZE)")
+    group.add_argument("--dcp-sync-planning", action="store_true",
+                       help="plan each step on the training thread when it starts (default: plan it while the "
+                            "previous step trains, one step ahead)")
     group.add_argument("--dcp-check-plans", action="store_true",
                        help="all-reduce a hash of every plan to prove all ranks planned the same step")
     return parser
@@ -55,6 +58,8 @@ class DcpConfig:
     gpus_per_node: int | None = None
     seq_length: int
     log_interval: int = 1
+    plan_ahead: bool = True          # plan step k+1 while step k trains (planner/ahead.py)
+    train_iters: int | None = None   # the last step: nothing to read ahead after it
 
     def __post_init__(self) -> None:
         if self.policy not in DCP_POLICIES:
@@ -81,7 +86,9 @@ def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
                      memory_budget_gb=args.dcp_memory_budget_gb, recompute=recompute, profile=args.dcp_profile,
                      dump_plans=args.dcp_dump_plans, check_plans=bool(args.dcp_check_plans),
                      gpus_per_node=args.dcp_gpus_per_node or _local_world_size(),
-                     seq_length=args.seq_length, log_interval=args.log_interval)
+                     seq_length=args.seq_length, log_interval=args.log_interval,
+                     plan_ahead=not getattr(args, "dcp_sync_planning", False),
+                     train_iters=getattr(args, "train_iters", None))
 
 
 def _local_world_size() -> int | None:

@@ -69,15 +69,18 @@ def split_samples(samples: list[dict]) -> Documents:
     return Documents(rows=rows, lengths=tuple(lengths))
 
 
-def broadcast_documents(local: Documents | None, *, src: int, group) -> Documents:
-    """`src`'s documents on every rank of `group` (TP peers and later stages read no data of their own)."""
+def broadcast_documents(local: Documents | None, *, src: int, group) -> Documents | None:
+    """`src`'s documents on every rank of `group` (TP peers and later stages read no data of their own).
+
+    None on `src` (its data ran out) is None everywhere."""
     is_source = dist.get_rank() == src
     if is_source:
-        assert local is not None
-        count = torch.tensor([len(local.lengths)], dtype=torch.int64)
+        count = torch.tensor([-1 if local is None else len(local.lengths)], dtype=torch.int64)
     else:
         count = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(count, src=src, group=group)
+    if int(count) < 0:
+        return None
     lengths = (torch.tensor(local.lengths, dtype=torch.int64) if is_source
                else torch.zeros(int(count), dtype=torch.int64))
     dist.broadcast(lengths, src=src, group=group)

@@ -10,7 +10,10 @@ Megatron's own schedule (no pipelining, or 1F1B with PP 2), which per training s
    first rank of its model-parallel group (TP rank 0 of the first stage) and broadcasts the
    documents to the group's other TP ranks and stages, which then work alike on their own domain;
 2. gathers every domain rank's lengths, plans the step (the same plan on every rank of every
-   domain), exchanges the documents (`global_batch.py`) and builds this rank's micro-batch dicts
+   domain; by default planned during the previous step: step k+1's share is read and its lengths
+   gathered before step k trains, and `PlanAhead` plans it on a worker thread while step k runs,
+   so a step waits only for planning that outlasts the previous step's training), exchanges the
+   documents (`global_batch.py`) and builds this rank's micro-batch dicts
    (`microbatches.py`; with sequence parallelism every document is padded so the rows split
    evenly over TP);
 3. runs Megatron's schedule with THIS rank's count (ranks differ when PP = 1; with PP 2 the plan
@@ -27,20 +30,32 @@ Evaluation (`forward_only=True`) runs Megatron's schedule unchanged.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 import torch
 
 from dcp_megatron.megatron.dcp_args import DcpConfig
 from dcp_megatron.megatron.forward_step import DcpForwardStep
-from dcp_megatron.megatron.global_batch import (DocumentIndex, broadcast_documents, exchange_documents,
-                                                gather_lengths, split_samples)
+from dcp_megatron.megatron.global_batch import (DocumentIndex, Documents, broadcast_documents,
+                                                exchange_documents, gather_lengths, split_samples)
 from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, rank_batches
 from dcp_megatron.megatron.plan_dump import PlanDumper
 from dcp_megatron.megatron.plan_log import plan_summary
 from dcp_megatron.megatron.planning import build_cost_model, check_longest_fits, check_same_plan, plan_global_batch
 from dcp_megatron.megatron.recompute import restore_recompute, snapshot_recompute
+from dcp_megatron.planner.ahead import PlanAhead, PlannedStep, plan_synchronously
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.runtime.group_pool import plan_blocks
+
+
+@dataclass(frozen=True)
+class _ReadAhead:
+    """The next step's share of the global batch, read (and its lengths gathered) one step early."""
+
+    iteration: int
+    local: Documents
+    index: DocumentIndex
+    read_ahead: bool = True   # read during the previous step (False: read when this step started)
 
 
 class DcpForwardBackward:
@@ -58,6 +73,9 @@ class DcpForwardBackward:
         self._pool = None
         self._cost = None
         self._dumper = None
+        self._planner = None      # PlanAhead when planning one step ahead
+        self._read_ahead = None   # _ReadAhead of the step being planned
+        self._current = None      # _ReadAhead of the step being trained (a re-run of it reuses it)
 
     # Lazily, at the first training step: every rank of the world reaches it, in the same order.
     def _setup(self) -> None:
@@ -77,6 +95,11 @@ class DcpForwardBackward:
         self._pad_multiple = self.model_shape.tp if self.sequence_parallel else 1
         if self.config.dump_plans and self.is_logging_rank:
             self._dumper = PlanDumper(self.config.dump_plans)
+        if self.config.plan_ahead:
+            self._planner = PlanAhead(self._plan)
+
+    def _plan(self, sequences):
+        return plan_global_batch(self.config, sequences, self._cost)
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
                  micro_batch_size: int, forward_only: bool = False, **kwargs):
@@ -94,10 +117,10 @@ class DcpForwardBackward:
         device = torch.device("cuda", torch.cuda.current_device()) if self.has_gpu else torch.device("cpu")
         iteration = self._iteration()
 
-        local = self._read_share(data_iterator, num_microbatches)
-        per_rank = gather_lengths(local.lengths, group=pool.domain_group, domain_size=pool.domain_size)
-        index = DocumentIndex.build(per_rank)
-        plan = plan_global_batch(self.config, index.sequences(), self._cost)
+        local, index, planned = self._this_steps_plan(iteration, data_iterator, num_microbatches)
+        plan = planned.plan
+        if self._planner is not None and (self.config.train_iters is None or iteration < self.config.train_iters):
+            self._plan_next_step(iteration + 1, data_iterator, num_microbatches)
         if self.config.check_plans:
             check_same_plan(plan, iteration=iteration, group=pool.domain_group, device=device)
         pool.ensure_groups(plan_blocks(plan))
@@ -126,22 +149,67 @@ class DcpForwardBackward:
             if iteration % self.config.log_interval == 0:
                 print(f" dcp iteration {iteration:8d} | {plan_summary(plan)} | predicted (ms): "
                       f"{plan.est_step_time_s * 1000:.1f} | forward-backward (ms): {measured_s * 1000:.1f} "
-                      f"(planning and exchange {planned_s * 1000:.1f}) | rank {pool.domain_rank} ran "
+                      f"(before the schedule {planned_s * 1000:.1f}) | planning (ms): {planned.plan_s * 1000:.1f} "
+                      f"{'ahead' if planned.ahead else 'at step start'}, exposed {planned.exposed_s * 1000:.1f} | "
+                      f"rank {pool.domain_rank} ran "
                       f"{len(batches)} micro-batches, cp sizes "
                       f"{sorted({b[MICROBATCH_KEY].cp_size for b in batches})} |", flush=True)
         return losses_reduced
 
-    def _read_share(self, data_iterator, num_microbatches: int):
-        """This data-parallel rank's documents: read on its model-parallel group's first rank, broadcast."""
+    def _this_steps_plan(self, iteration: int, data_iterator, num_microbatches: int
+                         ) -> tuple[Documents, DocumentIndex, PlannedStep]:
+        """This step's documents, their index and plan: planned ahead during the last step, or now.
+
+        Megatron's rerun state machine may run a step again, replaying the samples pulled during its
+        first run: a step that was read ahead pulled nothing of its own then (reuse what was read), one
+        read at its start pulled its share first (read it again from the replay)."""
+        ahead, self._read_ahead = self._read_ahead, None
+        if ahead is not None and ahead.iteration == iteration:
+            self._current = ahead
+            return ahead.local, ahead.index, self._planner.result(iteration)
+        if ahead is not None:
+            self._planner.discard()
+        current = self._current
+        if current is not None and current.iteration == iteration and current.read_ahead:
+            local, index = current.local, current.index
+        else:
+            local = self._read_share(data_iterator, num_microbatches)
+            if local is None:
+                raise StopIteration
+            index = self._gather_index(local)
+            self._current = _ReadAhead(iteration=iteration, local=local, index=index, read_ahead=False)
+        return local, index, plan_synchronously(iteration, self._plan, index.sequences())
+
+    def _plan_next_step(self, iteration: int, data_iterator, num_microbatches: int) -> None:
+        """Read the next step's share now and start planning it (a collective: every rank calls it)."""
+        local = self._read_share(data_iterator, num_microbatches)
+        if local is None:  # the data ends here: the next step reads (and fails) as Megatron's would
+            return
+        index = self._gather_index(local)
+        self._read_ahead = _ReadAhead(iteration=iteration, local=local, index=index)
+        self._planner.submit(iteration, index.sequences())
+
+    def _gather_index(self, local: Documents) -> DocumentIndex:
+        pool = self._pool
+        return DocumentIndex.build(gather_lengths(local.lengths, group=pool.domain_group,
+                                                  domain_size=pool.domain_size))
+
+    def _read_share(self, data_iterator, num_microbatches: int) -> Documents | None:
+        """This data-parallel rank's documents: read on its model-parallel group's first rank, broadcast.
+
+        None on every rank of the group when the data ends (the source tells the others, so none waits)."""
         source = self._share_source_rank
         local = None
         if source is None or torch.distributed.get_rank() == source:
             if data_iterator is None:
                 raise RuntimeError("--dcp: this rank reads the global batch but Megatron gave it no data iterator")
-            local = split_samples([next(data_iterator) for _ in range(num_microbatches)])
-        if source is None:
-            return local
-        return broadcast_documents(local, src=source, group=self._model_parallel_group)
+            try:
+                local = split_samples([next(data_iterator) for _ in range(num_microbatches)])
+            except StopIteration:
+                local = None
+        if source is not None:
+            local = broadcast_documents(local, src=source, group=self._model_parallel_group)
+        return local
 
     @staticmethod
     def _iteration() -> int:

@@ -26,6 +26,7 @@ class PlannedStep:
     plan: Any
     plan_s: float        # wall time of the planning itself (on the worker thread)
     exposed_s: float     # time the caller waited in result(): planning not hidden behind training
+    ahead: bool = True   # planned on the worker thread (False: on the caller's, all of it exposed)
 
 
 class PlanAhead:
@@ -78,4 +79,4 @@ def plan_synchronously(step: int, plan_function: Callable[..., Any], *args, **kw
     started = time.perf_counter()
     plan = plan_function(*args, **kwargs)
     elapsed = time.perf_counter() - started
-    return PlannedStep(step=step, plan=plan, plan_s=elapsed, exposed_s=elapsed)
+    return PlannedStep(step=step, plan=plan, plan_s=elapsed, exposed_s=elapsed, ahead=False)

@@ -89,16 +89,21 @@ def _plans(directory) -> list[StepPlan]:
     return plans
 
 
+def _assert_same_training(run, reference, what: str) -> None:
+    """Loss trace within TOLERANCE (printed: pytest -s), grad norms equal."""
+    trace, expected = run.loss_trace(), reference.loss_trace()
+    assert len(trace) == len(expected) == ITERS
+    worst = max(abs(a - b) / abs(b) for a, b in zip(trace, expected))
+    print(f"\n{what}: max relative loss difference {worst:.2e} over {ITERS} steps")
+    assert worst <= TOLERANCE, f"{what}: trace differs by {worst:.2e}\n{trace}\n{expected}"
+    for step, norm in run.grad_norms.items():
+        assert norm == pytest.approx(reference.grad_norms[step], rel=2e-3, abs=2e-3), (what, step)
+
+
 @pytest.mark.parametrize("layout", ["tp", "pp"])
 def test_dcp_loss_trace_and_grad_norms_equal_megatrons_plain_path_at_the_same_layout(runs, layout):
     dcp, plain = runs(f"{layout}_dcp"), runs(f"{layout}_plain")
-    trace, reference = dcp.loss_trace(), plain.loss_trace()
-    assert len(trace) == len(reference) == ITERS
-    worst = max(abs(a - b) / abs(b) for a, b in zip(trace, reference))
-    print(f"\n{layout}: --dcp vs plain loss trace, max relative difference {worst:.2e} over {ITERS} steps")
-    assert worst <= TOLERANCE, f"{layout}: trace differs by {worst:.2e}\n{trace}\n{reference}"
-    for step, norm in dcp.grad_norms.items():
-        assert norm == pytest.approx(plain.grad_norms[step], rel=2e-3, abs=2e-3), (layout, step)
+    _assert_same_training(dcp, plain, f"{layout}: --dcp vs plain")
     assert dcp.eval_losses.keys() == plain.eval_losses.keys() and dcp.eval_losses
     for step, loss in dcp.eval_losses.items():
         assert loss == pytest.approx(plain.eval_losses[step], rel=TOLERANCE), (layout, "validation", step)
@@ -136,10 +141,4 @@ def test_pp_dcp_path_ran_one_microbatch_per_group_per_wave_with_mixed_cp(runs):
 def test_megatrons_static_cp2_trains_the_one_rank_trace_from_the_same_weights(runs):
     static, reference = runs("cp_static"), runs("cp_reference")
     assert "successfully loaded checkpoint" in static.output and not static.dcp_steps
-    trace, expected = static.loss_trace(), reference.loss_trace()
-    assert len(trace) == len(expected) == ITERS
-    worst = max(abs(a - b) / abs(b) for a, b in zip(trace, expected))
-    print(f"\nMegatron --context-parallel-size 2 vs 1 rank: max relative loss difference {worst:.2e}")
-    assert worst <= TOLERANCE, f"static CP 2 differs by {worst:.2e}\n{trace}\n{expected}"
-    for step, norm in static.grad_norms.items():
-        assert norm == pytest.approx(reference.grad_norms[step], rel=2e-3, abs=2e-3), step
+    _assert_same_training(static, reference, "Megatron --context-parallel-size 2 vs 1 rank")

@@ -63,14 +63,17 @@ _RUNS = {
     "reference": lambda root, script: run_training(OUR_SCRIPT, [], nproc=1, launcher=False, iters=ITERS),
     # Way 1: the user's unmodified script through the launcher, without and with --dcp.
     "plain": lambda root, script: run_training(script, [], iters=ITERS),
+    # --dcp-no-refine here and in dcp_direct: plans from the configured cost model only, so the two runs' plan
+    # files can be compared (measured corrections would make them depend on this machine's timing).
     "dcp_launcher": lambda root, script: run_training(
-        script, ["--dcp", *SMALL_BUDGET, "--dcp-dump-plans", str(root / "plans"), "--dcp-check-plans"], iters=ITERS),
+        script, ["--dcp", *SMALL_BUDGET, "--dcp-dump-plans", str(root / "plans"), "--dcp-check-plans",
+                 "--dcp-no-refine"], iters=ITERS),
     # Way 3 (and 2: the script carries the two lines): our script run directly, uninterrupted and
     # stopped at 5 then resumed from Megatron's checkpoint; evaluated after every step.
     # (This one plans each step when it starts, --dcp-sync-planning; all others plan one step ahead.)
     "dcp_direct": lambda root, script: run_training(
-        OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--dcp-sync-planning", "--dcp-dump-plans",
-                     str(root / "plans_sync")], launcher=False, iters=ITERS, base=RESUME_BASE),
+        OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--dcp-sync-planning", "--dcp-no-refine",
+                     "--dcp-dump-plans", str(root / "plans_sync")], launcher=False, iters=ITERS, base=RESUME_BASE),
     "dcp_direct_first_half": lambda root, script: run_training(
         OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--save", str(root / "ckpt"), "--save-interval", "5",
                      "--exit-interval", "5"], launcher=False, iters=ITERS, base=RESUME_BASE),

@@ -39,6 +39,9 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--dcp-sync-planning", action="store_true",
                        help="plan each step on the training thread when it starts (default: plan it while the "
                             "previous step trains, one step ahead)")
+    group.add_argument("--dcp-no-refine", action="store_true",
+                       help="keep the cost model as given (default: correct it every step from measured "
+                            "micro-batch times; PP 1 only)")
     group.add_argument("--dcp-check-plans", action="store_true",
                        help="all-reduce a hash of every plan to prove all ranks planned the same step")
     return parser
@@ -60,6 +63,7 @@ class DcpConfig:
     log_interval: int = 1
     plan_ahead: bool = True          # plan step k+1 while step k trains (planner/ahead.py)
     train_iters: int | None = None   # the last step: nothing to read ahead after it
+    refine: bool = True              # correct the cost model from measured times (planner/refine.py)
 
     def __post_init__(self) -> None:
         if self.policy not in DCP_POLICIES:
@@ -88,7 +92,8 @@ def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
                      gpus_per_node=args.dcp_gpus_per_node or _local_world_size(),
                      seq_length=args.seq_length, log_interval=args.log_interval,
                      plan_ahead=not getattr(args, "dcp_sync_planning", False),
-                     train_iters=getattr(args, "train_iters", None))
+                     train_iters=getattr(args, "train_iters", None),
+                     refine=not getattr(args, "dcp_no_refine", False))
 
 
 def _local_world_size() -> int | None:

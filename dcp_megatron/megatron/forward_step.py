@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import time
 from typing import Optional
+
+import torch
 
 from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
 from dcp_megatron.megatron.recompute import apply_recompute
@@ -35,13 +38,33 @@ def current_microbatch() -> Optional[dict]:
 class DcpForwardStep:
     """The user's forward step fed this rank's DCP micro-batches in plan order (module docstring)."""
 
-    def __init__(self, forward_step_func, batches: list[dict], *, model_chunks, config) -> None:
+    def __init__(self, forward_step_func, batches: list[dict], *, model_chunks, config,
+                 cuda_events: bool = False) -> None:
         functools.update_wrapper(self, forward_step_func)  # Megatron inspects the step's parameters
         self._forward_step = forward_step_func
         self._batches = iter(batches)
         self._model_chunks = model_chunks
         self._config = config
+        self._cuda_events = cuda_events
+        self._marks: list = []    # when each forward started (CUDA events on GPU: kernels run async)
         self.num_run = 0
+
+    def _mark(self):
+        if self._cuda_events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def durations(self) -> list[float]:
+        """Seconds from each micro-batch's forward to the next one's: its forward and backward under
+        Megatron's no-pipelining schedule (F0 B0 F1 B1 ...). The last micro-batch has no next forward
+        (and its backward carries the step's gradient reduction): it is not timed."""
+        if self._cuda_events:
+            if self._marks:
+                self._marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self._marks, self._marks[1:])]
+        return [b - a for a, b in zip(self._marks, self._marks[1:])]
 
     def __call__(self, data_iterator, model, *args, **kwargs):
         try:
@@ -52,6 +75,7 @@ class DcpForwardStep:
         for chunk in self._model_chunks:
             apply_recompute(chunk, self._config, recompute)
         self.num_run += 1
+        self._marks.append(self._mark())
         token = _CURRENT_MICROBATCH.set(batch)
         try:
             return self._forward_step(iter([batch]), model, *args, **kwargs)

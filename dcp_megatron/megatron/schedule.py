@@ -20,7 +20,9 @@ Megatron's own schedule (no pipelining, or 1F1B with PP 2), which per training s
    gives every rank one micro-batch per wave, and p2p shapes are exchanged per micro-batch) and a
    `DcpForwardStep` (`forward_step.py`) that feeds the user's forward step each micro-batch on
    every TP rank and switches its recompute on the model just before its forward;
-4. leaves the loss to Megatron's `--calculate-per-token-loss` path: each micro-batch backpropagates
+4. times every micro-batch and, after one all-reduce of the sums, corrects the cost model the
+   next plans use, identically on every rank (`planner/refine.py`; PP 1; `--dcp-no-refine` keeps it);
+5. leaves the loss to Megatron's `--calculate-per-token-loss` path: each micro-batch backpropagates
    its unscaled token-loss sum, `finalize_model_grads` all-reduces the token count over the data-
    parallel group (with Megatron's CP kept at 1, exactly the DCP domain) and divides: gradients
    are those of one device on the whole global batch.
@@ -44,6 +46,7 @@ from dcp_megatron.megatron.plan_log import plan_summary
 from dcp_megatron.megatron.planning import build_cost_model, check_longest_fits, check_same_plan, plan_global_batch
 from dcp_megatron.megatron.recompute import restore_recompute, snapshot_recompute
 from dcp_megatron.planner.ahead import PlanAhead, PlannedStep, plan_synchronously
+from dcp_megatron.planner.refine import MeasuredMicroBatch, TimeCorrection, relative_error
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.runtime.group_pool import plan_blocks
 
@@ -76,6 +79,10 @@ class DcpForwardBackward:
         self._planner = None      # PlanAhead when planning one step ahead
         self._read_ahead = None   # _ReadAhead of the step being planned
         self._current = None      # _ReadAhead of the step being trained (a re-run of it reuses it)
+        self._base_cost = None    # the cost model as configured; self._cost adds measured corrections
+        self._correction = None   # TimeCorrection when refining
+        self._errors: list[float] = []   # |predicted - measured| / measured step times, for the log
+        self._steps_run = 0
 
     # Lazily, at the first training step: every rank of the world reaches it, in the same order.
     def _setup(self) -> None:
@@ -84,7 +91,10 @@ class DcpForwardBackward:
         self._pool = build_group_pool(tp_size=self.model_shape.tp, pp_size=self.model_shape.pp, timeout=self.timeout)
         self._cost = build_cost_model(self.config, self.model_shape, domain_size=self._pool.domain_size,
                                       has_gpu=self.has_gpu)
+        self._base_cost = self._cost
         check_longest_fits(self.config, self._cost)
+        if self.config.refine and self.model_shape.pp == 1:
+            self._correction = TimeCorrection(cp_sizes=tuple(range(1, self._pool.domain_size + 1)))
         from megatron.core import parallel_state
 
         group = parallel_state.get_model_parallel_group()
@@ -98,8 +108,8 @@ class DcpForwardBackward:
         if self.config.plan_ahead:
             self._planner = PlanAhead(self._plan)
 
-    def _plan(self, sequences):
-        return plan_global_batch(self.config, sequences, self._cost)
+    def _plan(self, sequences, cost):
+        return plan_global_batch(self.config, sequences, cost)
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
                  micro_batch_size: int, forward_only: bool = False, **kwargs):
@@ -122,7 +132,8 @@ class DcpForwardBackward:
         if self._planner is not None and (self.config.train_iters is None or iteration < self.config.train_iters):
             self._plan_next_step(iteration + 1, data_iterator, num_microbatches)
         if self.config.check_plans:
-            check_same_plan(plan, iteration=iteration, group=pool.domain_group, device=device)
+            # over the world: every domain (TP peers, stages) must run this same plan
+            check_same_plan(plan, iteration=iteration, group=None, device=device)
         pool.ensure_groups(plan_blocks(plan))
         documents = exchange_documents(plan, local, index, domain_rank=pool.domain_rank, group=pool.domain_group)
         batches = rank_batches(plan, documents, pool=pool, device=device, pad_multiple=self._pad_multiple)
@@ -130,7 +141,8 @@ class DcpForwardBackward:
 
         config = get_model_config(model_chunks[0])
         saved = snapshot_recompute(model_chunks, config), config.variable_seq_lengths
-        step = DcpForwardStep(forward_step_func, batches, model_chunks=model_chunks, config=config)
+        step = DcpForwardStep(forward_step_func, batches, model_chunks=model_chunks, config=config,
+                              cuda_events=self.has_gpu)
         # With PP, stages send activations of each micro-batch's own length: shapes go with them.
         config.variable_seq_lengths = config.variable_seq_lengths or self.model_shape.pp > 1
         try:
@@ -143,6 +155,10 @@ class DcpForwardBackward:
         if step.num_run != len(batches):
             raise AssertionError(f"the schedule ran {step.num_run} of this rank's {len(batches)} DCP micro-batches")
         measured_s = time.perf_counter() - started
+        self._errors = (self._errors + [relative_error(plan.est_step_time_s, measured_s)])[-10:]
+        if self._correction is not None and self._steps_run > 0:  # the first step also pays one-off start-up costs
+            self._refine(plan, step.durations(), device)
+        self._steps_run += 1
         if self._dumper is not None:
             self._dumper.write(iteration, plan)
         if self.is_logging_rank:
@@ -151,10 +167,31 @@ class DcpForwardBackward:
                       f"{plan.est_step_time_s * 1000:.1f} | forward-backward (ms): {measured_s * 1000:.1f} "
                       f"(before the schedule {planned_s * 1000:.1f}) | planning (ms): {planned.plan_s * 1000:.1f} "
                       f"{'ahead' if planned.ahead else 'at step start'}, exposed {planned.exposed_s * 1000:.1f} | "
-                      f"rank {pool.domain_rank} ran "
+                      f"step-time error {self._errors[-1]:.0%} (last {len(self._errors)}: mean "
+                      f"{sum(self._errors) / len(self._errors):.0%}){self._factors_text()} | rank {pool.domain_rank} ran "
                       f"{len(batches)} micro-batches, cp sizes "
                       f"{sorted({b[MICROBATCH_KEY].cp_size for b in batches})} |", flush=True)
         return losses_reduced
+
+    def _refine(self, plan, durations: list[float], device) -> None:
+        """Fold this step's measured micro-batch times into the cost model (a collective over the world:
+        TP peers and stages must plan alike too, so every rank gets the same sums)."""
+        rank = self._pool.domain_rank
+        ran = [(group, microbatch) for _, group in plan.rank_schedule(rank) for microbatch in group.microbatches]
+        measured = [MeasuredMicroBatch(cp_size=group.size, recompute_kind=mb.recompute.kind, measured_s=seconds,
+                                       predicted_s=self._base_cost.microbatch_time(
+                                           mb.lengths, group.size, first_rank=group.first_rank,
+                                           recompute=mb.recompute))
+                    for (group, mb), seconds in zip(ran, durations) if mb.sequences]
+        sums = torch.tensor(self._correction.bucket_sums(measured), dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(sums)
+        self._cost = self._base_cost.with_time_scale(self._correction.update(sums.tolist()))
+
+    def _factors_text(self) -> str:
+        if self._correction is None or not self._correction.factors:
+            return ""
+        shown = ", ".join(f"cp{cp}/{kind} x{factor:.2f}" for (cp, kind), factor in sorted(self._correction.factors.items()))
+        return f", measured corrections {shown}"
 
     def _this_steps_plan(self, iteration: int, data_iterator, num_microbatches: int
                          ) -> tuple[Documents, DocumentIndex, PlannedStep]:
@@ -178,7 +215,7 @@ class DcpForwardBackward:
                 raise StopIteration
             index = self._gather_index(local)
             self._current = _ReadAhead(iteration=iteration, local=local, index=index, read_ahead=False)
-        return local, index, plan_synchronously(iteration, self._plan, index.sequences())
+        return local, index, plan_synchronously(iteration, self._plan, index.sequences(), self._cost)
 
     def _plan_next_step(self, iteration: int, data_iterator, num_microbatches: int) -> None:
         """Read the next step's share now and start planning it (a collective: every rank calls it)."""
@@ -187,7 +224,7 @@ class DcpForwardBackward:
             return
         index = self._gather_index(local)
         self._read_ahead = _ReadAhead(iteration=iteration, local=local, index=index)
-        self._planner.submit(iteration, index.sequences())
+        self._planner.submit(iteration, index.sequences(), self._cost)  # today's cost model, passed: no race
 
     def _gather_index(self, local: Documents) -> DocumentIndex:
         pool = self._pool

@@ -58,13 +58,19 @@ class CostModel:
     """Scores micro-batches; the same instance scores every policy."""
 
     def __init__(self, model: ModelShape, cluster: ClusterSpec, *, profile: dict | None = None,
-                 allowed_recompute=RECOMPUTE_KINDS) -> None:
+                 allowed_recompute=RECOMPUTE_KINDS, time_scale: dict | None = None) -> None:
         if not isinstance(model, ModelShape):
             raise ValueError(f"CostModel needs a ModelShape, got {type(model).__name__}")
         if not isinstance(cluster, ClusterSpec):
             raise ValueError(f"CostModel needs a ClusterSpec, got {type(cluster).__name__}")
         # the recompute kinds every choice below is restricted to (validate checks plans against it)
         self.allowed_recompute: tuple[str, ...] = check_allowed_recompute(allowed_recompute)
+        self._init_args = (model, cluster, profile)
+        # Measured corrections (planner/refine.py): micro-batch seconds x factor per (cp size, recompute kind).
+        self.time_scale: dict[tuple[int, str], float] = dict(time_scale or {})
+        bad = {k: v for k, v in self.time_scale.items() if not (math.isfinite(v) and v > 0)}
+        if bad:
+            raise ValueError(f"time_scale factors must be positive and finite, got {bad}")
         self._attn_table: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._max_local: dict[Recompute, int] = {}    # memoised per recompute policy
         self._bytes_per_token: dict[Recompute, float] = {}
@@ -110,6 +116,22 @@ class CostModel:
         self._full_bytes_per_token = np.array([self.bytes_per_local_token(r) for r in self._full_options])
         self._none_max_local = None
         self._none_max_local = self.max_local_tokens(NO_RECOMPUTE)
+
+    def with_time_scale(self, time_scale: dict) -> "CostModel":
+        """The same cost model with micro-batch times scaled per (cp size, recompute kind)."""
+        model, cluster, profile = self._init_args
+        return CostModel(model, cluster, profile=profile, allowed_recompute=self.allowed_recompute,
+                         time_scale=time_scale)
+
+    def _scaled(self, t, cp_sizes, kind: str):
+        """t x the measured factor of (cp size, kind); cp_sizes an int or an array like t."""
+        if not self.time_scale:
+            return t
+        if np.ndim(cp_sizes) == 0:
+            return t * self.time_scale.get((int(cp_sizes), kind), 1.0)
+        sizes, where = np.unique(np.asarray(cp_sizes), return_inverse=True)
+        factors = np.array([self.time_scale.get((int(c), kind), 1.0) for c in sizes])
+        return t * factors[where].reshape(np.shape(t))
 
     def memoised(self, key, make):
         """make() once per key for this cost model: run-wide values a policy derives from the
@@ -214,7 +236,7 @@ class CostModel:
             received = passes * self._kv_bytes_per_token * local_tokens * (cp_size - 1)
             exposed = received / bw - attn_s * passes / CP_PASSES
             t += max(exposed, 0.0) + self._latency_per_mb
-        return t
+        return float(self._scaled(t, cp_size, recompute.kind))
 
     def times_from_sums(self, local_tokens: np.ndarray, compute_s: np.ndarray, attn_s: np.ndarray,
                         cp_sizes, first_ranks: np.ndarray, recompute: Recompute) -> np.ndarray:
@@ -229,6 +251,7 @@ class CostModel:
             received = passes * self._kv_bytes_per_token * local_tokens * (cp_sizes - 1)
             exposed = received / bw - attn_s * passes / CP_PASSES
             t = np.where(cp_sizes > 1, t + (np.maximum(exposed, 0.0) + self._latency_per_mb), t)
+        t = self._scaled(t, cp_sizes, recompute.kind)
         return np.where(local_tokens <= 0, self.cluster.microbatch_overhead_s, t)
 
     def bytes_per_local_token(self, recompute: Recompute) -> float:

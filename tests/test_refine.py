@@ -1,0 +1,79 @@
+"""Online refinement of the cost model: factors follow measured / predicted, scaled cost models."""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dcp_megatron.planner.cluster import cluster_preset
+from dcp_megatron.planner.cost import CostModel
+from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
+from dcp_megatron.planner.policies import make_plan
+from dcp_megatron.planner.refine import MeasuredMicroBatch, TimeCorrection, relative_error
+
+COST = CostModel(model_preset("llama3-8b"), cluster_preset("h200", domain_size=8))
+
+
+def test_factors_reach_a_constant_true_ratio_in_a_few_steps_and_untouched_buckets_stay_out():
+    correction = TimeCorrection(cp_sizes=(1, 2, 4), smoothing=0.5)
+    true = {(1, "none"): 2.0, (2, "full"): 0.5}
+    noise = [1.1, 0.9, 1.05, 0.95, 1.0, 1.0]
+    for wobble in noise:
+        measured = [MeasuredMicroBatch(cp, kind, predicted_s=0.1, measured_s=0.1 * ratio * wobble)
+                    for (cp, kind), ratio in true.items()]
+        factors = correction.update(correction.bucket_sums(measured))
+    assert set(factors) == set(true)
+    for bucket, ratio in true.items():
+        assert factors[bucket] == pytest.approx(ratio, rel=0.05)
+    assert correction.steps == len(noise)
+
+
+def test_bucket_sums_add_per_bucket_and_updates_are_deterministic():
+    correction = TimeCorrection(cp_sizes=(1, 2))
+    measured = [MeasuredMicroBatch(1, "none", 0.2, 0.3), MeasuredMicroBatch(1, "none", 0.1, 0.3),
+                MeasuredMicroBatch(2, "selective", 0.5, 0.25)]
+    sums = correction.bucket_sums(measured)
+    assert len(sums) == 2 * len(correction.buckets) == 12
+    assert sums[0:2] == pytest.approx([0.3, 0.6]) and sums[2 * 4:2 * 4 + 2] == pytest.approx([0.5, 0.25])
+    other = TimeCorrection(cp_sizes=(1, 2))
+    first = correction.update(sums)
+    assert first == other.update(list(sums))                      # the same sums give the same factors
+    assert first == pytest.approx({(1, "none"): 2.0, (2, "selective"): 0.5})
+    assert correction.update([0.0] * 12) == first                  # nothing measured: nothing moves
+    with pytest.raises(ValueError, match="no bucket"):
+        correction.bucket_sums([MeasuredMicroBatch(3, "none", 1.0, 1.0)])
+    with pytest.raises(ValueError, match="expected 12 sums"):
+        correction.update([1.0])
+    with pytest.raises(ValueError, match="smoothing"):
+        TimeCorrection(cp_sizes=(1,), smoothing=0)
+    assert relative_error(1.5, 1.0) == pytest.approx(0.5) and math.isinf(relative_error(1.0, 0.0))
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 65_536), min_size=1, max_size=6), cp_size=st.sampled_from([1, 2, 4]),
+       factor=st.floats(0.2, 5.0), kind=st.sampled_from(["none", "selective", "full"]))
+def test_scaled_cost_model_multiplies_exactly_that_buckets_micro_batch_times(lengths, cp_size, factor, kind):
+    recompute = {"none": NO_RECOMPUTE, "selective": SELECTIVE, "full": Recompute("full", 4)}[kind]
+    scaled = COST.with_time_scale({(cp_size, kind): factor})
+    base_t = COST.microbatch_time(lengths, cp_size, recompute=recompute)
+    assert scaled.microbatch_time(lengths, cp_size, recompute=recompute) == pytest.approx(factor * base_t, rel=1e-12)
+    other_kind = NO_RECOMPUTE if kind != "none" else SELECTIVE
+    assert (scaled.microbatch_time(lengths, cp_size, recompute=other_kind)
+            == COST.microbatch_time(lengths, cp_size, recompute=other_kind))
+    # the vectorised path agrees with the scalar one
+    local, compute, attn = (np.array([x]) for x in scaled._sums(lengths, cp_size))
+    vector = scaled.times_from_sums(local, compute, attn, cp_size, np.array([0]), recompute)
+    assert float(vector[0]) == pytest.approx(scaled.microbatch_time(lengths, cp_size, recompute=recompute), rel=1e-12)
+
+
+def test_plans_follow_the_corrections():
+    """Attention measured 2x slower on single ranks: the plan's estimate rises, and it stays a valid plan."""
+    batch = [(i, n) for i, n in enumerate([131_072, 65_536, 8192, 4096] * 4)]
+    plain = make_plan("dcp", batch, COST, max_seq_len=131_072)
+    corrected = make_plan("dcp", batch, COST.with_time_scale({(1, "none"): 3.0, (1, "selective"): 3.0,
+                                                               (1, "full"): 3.0}), max_seq_len=131_072)
+    assert corrected.est_step_time_s > plain.est_step_time_s
+    with pytest.raises(ValueError, match="positive and finite"):
+        COST.with_time_scale({(1, "none"): float("nan")})

@@ -121,6 +121,9 @@ def test_tp_dcp_path_ran_dcps_own_plans_with_mixed_cp_recompute_and_counts(runs)
              for mb in g.microbatches if mb.sequences}
     assert {"full", "selective"} <= kinds, kinds
     assert any(min(step["counts"]) != max(step["counts"]) for step in dcp.dcp_steps.values())
+    # The cost model was refined from measured times (the default), identically on all 4 ranks: every plan's
+    # hash matched over the world (--dcp-check-plans), TP peers included.
+    assert "measured corrections cp" in dcp.output
 
 
 def test_pp_dcp_path_ran_one_microbatch_per_group_per_wave_with_mixed_cp(runs):
@@ -136,6 +139,7 @@ def test_pp_dcp_path_ran_one_microbatch_per_group_per_wave_with_mixed_cp(runs):
     kinds = {mb.recompute.kind for plan in plans for wave in plan.waves for g in wave.groups
              for mb in g.microbatches if mb.sequences}
     assert kinds and kinds <= {"selective", "full"}, kinds
+    assert "measured corrections" not in dcp.output   # refinement needs PP 1 (1F1B interleaves micro-batches)
 
 
 def test_megatrons_static_cp2_trains_the_one_rank_trace_from_the_same_weights(runs):

@@ -33,6 +33,7 @@ ITERS = 10
 TOLERANCE = 1e-5
 TP_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 PP = ["--pipeline-model-parallel-size", "2"]
+UNREFINED_STEPS = 3
 # Budgets that make 1,024-token documents need CP 2 or recompute at this layout (TP halves the
 # activations per rank; 1F1B keeps two micro-batches per stage in flight).
 TP_BUDGET = ["--dcp-memory-budget-gb", "0.002"]
@@ -115,12 +116,16 @@ def test_tp_dcp_path_ran_dcps_own_plans_with_mixed_cp_recompute_and_counts(runs)
     assert all(step["policy"] == "dcp" for step in dcp.dcp_steps.values())
     plans = _plans(runs.root / "tp_plans")
     assert all(plan.policy == "dcp" and plan.domain_size == 2 for plan in plans)
-    sizes = {g.size for plan in plans for wave in plan.waves for g in wave.groups}
-    assert sizes == {1, 2}
-    kinds = {mb.recompute.kind for plan in plans for wave in plan.waves for g in wave.groups
+    # Refinement is on (the default): from step 4 plans depend on measured times. Steps 1-3 are planned
+    # with the configured cost model (step 1's times are not used, and step 3 is planned while step 2
+    # runs), so their shape is fixed by the lengths alone: check it there.
+    first = plans[:UNREFINED_STEPS]
+    assert {g.size for plan in first for wave in plan.waves for g in wave.groups} == {1, 2}
+    kinds = {mb.recompute.kind for plan in first for wave in plan.waves for g in wave.groups
              for mb in g.microbatches if mb.sequences}
     assert {"full", "selective"} <= kinds, kinds
-    assert any(min(step["counts"]) != max(step["counts"]) for step in dcp.dcp_steps.values())
+    assert any(min(dcp.dcp_steps[i]["counts"]) != max(dcp.dcp_steps[i]["counts"])
+               for i in range(1, UNREFINED_STEPS + 1))
     # The cost model was refined from measured times (the default), identically on all 4 ranks: every plan's
     # hash matched over the world (--dcp-check-plans), TP peers included.
     assert "measured corrections cp" in dcp.output

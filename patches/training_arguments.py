@@ -6,7 +6,9 @@
 - `validate_args` runs Megatron's checks between ours: flag conflicts first (`refuse_conflicting_flags`,
   so e.g. `--context-parallel-size 2` is refused before Megatron sets CP up), the rest after
   (`validate_dcp_args`): a flag DCP cannot honour stops the run at start-up with the reason, before
-  any model is built.
+  any model is built; `check_run_paths` (dcp_megatron/megatron/run_paths.py) does the same for a
+  `--save`/`--tensorboard-dir`/`--dcp-dump-plans` that cannot be written and a `--load` with nothing to
+  resume from, which upstream finds only when it first saves, or only warns about.
 
 CPU shim (no GPU only): with TP or CP > 1, `validate_args` asks `get_device_arch_version()`
 (imported by name) for the GPU generation, which calls into CUDA and fails without a driver.
@@ -44,9 +46,12 @@ def _with_dcp_validation(original):
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's own signature
         from dcp_megatron.megatron.dcp_args import refuse_conflicting_flags, validate_dcp_args
 
+        from dcp_megatron.megatron.run_paths import check_run_paths
+
         refuse_conflicting_flags(args)  # first: Megatron's own checks may fail on what we refuse
         result = original(args, defaults)
         validate_dcp_args(args)
+        check_run_paths(args)  # every run: Megatron would find a bad --save only when it first saves
         return result
 
     validate_args.dcp_original = original
@@ -77,6 +82,7 @@ def dcp_patches() -> tuple[Patch, ...]:
               versions=MEGATRON_CORE_VERSIONS),
         Patch(target=f"{_MODULE}:validate_args",
               replacement=_with_dcp_validation(_unwrapped(module.validate_args)),
-              reason="refuses flags --dcp cannot honour at start-up; --dcp implies a per-token loss.",
+              reason="refuses flags --dcp cannot honour, unwritable output paths and a --load with nothing to "
+                     "resume, at start-up; --dcp implies a per-token loss.",
               versions=MEGATRON_CORE_VERSIONS),
     )

@@ -226,3 +226,31 @@ def test_the_recompute_a_microbatch_asks_for_really_runs_in_backward():
     # selective: every layer's core attention (and nothing else) is recomputed.
     assert all(selective.get(f"backward:attn{i}") == 1 for i in range(3))
     assert not any(k.startswith("backward:layer") for k in selective)
+
+
+def test_run_paths_are_checked_at_start_up(tmp_path):
+    from dcp_megatron.megatron.run_paths import TRACKER_FILE, check_run_paths
+
+    def paths(**given):
+        return argparse.Namespace(**{"save": None, "load": None, "tensorboard_dir": None, "dcp_dump_plans": None,
+                                     **given})
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for flag, attr in (("--save", "save"), ("--tensorboard-dir", "tensorboard_dir"),
+                       ("--dcp-dump-plans", "dcp_dump_plans")):
+        with pytest.raises(DcpUsageError, match=f"{flag} .*exists and is not a directory"):
+            check_run_paths(paths(**{attr: str(a_file)}))
+        with pytest.raises(DcpUsageError, match="is a file, so the directory cannot be created"):
+            check_run_paths(paths(**{attr: str(a_file / "sub")}))
+    check_run_paths(paths(save=str(tmp_path / "new" / "ckpt"), tensorboard_dir=str(tmp_path / "tb")))
+    with pytest.raises(DcpUsageError, match="--load .*no such directory.*drop --load"):
+        check_run_paths(paths(load=str(tmp_path / "missing"), save=str(tmp_path / "ckpt")))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DcpUsageError, match="holds no Megatron checkpoint"):
+        check_run_paths(paths(load=str(empty)))
+    # --load = --save is Megatron's auto-resume: the first run has nothing to load yet
+    check_run_paths(paths(load=str(tmp_path / "auto"), save=str(tmp_path / "auto")))
+    (empty / TRACKER_FILE).write_text("5")
+    check_run_paths(paths(load=str(empty)))

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.timeout(900)
     # This 1.3 MiB budget holds no 1,024-token document on 2 ranks: stopped before the first step, flags named.
     (["--dcp", "--dcp-memory-budget-gb", "0.0013", "--dcp-recompute", "none"],
      "fits no CP group of this 2-rank domain", True),
+    # Upstream would train to the first save and fail there: refused before the model is built.
+    (["--save", __file__, "--save-interval", "2"], "exists and is not a directory", True),
 ])
 def test_bad_flags_stop_the_run_with_one_clear_line(extra, message, launcher, tmp_path):
     script = OUR_SCRIPT

@@ -149,19 +149,7 @@ def validate_dcp_args(args: argparse.Namespace) -> None:
         return
     if args.dcp_profile is not None and not os.path.isfile(args.dcp_profile):
         raise DcpUsageError(f"--dcp-profile {args.dcp_profile}: no such file")
-    if args.dcp_dump_plans is not None:
-        _check_writable_dir(args.dcp_dump_plans, "--dcp-dump-plans")
     if args.dcp_max_cp_size is not None and args.dcp_max_cp_size > args.data_parallel_size:
         raise DcpUsageError(f"--dcp-max-cp-size {args.dcp_max_cp_size} exceeds the DCP domain of "
                          f"{args.data_parallel_size} ranks (world size / (TP x PP))")
     dcp_config_from_args(args)  # the remaining value checks live in DcpConfig
-
-
-def _check_writable_dir(path: str, flag: str) -> None:
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise DcpUsageError(f"{flag} {path}: exists and is not a directory")
-    parent = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.access(parent, os.W_OK):
-        raise DcpUsageError(f"{flag} {path}: {parent} is not writable")

@@ -1,0 +1,57 @@
+"""Start-up checks of a run's output and resume paths, before any model is built.
+
+Megatron first touches `--save` when it saves (after training up to `--save-interval`: a `--save` that is
+a file, or a directory it cannot write, loses the run then), and a `--load` that does not exist or holds
+no checkpoint only draws a warning before training starts from scratch. Through our patches
+(patches/training_arguments.py, with or without `--dcp`) these stop the run at start-up instead:
+
+- `--save`, `--tensorboard-dir`, `--dcp-dump-plans`: must be a directory or creatable, and writable;
+- `--load DIR` other than `--save` (the user asks to resume from it): DIR must hold a Megatron
+  checkpoint (its tracker file or an `iter_*` directory). `--load` equal to `--save` is Megatron's
+  auto-resume pattern: its first run has nothing to load yet, so it is left to Megatron.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+
+from dcp_megatron.megatron.dcp_args import DcpUsageError
+
+# Megatron's checkpoint tracker file (megatron.training.checkpointing.get_checkpoint_tracker_filename).
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """`path` is a writable directory or can be created as one."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise DcpUsageError(f"{flag} {path}: exists and is not a directory; give a directory")
+    parent = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise DcpUsageError(f"{flag} {path}: {parent} is a file, so the directory cannot be created")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DcpUsageError(f"{flag} {path}: {parent} is not writable")
+
+
+def holds_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, TRACKER_FILE)) or bool(glob.glob(os.path.join(path, "iter_*")))
+
+
+def check_run_paths(args: argparse.Namespace) -> None:
+    """All start-up path checks of a megatron.training run (see the module docstring)."""
+    for flag, attr in (("--save", "save"), ("--tensorboard-dir", "tensorboard_dir"),
+                       ("--dcp-dump-plans", "dcp_dump_plans")):
+        path = getattr(args, attr, None)
+        if path:
+            check_writable_dir(path, flag)
+    load, save = getattr(args, "load", None), getattr(args, "save", None)
+    if not load or (save and os.path.abspath(load) == os.path.abspath(save)):
+        return
+    if not os.path.isdir(load):
+        raise DcpUsageError(f"--load {load}: no such directory, so there is nothing to resume from; fix the path, "
+                            f"or drop --load to train from scratch")
+    if not holds_checkpoint(load):
+        raise DcpUsageError(f"--load {load}: holds no Megatron checkpoint (no {TRACKER_FILE} and no iter_* "
+                            f"directory); fix the path, or drop --load to train from scratch")

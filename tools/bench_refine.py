@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,6 @@ sys.path.insert(0, ROOT)
 from dcp_megatron.planner.cluster_cpu import CPU_ATTN_RATE_POINTS  # noqa: E402
 from tests.megatron_runs import OUR_SCRIPT, run_training  # noqa: E402
 
-_STEP = re.compile(r" dcp iteration\s+(\d+) \|.*?predicted \(ms\): ([0-9.]+) \| forward-backward \(ms\): ([0-9.]+)")
 SETTLED_FROM = 4
 
 
@@ -49,7 +47,7 @@ def main(argv=None) -> int:
         steps = {}
         for label, extra in (("fixed", ["--dcp-no-refine"]), ("refined", [])):
             run = run_training(OUR_SCRIPT, common + extra, iters=args.iters).check()
-            steps[label] = {int(m[1]): (float(m[2]), float(m[3])) for m in _STEP.finditer(run.output)}
+            steps[label] = {i: (step["predicted_ms"], step["measured_ms"]) for i, step in run.dcp_steps.items()}
     print(f"profile: attention {args.attention_speedup}x faster than the cpu preset; 2 ranks, {args.iters} steps")
     print("step   fixed: predicted / measured (error)      refined: predicted / measured (error)")
     for step in sorted(steps["fixed"]):

@@ -9,6 +9,7 @@ module-scoped fixtures.
 """
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
@@ -94,6 +95,17 @@ def run_training(script: str, extra: list[str], *, nproc: int = 2, launcher: boo
     command = torchrun_command(script, flags, nproc=nproc, launcher=launcher, port=free_port())
     proc = subprocess.run(command, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout_s)
     return parse_output(proc.returncode, proc.stdout + proc.stderr)
+
+
+def read_plan_dumps(directory) -> list:
+    """The StepPlans a --dcp-dump-plans DIR holds, in step order."""
+    from dcp_megatron.planner.plan import StepPlan
+
+    plans = []
+    for path in sorted(glob.glob(os.path.join(str(directory), "step_*.json"))):
+        with open(path) as f:
+            plans.append(StepPlan.from_json(f.read()))
+    return plans
 
 
 def strip_dcp_lines(source: str, destination: str) -> None:

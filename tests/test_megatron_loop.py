@@ -14,14 +14,12 @@ already differs from the one-sample-per-micro-batch runs by 1e-4 to 2e-3 at step
 from __future__ import annotations
 
 import glob
-import os
 import re
 
 import pytest
 import torch
 
-from dcp_megatron.planner.plan import StepPlan
-from tests.megatron_runs import LLAMA_TINY, OUR_SCRIPT, run_training, strip_dcp_lines
+from tests.megatron_runs import LLAMA_TINY, OUR_SCRIPT, read_plan_dumps, run_training, strip_dcp_lines
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -137,9 +135,8 @@ def test_the_dynamic_path_ran_with_dcps_own_plans(runs, work):
     assert mixed, f"no step mixed CP sizes 1 and 2: {steps}"
     assert unequal, f"no step ran different micro-batch counts on the two ranks: {steps}"
     assert any(s["recompute"] != "none" for s in steps.values())
-    dumps = sorted(glob.glob(os.path.join(root, "plans", "step_*.json")))
-    assert len(dumps) == ITERS
-    plans = [StepPlan.from_json(open(path).read()) for path in dumps]
+    plans = read_plan_dumps(root / "plans")
+    assert len(plans) == ITERS
     assert all(plan.domain_size == 2 for plan in plans)
     assert {g.size for plan in plans for wave in plan.waves for g in wave.groups} == {1, 2}
     assert [plan.num_microbatches(0) for plan in plans] != [plan.num_microbatches(1) for plan in plans]

@@ -19,13 +19,10 @@ checkpoint loaded by one rank gives the same losses to 7 digits (README, Status)
 """
 from __future__ import annotations
 
-import glob
-import os
-
 import pytest
 
 from dcp_megatron.planner.plan import StepPlan
-from tests.megatron_runs import LLAMA_TINY, OUR_SCRIPT, run_training
+from tests.megatron_runs import LLAMA_TINY, OUR_SCRIPT, read_plan_dumps, run_training
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -81,12 +78,8 @@ def runs(tmp_path_factory):
 
 
 def _plans(directory) -> list[StepPlan]:
-    files = sorted(glob.glob(os.path.join(directory, "step_*.json")))
-    assert len(files) == ITERS, files
-    plans = []
-    for path in files:
-        with open(path) as f:
-            plans.append(StepPlan.from_json(f.read()))
+    plans = read_plan_dumps(directory)
+    assert len(plans) == ITERS, directory
     return plans
 
 

@@ -1,6 +1,5 @@
 """Planning ahead on a worker thread: the same plans as synchronous planning, errors in the caller."""
 import threading
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -38,23 +37,28 @@ def test_plans_made_ahead_equal_synchronous_plans(steps):
         assert step.plan.dumps() == _plan(batch).dumps()
 
 
-def test_planning_runs_on_another_thread_while_the_caller_trains_and_only_the_rest_is_exposed():
-    threads = []
+def test_planning_runs_on_another_thread_while_the_caller_goes_on():
+    """Deterministic (no timing): the plan function blocks until the caller, still running, releases it."""
+    threads, started, release = [], threading.Event(), threading.Event()
 
-    def slow_plan(value):
+    def blocking_plan(value):
         threads.append(threading.get_ident())
-        time.sleep(0.2)
+        started.set()
+        assert release.wait(timeout=60), "the caller never released the plan"
         return value
 
-    ahead = PlanAhead(slow_plan)
+    ahead = PlanAhead(blocking_plan)
     try:
         ahead.submit(1, "plan of step 1")
-        time.sleep(0.4)                       # "step 0 trains" longer than planning takes
+        assert started.wait(timeout=60)      # planning began while this thread was free to "train"
+        assert ahead.pending(1)
+        release.set()
         step = ahead.result(1)
     finally:
         ahead.close()
-    assert step.plan == "plan of step 1" and threads and threads[0] != threading.get_ident()
-    assert step.plan_s >= 0.2 and step.exposed_s < step.plan_s
+    assert step.plan == "plan of step 1" and step.ahead and step.step == 1
+    assert threads == [threads[0]] and threads[0] != threading.get_ident()
+    assert step.plan_s >= 0 and step.exposed_s >= 0
 
 
 def test_errors_reach_the_caller_and_misuse_is_refused():

@@ -46,9 +46,10 @@ from dcp_megatron.megatron.plan_log import plan_summary
 from dcp_megatron.megatron.planning import build_cost_model, check_longest_fits, check_same_plan, plan_global_batch
 from dcp_megatron.megatron.recompute import restore_recompute, snapshot_recompute
 from dcp_megatron.planner.ahead import PlanAhead, PlannedStep, plan_synchronously
-from dcp_megatron.planner.refine import MeasuredMicroBatch, TimeCorrection, relative_error
+from dcp_megatron.planner.refine import TimeCorrection, relative_error
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.runtime.group_pool import plan_blocks
+from dcp_megatron.runtime.measured_cost import refined_cost
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,9 @@ class DcpForwardBackward:
         measured_s = time.perf_counter() - started
         self._errors = (self._errors + [relative_error(plan.est_step_time_s, measured_s)])[-10:]
         if self._correction is not None and self._steps_run > 0:  # the first step also pays one-off start-up costs
-            self._refine(plan, step.durations(), device)
+            # over the world: TP peers and stages must plan alike too, so every rank gets the same sums
+            self._cost = refined_cost(self._correction, self._base_cost, plan, domain_rank=pool.domain_rank,
+                                      durations=step.durations(), device=device)
         self._steps_run += 1
         if self._dumper is not None:
             self._dumper.write(iteration, plan)
@@ -172,20 +175,6 @@ class DcpForwardBackward:
                       f"{len(batches)} micro-batches, cp sizes "
                       f"{sorted({b[MICROBATCH_KEY].cp_size for b in batches})} |", flush=True)
         return losses_reduced
-
-    def _refine(self, plan, durations: list[float], device) -> None:
-        """Fold this step's measured micro-batch times into the cost model (a collective over the world:
-        TP peers and stages must plan alike too, so every rank gets the same sums)."""
-        rank = self._pool.domain_rank
-        ran = [(group, microbatch) for _, group in plan.rank_schedule(rank) for microbatch in group.microbatches]
-        measured = [MeasuredMicroBatch(cp_size=group.size, recompute_kind=mb.recompute.kind, measured_s=seconds,
-                                       predicted_s=self._base_cost.microbatch_time(
-                                           mb.lengths, group.size, first_rank=group.first_rank,
-                                           recompute=mb.recompute))
-                    for (group, mb), seconds in zip(ran, durations) if mb.sequences]
-        sums = torch.tensor(self._correction.bucket_sums(measured), dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(sums)
-        self._cost = self._base_cost.with_time_scale(self._correction.update(sums.tolist()))
 
     def _factors_text(self) -> str:
         if self._correction is None or not self._correction.factors:

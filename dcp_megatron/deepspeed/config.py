@@ -1,0 +1,135 @@
+"""The DeepSpeed side of a run's configuration: the `"dcp"` block, the `--dcp*` flags, the ZeRO checks.
+
+A DeepSpeed user turns DCP on with `--dcp` or with a `"dcp"` block in the DeepSpeed JSON:
+
+    "dcp": {"enabled": true, "max_cp_size": 4, "recompute": ["none", "selective", "full"],
+            "memory_budget_gb": 60, "dump_plans": "plans/"}
+
+(keys are the `--dcp-*` flag names with `_`; a flag given on the command line wins over the block).
+`prepare_deepspeed_config` checks the block and the ZeRO settings against what DCP can run, removes the
+block (DeepSpeed does not know it) and sets what the planned step needs of the engine:
+
+- `train_micro_batch_size_per_gpu: 1`, `gradient_accumulation_steps: 1`: the plan, not the config,
+  decides how many micro-batches each rank runs per step; the engine's step is the accumulation
+  boundary (`engine_step.py`), so a config that asks for another accumulation count is refused;
+- ZeRO stage 0, 1 or 2. Stage 3 is refused: it all-gathers every layer's parameters over the
+  data-parallel group in every forward, so ranks running different numbers of micro-batches issue
+  different numbers of gathers and hang (measured on 0.19.8, 2 CPU ranks: 1 vs 3 forwards time out).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+from dcp_megatron.megatron.dcp_args import RECOMPUTE_CHOICES, DcpConfig, DcpUsageError
+
+SUPPORTED_ZERO_STAGES = (0, 1, 2)
+
+# "dcp" block key -> (DcpConfig field, expected JSON type(s)).
+_BLOCK_KEYS = {
+    "enabled": (None, bool),
+    "policy": ("policy", str),
+    "max_cp_size": ("max_cp_size", int),
+    "memory_budget_gb": ("memory_budget_gb", (int, float)),
+    "recompute": ("recompute", list),
+    "profile": ("profile", str),
+    "dump_plans": ("dump_plans", str),
+    "check_plans": ("check_plans", bool),
+    "gpus_per_node": ("gpus_per_node", int),
+    "plan_ahead": ("plan_ahead", bool),
+    "refine": ("refine", bool),
+}
+
+
+def load_deepspeed_config(path: str) -> dict:
+    """The DeepSpeed JSON at `path`, with a message naming the file when it cannot be read."""
+    if not os.path.isfile(path):
+        raise DcpUsageError(f"--deepspeed-config {path}: no such file")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as err:
+        raise DcpUsageError(f"--deepspeed-config {path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise DcpUsageError(f"--deepspeed-config {path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def dcp_block_settings(block) -> dict:
+    """The `"dcp"` block as DcpConfig keyword arguments (plus "enabled"); every key and type checked."""
+    if block is None:
+        return {}
+    if not isinstance(block, dict):
+        raise DcpUsageError(f'the DeepSpeed config\'s "dcp" block must be an object, got {type(block).__name__}')
+    unknown = sorted(set(block) - set(_BLOCK_KEYS))
+    if unknown:
+        raise DcpUsageError(f'unknown key(s) {unknown} in the DeepSpeed config\'s "dcp" block; known keys: '
+                            f'{sorted(_BLOCK_KEYS)}')
+    settings = {}
+    for key, value in block.items():
+        field, kinds = _BLOCK_KEYS[key]
+        bad_type = not isinstance(value, kinds) or (isinstance(value, bool) and kinds is not bool)
+        if value is not None and bad_type:
+            names = "/".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+            raise DcpUsageError(f'"dcp": {{"{key}": {json.dumps(value)}}} must be a {names}')
+        if key == "recompute" and value is not None:
+            value = tuple(value)
+            if not value or any(r not in RECOMPUTE_CHOICES for r in value):
+                raise DcpUsageError(f'"dcp": {{"recompute": {json.dumps(list(value))}}}: give a non-empty list from '
+                                    f'{list(RECOMPUTE_CHOICES)}')
+        settings["enabled" if field is None else field] = value
+    return settings
+
+
+def zero_stage(ds_config: dict) -> int:
+    zero = ds_config.get("zero_optimization") or {}
+    if not isinstance(zero, dict):
+        raise DcpUsageError(f'"zero_optimization" must be an object, got {type(zero).__name__}')
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+        raise DcpUsageError(f'"zero_optimization": {{"stage": {json.dumps(stage)}}} is not a ZeRO stage (0-3)')
+    return stage
+
+
+def prepare_deepspeed_config(ds_config: dict) -> dict:
+    """A copy of the user's DeepSpeed config that the planned step can run (see the module docstring)."""
+    config = copy.deepcopy(ds_config)
+    config.pop("dcp", None)
+    stage = zero_stage(config)
+    if stage not in SUPPORTED_ZERO_STAGES:
+        raise DcpUsageError(
+            f"ZeRO stage {stage} is not supported: it gathers parameters over the data-parallel group in every "
+            "forward, and planned steps run different numbers of micro-batches per rank (the gathers would not "
+            "match and the run would hang); use ZeRO stage 0, 1 or 2")
+    for key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu"):
+        if config.get(key, 1) != 1:
+            raise DcpUsageError(
+                f'"{key}": {json.dumps(config[key])}: the step plan decides how many micro-batches each rank runs '
+                f'and what each holds (the batch is --tokens-per-step tokens); remove "{key}" or set it to 1')
+    config.pop("train_batch_size", None)  # DeepSpeed derives it: world size x 1 x 1
+    config["train_micro_batch_size_per_gpu"] = 1
+    config["gradient_accumulation_steps"] = 1
+    if config.get("managed_gradient_accumulation") is False:
+        raise DcpUsageError('"managed_gradient_accumulation": false: the planned step coalesces each rank\'s '
+                            "gradient reduction itself (engine_step.py); remove the key")
+    return config
+
+
+def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int, log_interval: int,
+               dcp_flag: bool) -> DcpConfig | None:
+    """The run's DcpConfig from the `"dcp"` block and the flags given on the command line (`cli`: DcpConfig
+    keyword arguments, None where a flag was not given), or None when DCP is off."""
+    settings = dcp_block_settings(ds_config.get("dcp"))
+    enabled = bool(dcp_flag or settings.pop("enabled", False))
+    settings.pop("enabled", None)
+    given = {key: value for key, value in cli.items() if value is not None}
+    if not enabled:
+        if given or settings:
+            names = sorted(given) + sorted(f'"dcp" block key {key}' for key in settings)
+            raise DcpUsageError(f"{', '.join(names)} only take effect with --dcp (or \"dcp\": {{\"enabled\": true}})")
+        return None
+    settings.update(given)
+    if settings.get("profile") and not os.path.isfile(settings["profile"]):
+        raise DcpUsageError(f"dcp profile {settings['profile']}: no such file")
+    return DcpConfig(seq_length=seq_length, train_iters=train_iters, log_interval=log_interval, **settings)

@@ -1,0 +1,98 @@
+"""One planned training step on a DeepSpeed engine: this rank's micro-batches, one reduction, one update.
+
+The step plan gives every rank of the DCP domain (DeepSpeed's data-parallel group: the world) its own
+micro-batches: some run alone, some with a CP group, and ranks run different numbers of them. The
+engine is driven so that this is exactly one optimizer step on the whole global batch:
+
+- the accumulation boundary is this rank's last micro-batch, whatever its count: with ZeRO stage 1
+  or 2 all of a rank's backwards run inside `engine.coalesce_grad_reduction()` (gradients stay on
+  the parameters, one reduction pass when the block closes, the same collectives on every rank); with
+  stage 0, every backward but the last runs under `engine.no_sync()`. (Without either, ZeRO-2 reduces
+  in every backward and a rank with more micro-batches issues reductions the others never join.)
+- the loss is per token: each micro-batch backpropagates its local token-loss sum times
+  `world / global tokens`; DeepSpeed averages gradients over the world, so the result is the sum over
+  all tokens divided by the global token count: one device's gradient on the whole batch.
+  (`backward(scale_wrt_gas=False)`: the engine's 1/GAS scaling stays out; GAS is 1 anyway.)
+- each micro-batch's CP group reaches attention through `PackedSeqParams.cp_group` (the batch dicts of
+  `megatron/microbatches.rank_batches`, read by the script's forward function; a rank the plan gives
+  nothing runs one masked 1-token filler, so it joins the reduction); recompute is switched on the
+  model just before each forward.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
+from dcp_megatron.megatron.recompute import apply_recompute
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step did: the global batch's mean token loss, its tokens, this rank's part and timings."""
+
+    loss: float
+    num_tokens: int
+    num_microbatches: int
+    cp_sizes: tuple[int, ...]
+    durations: tuple[float, ...]   # seconds per micro-batch (forward + backward), all but the step's last
+    seconds: float                 # the whole step, the optimizer's update included
+    grad_norm: float | None        # of the reduced gradient, before clipping (None: not known)
+
+
+def _reduction_scopes(engine, count: int):
+    """One context per micro-batch such that the step's gradient reduction happens once, at the end."""
+    if engine.zero_optimization_stage() in (1, 2):
+        return engine.coalesce_grad_reduction(), [contextlib.nullcontext() for _ in range(count)]
+    # Stage 0: DeepSpeed all-reduces at the end of a boundary backward outside no_sync.
+    return contextlib.nullcontext(), [engine.no_sync() for _ in range(count - 1)] + [contextlib.nullcontext()]
+
+
+def run_planned_step(engine, batches: list[dict], *, forward_loss, model_config, num_tokens: int,
+                     world_size: int) -> StepOutcome:
+    """Forward/backward every micro-batch of this rank, then `engine.step()` (a collective over the world).
+
+    `forward_loss(engine, batch)` -> (sum of the batch's masked token losses, its valid token count)."""
+    if num_tokens < 1:
+        raise ValueError(f"a step needs at least one token to train, got {num_tokens}")
+    started = time.perf_counter()
+    scale = world_size / num_tokens
+    local = torch.zeros(2, dtype=torch.float64)
+    marks = []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # kernels run async
+    outer, scopes = _reduction_scopes(engine, len(batches))
+    with outer:
+        for batch, scope in zip(batches, scopes):
+            apply_recompute(engine.module, model_config, batch[MICROBATCH_KEY].recompute)
+            sync()
+            marks.append(time.perf_counter())
+            with scope:
+                loss_sum, valid = forward_loss(engine, batch)
+                engine.backward(loss_sum * scale, scale_wrt_gas=False)
+            local += torch.tensor([float(loss_sum.detach()), float(valid)], dtype=torch.float64)
+    sync()
+    marks.append(time.perf_counter())
+    grad_norm = _reduced_grad_norm(engine) if engine.zero_optimization_stage() == 0 else None
+    engine.step()
+    if grad_norm is None and engine.get_global_grad_norm() is not None:
+        grad_norm = float(engine.get_global_grad_norm())
+    dist.all_reduce(local)
+    total_loss, total_tokens = local.tolist()
+    if int(round(total_tokens)) != num_tokens:
+        raise RuntimeError(f"the step trained {int(round(total_tokens))} tokens, its global batch holds {num_tokens}: "
+                           "a micro-batch lost or repeated tokens")
+    durations = tuple(b - a for a, b in zip(marks[:-1], marks[1:]))
+    timed = durations[:-1] if engine.zero_optimization_stage() == 0 else durations
+    return StepOutcome(loss=total_loss / num_tokens, num_tokens=num_tokens, num_microbatches=len(batches),
+                       cp_sizes=tuple(sorted({b[MICROBATCH_KEY].cp_size for b in batches})),
+                       durations=timed, seconds=time.perf_counter() - started, grad_norm=grad_norm)
+
+
+def _reduced_grad_norm(engine) -> float:
+    # Stage 0 reduced the gradients into .grad in the last backward; DeepSpeed records no norm for it.
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))

@@ -1,0 +1,315 @@
+"""GPT pretraining on the DeepSpeed engine, with or without `--dcp` (dcp-megatron's DeepSpeed script).
+
+    deepspeed --num_gpus 8 pretrain_scripts/pretrain_gpt_deepspeed.py --deepspeed-config ds.json <model flags> \
+        --data-path PREFIX --tokens-per-step 1048576 --train-iters 1000 [--dcp | "dcp" block in ds.json]
+    torchrun --nproc-per-node 2 pretrain_scripts/pretrain_gpt_deepspeed.py ...   (the same; on CPU: gloo)
+
+The model is megatron-core's GPTModel built from the same model flags as our Megatron script (TP = PP
+= 1: DeepSpeed's data-parallel group, the world, is the DCP domain); the Transformer Engine layer spec
+on GPU, the local spec with our packed CP attention on CPU. DeepSpeed owns the rest: the JSON config
+(ZeRO stage, bf16 or fp32, gradient clipping, the optimizer and scheduler blocks), `deepspeed.initialize`,
+`save_checkpoint`/`load_checkpoint` (our data position travels in its client state) and its progress
+lines (`steps_per_print`).
+
+Every step trains one global batch of `--tokens-per-step` tokens of whole documents (at most
+`--seq-length` each). With `--dcp` each batch is planned (CP size per document, micro-batches per rank,
+recompute per micro-batch); without it the same batches run Megatron's static layout (one CP size for
+the run, the same micro-batch count on every rank). Both train each batch's per-token loss, so loss
+traces of any layout and world size agree.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dcp_megatron.megatron.dcp_args import DcpUsageError, add_dcp_arguments  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_argument_group("model (the names of Megatron's flags)")
+    model.add_argument("--num-layers", type=int, required=True)
+    model.add_argument("--hidden-size", type=int, required=True)
+    model.add_argument("--num-attention-heads", type=int, required=True)
+    model.add_argument("--num-query-groups", type=int, default=None, help="key/value heads (default: all heads)")
+    model.add_argument("--kv-channels", type=int, default=None, help="head dimension (default hidden / heads)")
+    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    model.add_argument("--seq-length", type=int, required=True, help="the longest document a step may hold")
+    model.add_argument("--max-position-embeddings", type=int, default=None)
+    model.add_argument("--vocab-size", type=int, required=True)
+    model.add_argument("--swiglu", action="store_true")
+    model.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    model.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default="rope")
+    model.add_argument("--rotary-base", type=int, default=10000)
+    model.add_argument("--disable-bias-linear", action="store_true")
+    model.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    model.add_argument("--init-method-std", type=float, default=0.02)
+    data = parser.add_argument_group("data")
+    data.add_argument("--data-path", default=None, help="megatron-core indexed dataset prefix (.bin/.idx)")
+    data.add_argument("--mock-data", action="store_true", help="synthetic long-tailed documents instead")
+    data.add_argument("--mock-documents", type=int, default=20000)
+    data.add_argument("--tokens-per-step", type=int, required=True, help="tokens of one global batch")
+    data.add_argument("--overlong", choices=("error", "split", "truncate"), default="error",
+                      help="documents longer than --seq-length: refuse at start (default), split or truncate")
+    data.add_argument("--seed", type=int, default=1234)
+    train = parser.add_argument_group("training")
+    train.add_argument("--deepspeed-config", required=True, help="DeepSpeed JSON (may hold a \"dcp\" block)")
+    train.add_argument("--train-iters", type=int, required=True)
+    train.add_argument("--log-interval", type=int, default=1)
+    train.add_argument("--save", default=None, help="DeepSpeed checkpoint directory")
+    train.add_argument("--save-interval", type=int, default=None)
+    train.add_argument("--load", default=None, help="resume from this DeepSpeed checkpoint directory")
+    train.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                       help="every collective of the run gives up after this long and names the step")
+    train.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_dcp_arguments(parser)
+    args = parser.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Start-up checks of flags and paths: before any process group, model or data is touched."""
+    from dcp_megatron.deepspeed.checkpoint import check_checkpoint_paths
+
+    if (args.data_path is None) == (not args.mock_data):
+        raise DcpUsageError("give exactly one of --data-path PREFIX and --mock-data")
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                 "tokens_per_step", "train_iters", "log_interval"):
+        if getattr(args, flag) < 1:
+            raise DcpUsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.tokens_per_step < args.seq_length:
+        raise DcpUsageError(f"--tokens-per-step {args.tokens_per_step} is below --seq-length {args.seq_length}: "
+                            "a step could not hold its longest document")
+    if args.save_interval is not None and not args.save:
+        raise DcpUsageError("--save-interval needs --save DIR")
+    if not (args.distributed_timeout_minutes > 0):
+        raise DcpUsageError(f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
+    check_checkpoint_paths(save=args.save, load=args.load, dump_plans=args.dcp_dump_plans)
+
+
+def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
+    """The DeepSpeed config the engine gets and the run's DcpConfig (policy "static" without --dcp)."""
+    from dcp_megatron.deepspeed.config import dcp_config, load_deepspeed_config, prepare_deepspeed_config
+    from dcp_megatron.megatron.dcp_args import DcpConfig, dcp_config_from_args
+
+    user_config = load_deepspeed_config(args.deepspeed_config)
+    ds_config = prepare_deepspeed_config(user_config)
+    if "optimizer" not in ds_config:
+        raise DcpUsageError(f'--deepspeed-config {args.deepspeed_config}: add an "optimizer" block (e.g. '
+                            '{"type": "AdamW", "params": {"lr": 3e-4}}); the script builds no optimizer of its own')
+    optimizer = ds_config["optimizer"]
+    if not has_gpu and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
+        # DeepSpeed's fused Adam needs compiled ops; torch's Adam(W) is the same algorithm.
+        optimizer.setdefault("params", {}).setdefault("torch_adam", True)
+    flags = dcp_config_from_args(args) if args.dcp else None
+    cli = {} if flags is None else {name: getattr(flags, name) for name in (
+        "policy", "max_cp_size", "memory_budget_gb", "profile", "dump_plans", "check_plans", "gpus_per_node")}
+    if flags is not None:
+        cli.update(recompute=flags.recompute if args.dcp_recompute else None,
+                   plan_ahead=False if args.dcp_sync_planning else None, refine=False if args.dcp_no_refine else None)
+    config = dcp_config(user_config, cli=cli, seq_length=args.seq_length, train_iters=args.train_iters,
+                        log_interval=args.log_interval, dcp_flag=args.dcp)
+    if config is None:  # Megatron's static layout, on the same batches
+        config = DcpConfig(policy="static", seq_length=args.seq_length, train_iters=args.train_iters,
+                           log_interval=args.log_interval, refine=False)
+    return ds_config, config
+
+
+def build_model(args: argparse.Namespace, *, has_gpu: bool, bf16: bool):
+    """megatron-core's GPTModel for TP = PP = 1, initialised from --seed (the same weights on every rank and
+    world size; Megatron's model-parallel state must be set up first, see setup_training)."""
+    import torch.nn.functional as F
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(args.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    heads = args.num_attention_heads
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
+        num_query_groups=args.num_query_groups or heads, kv_channels=args.kv_channels or args.hidden_size // heads,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size, normalization=args.normalization,
+        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
+        init_method_std=args.init_method_std, use_cpu_initialization=not has_gpu, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False)
+    spec = (get_gpt_layer_with_transformer_engine_spec() if has_gpu
+            else get_gpt_layer_local_spec(normalization=args.normalization))
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
+                     max_sequence_length=args.max_position_embeddings or args.seq_length,
+                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                     position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)
+    return model, config
+
+
+def document_source(args: argparse.Namespace):
+    from dcp_megatron.data.documents import MockDocuments
+    from dcp_megatron.megatron.indexed_documents import IndexedDocuments
+
+    if args.mock_data:
+        return MockDocuments(seed=args.seed, num_documents=args.mock_documents, max_len=args.seq_length,
+                             vocab_size=args.vocab_size)
+    return IndexedDocuments(args.data_path, vocab_size=args.vocab_size)
+
+
+def forward_loss(engine, batch: dict):
+    """(sum of the micro-batch's masked token losses, its valid token count): the per-token loss."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
+
+    bounds = batch["cu_seqlens_padded"].view(-1)
+    max_seqlen = int(batch["max_seqlen"].max())
+    context = batch[MICROBATCH_KEY]
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=bounds,
+                             cu_seqlens_kv_padded=bounds, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+                             local_cp_size=context.cp_size, cp_group=context.group)
+    losses = engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=params)
+    mask = batch["loss_mask"].view(-1).float()
+    return torch.sum(losses.view(-1).float() * mask), int(mask.sum())
+
+
+@dataclass
+class Training:
+    """What a run trains with: DeepSpeed's engine and the planned steps over the run's data."""
+
+    engine: object
+    steps: object
+    rank: int
+    registry: object   # the megatron-core patches applied for this run (removed by close())
+
+    def close(self) -> None:
+        from megatron.core import parallel_state
+
+        self.steps.close()
+        parallel_state.destroy_model_parallel()
+        self.registry.remove()
+
+
+def setup_training(args: argparse.Namespace) -> Training:
+    """Distributed init, model, engine, data stream, cost model and planned steps, in that order."""
+    import deepspeed
+    from megatron.core import parallel_state
+
+    from dcp_megatron.data.batches import GlobalBatchStream
+    from dcp_megatron.deepspeed.patch_set import deepspeed_patch_registry
+    from dcp_megatron.deepspeed.steps import DcpSteps
+    from dcp_megatron.megatron.planning import build_cost_model, check_longest_fits
+    from dcp_megatron.planner.model import ModelShape
+    from dcp_megatron.runtime.group_pool import GroupPool
+
+    has_gpu = torch.cuda.is_available()
+    ds_config, config = deepspeed_setup(args, has_gpu=has_gpu)
+    source = document_source(args)
+    stream = GlobalBatchStream(source, tokens_per_step=args.tokens_per_step, max_seq_len=args.seq_length,
+                               seed=args.seed, overlong=args.overlong)
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    if has_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    deepspeed.init_distributed(dist_backend="nccl" if has_gpu else "gloo", timeout=timeout)
+    world_size = torch.distributed.get_world_size()
+    shape = ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_attention_heads,
+                       num_kv_heads=args.num_query_groups or args.num_attention_heads,
+                       head_dim=args.kv_channels or args.hidden_size // args.num_attention_heads,
+                       ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size, vocab_size=args.vocab_size,
+                       gated_mlp=args.swiglu, tp=1, pp=1)
+    cost = build_cost_model(config, shape, domain_size=world_size, has_gpu=has_gpu)
+    check_longest_fits(config, cost)
+    registry = deepspeed_patch_registry().apply()
+    try:
+        # TP = PP = 1: Megatron's groups the model reads; DeepSpeed's data-parallel group is the world.
+        parallel_state.initialize_model_parallel(1, 1, distributed_timeout_minutes=max(1, round(
+            args.distributed_timeout_minutes)))
+        bf16 = bool((ds_config.get("bf16") or {}).get("enabled"))
+        model, model_config = build_model(args, has_gpu=has_gpu, bf16=bf16)
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                               model_parameters=[p for p in model.parameters() if p.requires_grad])
+        device = torch.device("cuda", torch.cuda.current_device()) if has_gpu else torch.device("cpu")
+        pool = GroupPool([list(range(world_size))], timeout=timeout)
+        rank = torch.distributed.get_rank()
+        steps = DcpSteps(config=config, stream=stream, source=source, cost=cost, pool=pool, model_config=model_config,
+                         forward_loss=forward_loss, device=device, is_logging_rank=rank == 0)
+    except BaseException:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        registry.remove()
+        raise
+    return Training(engine=engine, steps=steps, rank=rank, registry=registry)
+
+
+def log_step(training: Training, outcome, *, iteration: int, train_iters: int, consumed: int) -> None:
+    """Megatron's iteration line (loss, grad norm, learning rate) and the step's plan line."""
+    from dcp_megatron.megatron.plan_log import plan_summary
+
+    engine, steps = training.engine, training.steps
+    norm = f" grad norm: {outcome.grad_norm:.3f} |" if outcome.grad_norm is not None else ""
+    lr = engine.get_lr()[0] if engine.get_lr() else float("nan")
+    print(f" iteration {iteration:8d}/{train_iters:8d} | consumed tokens: {consumed:12d} | "
+          f"lm loss: {outcome.loss:.6E} |{norm} learning rate: {lr:.6E} | step time (ms): "
+          f"{outcome.seconds * 1000:.1f} |", flush=True)
+    plan, planned = steps.last_plan, steps.last_planning
+    print(f" dcp iteration {iteration:8d} | {plan_summary(plan)} | predicted (ms): "
+          f"{plan.est_step_time_s * 1000:.1f} | forward-backward (ms): {outcome.seconds * 1000:.1f} | planning "
+          f"(ms): {planned.plan_s * 1000:.1f} {'ahead' if planned.ahead else 'at step start'}, exposed "
+          f"{planned.exposed_s * 1000:.1f} | rank 0 ran {outcome.num_microbatches} micro-batches, cp sizes "
+          f"{list(outcome.cp_sizes)} |", flush=True)
+
+
+def train(args: argparse.Namespace) -> None:
+    from dcp_megatron.deepspeed import checkpoint
+
+    training = setup_training(args)
+    engine, steps, rank = training.engine, training.steps, training.rank
+    iteration, consumed = 0, 0
+    if args.load:
+        iteration, data_state = checkpoint.load(engine, args.load)
+        steps.load_state_dict(data_state["stream"])
+        consumed = int(data_state["consumed_tokens"])
+        if rank == 0:
+            print(f"resumed from {args.load} at iteration {iteration} ({consumed} tokens trained)", flush=True)
+    started = time.perf_counter()
+    while iteration < args.train_iters:
+        outcome = steps.train_step(engine)
+        iteration += 1
+        consumed += outcome.num_tokens
+        if rank == 0 and iteration % args.log_interval == 0:
+            log_step(training, outcome, iteration=iteration, train_iters=args.train_iters, consumed=consumed)
+        if args.save and args.save_interval and (iteration % args.save_interval == 0 or iteration == args.train_iters):
+            checkpoint.save(engine, args.save, iteration=iteration,
+                            data_state={"stream": steps.state_dict(), "consumed_tokens": consumed})
+    if rank == 0:
+        print(f"done: {iteration} iterations in {time.perf_counter() - started:.1f} s", flush=True)
+    torch.distributed.barrier()
+    training.close()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except DcpUsageError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)

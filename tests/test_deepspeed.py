@@ -1,0 +1,171 @@
+"""DCP inside the DeepSpeed engine: gradients, loss traces, the dynamic path, resume and refusals.
+
+- gradient parity (one 2-rank launch, many cases): after each of two steps, the update a DeepSpeed
+  engine applied (SGD, so update = lr x gradient) equals lr x the gradient of one device on the
+  whole global batch, for ZeRO 0, 1 and 2 with planned steps (mixed CP sizes, unequal micro-batch
+  counts) and for the static layout;
+- the real script (pretrain_scripts/pretrain_gpt_deepspeed.py, torchrun, 10 steps): `--dcp` under
+  ZeRO-1 and ZeRO-2, the static layout and a 1-rank run give the same loss trace; the plans dumped
+  by `--dcp-dump-plans` mix CP sizes and give ranks different micro-batch counts; a resume from
+  DeepSpeed's checkpoint continues the trace; a bad "dcp" block stops the run at start.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+from tests.deepspeed_runs import DS_SCRIPT, TINY_MODEL, ds_config, run_deepspeed
+from tests.dist_utils import max_rel_err, run_distributed
+from tests.megatron_runs import read_plan_dumps
+
+BUDGET = ["--dcp-memory-budget-gb", "0.0035"]   # tight enough that long documents need CP 2 or recompute
+SGD_LR = 1e3   # large: the update lr x g dwarfs the weights, so (before - after) / lr is g to fp32 rounding
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_deepspeed", DS_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _reference_gradients(script, args, model_config, state, batch, source) -> dict:
+    """One device, the whole global batch, per-token loss: the gradient DCP must reproduce."""
+    import torch
+
+    from dcp_megatron.data.assembly import microbatch_arrays
+    from dcp_megatron.megatron.microbatches import build_batch
+    from dcp_megatron.planner.plan import NO_RECOMPUTE
+
+    model, _ = script.build_model(args, has_gpu=False, bf16=False)
+    model.load_state_dict(state)
+    total = torch.zeros(())
+    for sid, length in batch.sequences:
+        inputs, labels = microbatch_arrays(source, batch, [(sid, length)])
+        rows = torch.stack([torch.from_numpy(inputs), torch.from_numpy(labels),
+                            torch.ones(len(inputs), dtype=torch.int64)], dim=1)
+        micro = build_batch([rows], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE, wave_index=0,
+                            device=torch.device("cpu"))
+        loss_sum, _ = script.forward_loss(model, micro)
+        total = total + loss_sum
+    (total / batch.num_tokens).backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def _parity_worker(rank, world_size, directory):
+    import torch
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))  # what torchrun sets
+    from dcp_megatron.data.batches import GlobalBatchStream
+
+    script = _script()
+    results = []
+    for stage, policy in ((1, "static"), (0, "dcp"), (1, "dcp"), (2, "dcp")):
+        path = os.path.join(directory, f"sgd_z{stage}_{policy}.json")
+        if rank == 0:
+            config = ds_config(stage=stage, gradient_clipping=0.0, zero_allow_untested_optimizer=True,
+                               optimizer={"type": "SGD", "params": {"lr": SGD_LR}})
+            del config["scheduler"]   # a constant learning rate: update = lr x gradient at every step
+            with open(path, "w") as f:
+                json.dump(config, f)
+        torch.distributed.barrier()
+        flags = TINY_MODEL + ["--deepspeed-config", path, "--train-iters", "2"]
+        flags += ["--dcp", *BUDGET, "--dcp-sync-planning"] if policy == "dcp" else []
+        args = script.parse_args(flags)
+        training = script.setup_training(args)
+        engine = training.engine
+        references = GlobalBatchStream(training.steps.source, tokens_per_step=args.tokens_per_step,
+                                       max_seq_len=args.seq_length, seed=args.seed)
+        # Two steps: with lr 1e3 a third would start from weights so large that attention saturates and fp32
+        # summation order (CP attention merges blocks) decides the gradient, for any layout.
+        for step in range(2):
+            before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+            expected = _reference_gradients(script, args, engine.module.config, before, references.next_batch(),
+                                            training.steps.source)
+            outcome = training.steps.train_step(engine)
+            plan = training.steps.last_plan
+            errors = [max_rel_err((before[name] - p.detach()) / SGD_LR, expected[name])
+                      for name, p in engine.module.named_parameters()]
+            scale = max(float(g.abs().max()) for g in expected.values())
+            assert 0 < scale < float("inf"), f"degenerate reference gradient (max |g| = {scale})"
+            results.append({"stage": stage, "policy": policy, "step": step, "max_rel_err": max(errors),
+                            "counts": [plan.num_microbatches(r) for r in range(plan.domain_size)],
+                            "cp_sizes": sorted(plan.cp_size_histogram()), "ran": outcome.num_microbatches})
+        training.close()
+    return results
+
+
+def test_gradients_equal_one_device_on_the_whole_batch(tmp_path):
+    results = run_distributed(_parity_worker, 2, str(tmp_path), timeout_s=600)
+    rank0 = results[0]
+    for case in rank0:
+        print(case)
+        assert case["max_rel_err"] <= 1e-5, case
+    dcp = [c for c in rank0 if c["policy"] == "dcp"]
+    assert any(len(set(c["counts"])) > 1 for c in dcp), "no planned step gave the ranks different counts"
+    assert any(len(c["cp_sizes"]) > 1 for c in dcp), "no planned step mixed CP sizes"
+    static = [c for c in rank0 if c["policy"] == "static"]
+    assert all(len(set(c["counts"])) == 1 and len(c["cp_sizes"]) == 1 for c in static)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds")
+    plans, save = root / "plans", root / "ckpt"
+    dcp_z1 = run_deepspeed(ds_config(stage=1), ["--dcp", *BUDGET, "--dcp-dump-plans", str(plans), "--save",
+                                                str(save), "--save-interval", "5"], directory=str(root))
+    return {
+        "root": root, "plans": plans, "save": save, "dcp_z1": dcp_z1,
+        "dcp_z2": run_deepspeed(ds_config(stage=2), ["--dcp", *BUDGET], directory=str(root)),
+        "static": run_deepspeed(ds_config(stage=1), [], directory=str(root)),
+        "one_rank": run_deepspeed(ds_config(stage=0), [], nproc=1, directory=str(root)),
+        "resumed": run_deepspeed(ds_config(stage=1), ["--dcp", *BUDGET, "--load", str(save)], directory=str(root)),
+    }
+
+
+def _close(trace, reference, tolerance=1e-5):
+    assert len(trace) == len(reference) == 10, (trace, reference)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(trace, reference))
+    assert worst <= tolerance, (worst, trace, reference)
+    return worst
+
+
+def test_loss_traces_agree_across_layouts(runs):
+    reference = runs["one_rank"].check().loss_trace()
+    for name in ("dcp_z1", "dcp_z2", "static"):
+        print(name, _close(runs[name].check().loss_trace(), reference))
+    assert reference[-1] < reference[0], "the run did not learn"
+
+
+def test_the_dynamic_path_ran(runs):
+    plans = read_plan_dumps(runs["plans"])
+    assert len(plans) == 10
+    assert any(len(p.cp_size_histogram()) > 1 for p in plans), "no step mixed CP sizes"
+    assert any(len({p.num_microbatches(r) for r in range(p.domain_size)}) > 1 for p in plans)
+    assert any(mb.recompute.kind != "none" for p in plans for w in p.waves for g in w.groups for mb in g.microbatches)
+    static = runs["static"].dcp_steps
+    assert static and all(s["policy"] == "static" and len(set(s["counts"])) == 1 for s in static.values())
+    dynamic = runs["dcp_z2"].dcp_steps
+    assert all(s["policy"] == "dcp" for s in dynamic.values())
+
+
+def test_resume_continues_the_trace(runs):
+    resumed = runs["resumed"].check()
+    assert "resumed from" in resumed.output and "at iteration 5" in resumed.output
+    assert sorted(resumed.losses) == list(range(6, 11))
+    full = runs["dcp_z1"].losses
+    for iteration, loss in resumed.losses.items():
+        assert abs(loss - full[iteration]) <= 1e-5 * abs(full[iteration]), (iteration, loss, full[iteration])
+
+
+def test_bad_dcp_block_and_zero3_stop_at_start(runs):
+    root = runs["root"]
+    bad = run_deepspeed(dict(ds_config(stage=1), dcp={"enabled": True, "max_cp": 2}), [], directory=str(root))
+    assert bad.returncode == 2, bad.output[-3000:]
+    assert "unknown key(s) ['max_cp']" in bad.output and "iteration" not in bad.output

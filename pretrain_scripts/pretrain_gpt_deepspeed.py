@@ -103,7 +103,7 @@ def check_args(args: argparse.Namespace) -> None:
 def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     """The DeepSpeed config the engine gets and the run's DcpConfig (policy "static" without --dcp)."""
     from dcp_megatron.deepspeed.config import dcp_config, load_deepspeed_config, prepare_deepspeed_config
-    from dcp_megatron.megatron.dcp_args import DcpConfig, dcp_config_from_args
+    from dcp_megatron.megatron.dcp_args import DcpConfig
 
     user_config = load_deepspeed_config(args.deepspeed_config)
     ds_config = prepare_deepspeed_config(user_config)
@@ -114,12 +114,12 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     if not has_gpu and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
         # DeepSpeed's fused Adam needs compiled ops; torch's Adam(W) is the same algorithm.
         optimizer.setdefault("params", {}).setdefault("torch_adam", True)
-    flags = dcp_config_from_args(args) if args.dcp else None
-    cli = {} if flags is None else {name: getattr(flags, name) for name in (
-        "policy", "max_cp_size", "memory_budget_gb", "profile", "dump_plans", "check_plans", "gpus_per_node")}
-    if flags is not None:
-        cli.update(recompute=flags.recompute if args.dcp_recompute else None,
-                   plan_ahead=False if args.dcp_sync_planning else None, refine=False if args.dcp_no_refine else None)
+    recompute = (tuple(r.strip() for r in args.dcp_recompute.split(",") if r.strip())
+                 if args.dcp_recompute is not None else None)
+    cli = {"policy": args.dcp_policy, "max_cp_size": args.dcp_max_cp_size, "memory_budget_gb": args.dcp_memory_budget_gb,
+           "recompute": recompute, "profile": args.dcp_profile, "dump_plans": args.dcp_dump_plans,
+           "check_plans": True if args.dcp_check_plans else None, "gpus_per_node": args.dcp_gpus_per_node,
+           "plan_ahead": False if args.dcp_sync_planning else None, "refine": False if args.dcp_no_refine else None}
     config = dcp_config(user_config, cli=cli, seq_length=args.seq_length, train_iters=args.train_iters,
                         log_interval=args.log_interval, dcp_flag=args.dcp)
     if config is None:  # Megatron's static layout, on the same batches
@@ -205,27 +205,21 @@ class Training:
 
 
 def setup_training(args: argparse.Namespace) -> Training:
-    """Distributed init, model, engine, data stream, cost model and planned steps, in that order."""
-    import deepspeed
-    from megatron.core import parallel_state
-
-    from dcp_megatron.data.batches import GlobalBatchStream
-    from dcp_megatron.deepspeed.patch_set import deepspeed_patch_registry
-    from dcp_megatron.deepspeed.steps import DcpSteps
-    from dcp_megatron.megatron.planning import build_cost_model, check_longest_fits
-    from dcp_megatron.planner.model import ModelShape
-    from dcp_megatron.runtime.group_pool import GroupPool
-
+    """Configs and data (checked before anything heavy is imported), distributed init, model, engine, cost model
+    and planned steps, in that order."""
     has_gpu = torch.cuda.is_available()
     ds_config, config = deepspeed_setup(args, has_gpu=has_gpu)
+    from dcp_megatron.data.batches import GlobalBatchStream
+    from dcp_megatron.megatron.planning import build_cost_model, check_longest_fits
+    from dcp_megatron.planner.model import ModelShape
+
     source = document_source(args)
     stream = GlobalBatchStream(source, tokens_per_step=args.tokens_per_step, max_seq_len=args.seq_length,
                                seed=args.seed, overlong=args.overlong)
-    timeout = timedelta(minutes=args.distributed_timeout_minutes)
-    if has_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    deepspeed.init_distributed(dist_backend="nccl" if has_gpu else "gloo", timeout=timeout)
-    world_size = torch.distributed.get_world_size()
+    if "WORLD_SIZE" not in os.environ:  # a plain `python pretrain_gpt_deepspeed.py`: one process
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+    world_size = int(os.environ["WORLD_SIZE"])   # set by torchrun / deepspeed: the DCP domain
     shape = ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_attention_heads,
                        num_kv_heads=args.num_query_groups or args.num_attention_heads,
                        head_dim=args.kv_channels or args.hidden_size // args.num_attention_heads,
@@ -233,6 +227,21 @@ def setup_training(args: argparse.Namespace) -> Training:
                        gated_mlp=args.swiglu, tp=1, pp=1)
     cost = build_cost_model(config, shape, domain_size=world_size, has_gpu=has_gpu)
     check_longest_fits(config, cost)
+
+    import deepspeed
+    from megatron.core import parallel_state
+
+    from dcp_megatron.deepspeed.patch_set import deepspeed_patch_registry
+    from dcp_megatron.deepspeed.steps import DcpSteps
+    from dcp_megatron.runtime.group_pool import GroupPool
+
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    if has_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    deepspeed.init_distributed(dist_backend="nccl" if has_gpu else "gloo", timeout=timeout)
+    if torch.distributed.get_world_size() != world_size:
+        raise RuntimeError(f"WORLD_SIZE says {world_size} ranks, the process group has "
+                           f"{torch.distributed.get_world_size()}")
     registry = deepspeed_patch_registry().apply()
     try:
         # TP = PP = 1: Megatron's groups the model reads; DeepSpeed's data-parallel group is the world.

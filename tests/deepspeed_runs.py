@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
 
 from tests.dist_utils import free_port
@@ -38,13 +39,16 @@ def ds_config(*, stage: int, optimizer: dict | None = None, **extra) -> dict:
 
 
 def run_deepspeed(config: dict, extra: list[str], *, nproc: int = 2, iters: int = 10, directory: str | None = None,
-                  timeout_s: float = 600) -> RunResult:
+                  timeout_s: float = 600, torchrun: bool = True) -> RunResult:
+    """`torchrun=False` runs the script as a plain process: start-up checks happen before any process group,
+    and its own exit code (2 for a usage error) comes back instead of torchrun's."""
     directory = directory or tempfile.mkdtemp(prefix="dcp-ds-")
     path = os.path.join(directory, f"ds_{free_port()}.json")
     with open(path, "w") as f:
         json.dump(config, f)
     flags = TINY_MODEL + ["--deepspeed-config", path, "--train-iters", str(iters)] + list(extra)
-    command = torchrun_command(DS_SCRIPT, flags, nproc=nproc, launcher=False, port=free_port())
+    command = (torchrun_command(DS_SCRIPT, flags, nproc=nproc, launcher=False, port=free_port()) if torchrun
+               else [sys.executable, DS_SCRIPT, *flags])
     env = dict(run_env(), DS_ACCELERATOR="cpu")
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     return parse_output(proc.returncode, proc.stdout + proc.stderr)

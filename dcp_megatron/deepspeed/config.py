@@ -22,7 +22,7 @@ import copy
 import json
 import os
 
-from dcp_megatron.megatron.dcp_args import RECOMPUTE_CHOICES, DcpConfig, DcpUsageError
+from dcp_megatron.megatron.dcp_args import RECOMPUTE_CHOICES, DcpConfig, DcpUsageError, local_world_size
 
 SUPPORTED_ZERO_STAGES = (0, 1, 2)
 
@@ -130,6 +130,8 @@ def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int,
             raise DcpUsageError(f"{', '.join(names)} only take effect with --dcp (or \"dcp\": {{\"enabled\": true}})")
         return None
     settings.update(given)
+    if settings.get("gpus_per_node") is None:
+        settings["gpus_per_node"] = local_world_size()
     if settings.get("profile") and not os.path.isfile(settings["profile"]):
         raise DcpUsageError(f"dcp profile {settings['profile']}: no such file")
     return DcpConfig(seq_length=seq_length, train_iters=train_iters, log_interval=log_interval, **settings)

@@ -89,14 +89,14 @@ def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
     return DcpConfig(policy=args.dcp_policy or "dcp", max_cp_size=args.dcp_max_cp_size,
                      memory_budget_gb=args.dcp_memory_budget_gb, recompute=recompute, profile=args.dcp_profile,
                      dump_plans=args.dcp_dump_plans, check_plans=bool(args.dcp_check_plans),
-                     gpus_per_node=args.dcp_gpus_per_node or _local_world_size(),
+                     gpus_per_node=args.dcp_gpus_per_node or local_world_size(),
                      seq_length=args.seq_length, log_interval=args.log_interval,
                      plan_ahead=not getattr(args, "dcp_sync_planning", False),
                      train_iters=getattr(args, "train_iters", None),
                      refine=not getattr(args, "dcp_no_refine", False))
 
 
-def _local_world_size() -> int | None:
+def local_world_size() -> int | None:
     value = os.environ.get("LOCAL_WORLD_SIZE")
     return int(value) if value and value.isdigit() and int(value) > 0 else None
 

@@ -104,6 +104,7 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     """The DeepSpeed config the engine gets and the run's DcpConfig (policy "static" without --dcp)."""
     from dcp_megatron.deepspeed.config import dcp_config, load_deepspeed_config, prepare_deepspeed_config
     from dcp_megatron.megatron.dcp_args import DcpConfig
+    from dcp_megatron.megatron.run_paths import check_writable_dir
 
     user_config = load_deepspeed_config(args.deepspeed_config)
     ds_config = prepare_deepspeed_config(user_config)
@@ -122,6 +123,8 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
            "plan_ahead": False if args.dcp_sync_planning else None, "refine": False if args.dcp_no_refine else None}
     config = dcp_config(user_config, cli=cli, seq_length=args.seq_length, train_iters=args.train_iters,
                         log_interval=args.log_interval, dcp_flag=args.dcp)
+    if config is not None and config.dump_plans:  # also when set in the "dcp" block
+        check_writable_dir(config.dump_plans, '"dcp" dump_plans')
     if config is None:  # Megatron's static layout, on the same batches
         config = DcpConfig(policy="static", seq_length=args.seq_length, train_iters=args.train_iters,
                            log_interval=args.log_interval, refine=False)

@@ -26,27 +26,27 @@ TINY_MODEL = (
 ).split()
 
 
-def ds_config(*, stage: int, optimizer: dict | None = None, **extra) -> dict:
+def ds_config(*, stage: int, optimizer: dict | None = None, total_steps: int = 10, **extra) -> dict:
     """A DeepSpeed JSON as users write them: ZeRO stage, clipping, AdamW and a warm-up cosine schedule."""
     config = {
         "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0, "steps_per_print": 1000,
         "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
         "scheduler": {"type": "WarmupCosineLR",
-                      "params": {"total_num_steps": 10, "warmup_num_steps": 2, "cos_min_ratio": 0.1}},
+                      "params": {"total_num_steps": total_steps, "warmup_num_steps": 2, "cos_min_ratio": 0.1}},
     }
     config.update(extra)
     return config
 
 
 def run_deepspeed(config: dict, extra: list[str], *, nproc: int = 2, iters: int = 10, directory: str | None = None,
-                  timeout_s: float = 600, torchrun: bool = True) -> RunResult:
+                  timeout_s: float = 600, torchrun: bool = True, model: list[str] | None = None) -> RunResult:
     """`torchrun=False` runs the script as a plain process: start-up checks happen before any process group,
     and its own exit code (2 for a usage error) comes back instead of torchrun's."""
     directory = directory or tempfile.mkdtemp(prefix="dcp-ds-")
     path = os.path.join(directory, f"ds_{free_port()}.json")
     with open(path, "w") as f:
         json.dump(config, f)
-    flags = TINY_MODEL + ["--deepspeed-config", path, "--train-iters", str(iters)] + list(extra)
+    flags = list(TINY_MODEL if model is None else model) + ["--deepspeed-config", path, "--train-iters", str(iters)] + list(extra)
     command = (torchrun_command(DS_SCRIPT, flags, nproc=nproc, launcher=False, port=free_port()) if torchrun
                else [sys.executable, DS_SCRIPT, *flags])
     env = dict(run_env(), DS_ACCELERATOR="cpu")

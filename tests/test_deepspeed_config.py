@@ -1,0 +1,78 @@
+"""The DeepSpeed "dcp" block, the ZeRO checks and the flag precedence (no process group, no DeepSpeed import)."""
+from __future__ import annotations
+
+import pytest
+
+from dcp_megatron.deepspeed.config import dcp_block_settings, dcp_config, prepare_deepspeed_config
+from dcp_megatron.megatron.dcp_args import DcpUsageError
+
+NO_FLAGS = {"policy": None, "max_cp_size": None, "recompute": None}
+
+
+def _config(block=None, *, flag=False, **cli):
+    ds = {"zero_optimization": {"stage": 1}}
+    if block is not None:
+        ds["dcp"] = block
+    return dcp_config(ds, cli={**NO_FLAGS, **cli}, seq_length=1024, train_iters=10, log_interval=1, dcp_flag=flag)
+
+
+def test_block_turns_dcp_on_and_flags_win_over_it():
+    config = _config({"enabled": True, "max_cp_size": 4, "recompute": ["none", "full"], "refine": False},
+                     max_cp_size=2)
+    assert config.max_cp_size == 2 and config.recompute == ("none", "full") and config.refine is False
+    assert _config(flag=True, max_cp_size=2).max_cp_size == 2
+    assert _config() is None and _config({"enabled": False}) is None
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"enabled": True, "max_cp": 2}, "unknown key(s) ['max_cp']"),
+    ({"enabled": "yes"}, '"enabled": "yes"'),
+    ({"enabled": True, "max_cp_size": 2.5}, '"max_cp_size": 2.5'),
+    ({"enabled": True, "max_cp_size": True}, '"max_cp_size": true'),
+    ({"enabled": True, "recompute": ["none", "everything"]}, "non-empty list"),
+    ({"enabled": True, "recompute": []}, "non-empty list"),
+    ({"enabled": True, "memory_budget_gb": -1}, "--dcp-memory-budget-gb must be a positive"),
+    ({"enabled": True, "policy": "fastest"}, "is not one of"),
+    ({"enabled": True, "profile": "/nonexistent/profile.json"}, "no such file"),
+    ([1, 2], 'must be an object'),
+])
+def test_bad_blocks_are_refused_with_the_key(block, message):
+    with pytest.raises(DcpUsageError) as err:
+        _config(block)
+    assert message in str(err.value)
+
+
+def test_dcp_settings_without_dcp_are_refused():
+    with pytest.raises(DcpUsageError, match="only take effect with --dcp"):
+        _config(max_cp_size=2)
+    with pytest.raises(DcpUsageError, match="only take effect with --dcp"):
+        _config({"max_cp_size": 2})
+
+
+def test_block_values_pass_through():
+    assert dcp_block_settings(None) == {}
+    assert dcp_block_settings({"memory_budget_gb": 60, "dump_plans": "plans"}) == {
+        "memory_budget_gb": 60, "dump_plans": "plans"}
+
+
+@pytest.mark.parametrize("ds, message", [
+    ({"zero_optimization": {"stage": 3}}, "ZeRO stage 3 is not supported"),
+    ({"zero_optimization": {"stage": 7}}, "is not a ZeRO stage"),
+    ({"zero_optimization": "1"}, "must be an object"),
+    ({"gradient_accumulation_steps": 8}, '"gradient_accumulation_steps": 8'),
+    ({"train_micro_batch_size_per_gpu": 4}, '"train_micro_batch_size_per_gpu": 4'),
+    ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation"),
+])
+def test_unsupported_engine_settings_are_refused(ds, message):
+    with pytest.raises(DcpUsageError) as err:
+        prepare_deepspeed_config(ds)
+    assert message in str(err.value)
+
+
+def test_prepared_config_runs_one_micro_batch_per_engine_step():
+    user = {"zero_optimization": {"stage": 2}, "train_batch_size": 64, "dcp": {"enabled": True},
+            "gradient_accumulation_steps": 1}
+    prepared = prepare_deepspeed_config(user)
+    assert "dcp" not in prepared and "train_batch_size" not in prepared
+    assert prepared["train_micro_batch_size_per_gpu"] == 1 and prepared["gradient_accumulation_steps"] == 1
+    assert user["dcp"] == {"enabled": True}, "the user's dict must not be changed"

@@ -103,7 +103,7 @@ def check_args(args: argparse.Namespace) -> None:
 def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     """The DeepSpeed config the engine gets and the run's DcpConfig (policy "static" without --dcp)."""
     from dcp_megatron.deepspeed.config import dcp_config, load_deepspeed_config, prepare_deepspeed_config
-    from dcp_megatron.megatron.dcp_args import DcpConfig
+    from dcp_megatron.megatron.dcp_args import DcpConfig, parse_cp_attention
     from dcp_megatron.megatron.run_paths import check_writable_dir
 
     user_config = load_deepspeed_config(args.deepspeed_config)
@@ -120,7 +120,8 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     cli = {"policy": args.dcp_policy, "max_cp_size": args.dcp_max_cp_size, "memory_budget_gb": args.dcp_memory_budget_gb,
            "recompute": recompute, "profile": args.dcp_profile, "dump_plans": args.dcp_dump_plans,
            "check_plans": True if args.dcp_check_plans else None, "gpus_per_node": args.dcp_gpus_per_node,
-           "plan_ahead": False if args.dcp_sync_planning else None, "refine": False if args.dcp_no_refine else None}
+           "plan_ahead": False if args.dcp_sync_planning else None, "refine": False if args.dcp_no_refine else None,
+           "cp_attention": parse_cp_attention(args.dcp_cp_attention)}
     config = dcp_config(user_config, cli=cli, seq_length=args.seq_length, train_iters=args.train_iters,
                         log_interval=args.log_interval, dcp_flag=args.dcp)
     if config is not None and config.dump_plans:  # also when set in the "dcp" block
@@ -177,6 +178,7 @@ def forward_loss(engine, batch: dict):
     """(sum of the micro-batch's masked token losses, its valid token count): the per-token loss."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from dcp_megatron.megatron.core_attention import set_cp_attention
     from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
 
     bounds = batch["cu_seqlens_padded"].view(-1)
@@ -185,6 +187,7 @@ def forward_loss(engine, batch: dict):
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=bounds,
                              cu_seqlens_kv_padded=bounds, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
                              local_cp_size=context.cp_size, cp_group=context.group)
+    set_cp_attention(params, context.attention)   # the CP flavour the plan chose for this micro-batch
     losses = engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=params)
     mask = batch["loss_mask"].view(-1).float()
     return torch.sum(losses.view(-1).float() * mask), int(mask.sum())

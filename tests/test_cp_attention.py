@@ -1,4 +1,4 @@
-"""CP attention (all-gather and ring) vs the single-process packed reference, forward and backward.
+"""CP attention (all-gather, ring and Ulysses) vs the single-process packed reference, forward and backward.
 
 One 4-rank gloo launch runs every distributed case: groups of size 1, 2 (two pairs at once), 3 and 4,
 both implementations, GQA and MHA, documents shorter than 2c, ranks holding only padding, and
@@ -80,7 +80,7 @@ def _all_cases(rank: int, world_size: int) -> dict:
     everyone = dist.group.WORLD
     worst: dict[str, float] = {}
     case = 0
-    for impl in ("allgather", "ring"):
+    for impl in ("allgather", "ring", "ulysses"):
         for cp_size in (1, 2, 3, 4):
             for kind in ("tiny", "mixed", "long"):
                 for dtype in (torch.float32, torch.float64):
@@ -88,6 +88,8 @@ def _all_cases(rank: int, world_size: int) -> dict:
                     if kind == "long" and dtype == torch.float64:
                         continue  # fp64 adds nothing the short cases don't show, at 2x the cost
                     heads, kv_heads, head_dim = HEAD_SHAPES[case % len(HEAD_SHAPES)]
+                    if impl == "ulysses" and heads % cp_size:  # Ulysses splits the query heads over the group
+                        heads, kv_heads = 12, (2 if case % 2 else 12)   # kv heads replicated (c = 3, 4) or split
                     if cp_size == 1:
                         group, cp_rank, member = (None if case % 2 else singles[rank]), 0, rank
                     elif cp_size == 2:
@@ -123,7 +125,7 @@ def test_cp_attention_matches_reference_on_4_ranks():
         for key, err in per_rank.items():
             merged[key] = max(merged.get(key, 0.0), err)
     print("\nworst relative error per variant:", {k: f"{v:.2e}" for k, v in sorted(merged.items())})
-    assert {f"{impl} c={c} float32" for impl in ("allgather", "ring") for c in (1, 2, 3, 4)} <= set(merged)
+    assert {f"{impl} c={c} float32" for impl in ("allgather", "ring", "ulysses") for c in (1, 2, 3, 4)} <= set(merged)
 
 
 # ---- single-process checks ----------------------------------------------------------------------------

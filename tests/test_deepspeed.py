@@ -3,9 +3,9 @@
 - gradient parity (one 2-rank launch, many cases): after each of two steps, the update a DeepSpeed
   engine applied (SGD, so update = lr x gradient) equals lr x the gradient of one device on the
   whole global batch, for ZeRO 0, 1 and 2 with planned steps (mixed CP sizes, unequal micro-batch
-  counts) and for the static layout;
+  counts), for ZeRO 2 with Ulysses CP attention, and for the static layout;
 - the real script (pretrain_scripts/pretrain_gpt_deepspeed.py, torchrun, 10 steps): `--dcp` under
-  ZeRO-1 and ZeRO-2, the static layout and a 1-rank run give the same loss trace; the plans dumped
+  ZeRO-1 and under ZeRO-2 with Ulysses CP attention, the static layout and a 1-rank run give the same loss trace; the plans dumped
   by `--dcp-dump-plans` mix CP sizes and give ranks different micro-batch counts; a resume from
   DeepSpeed's checkpoint continues the trace; a bad "dcp" block stops the run at start.
 """
@@ -67,7 +67,7 @@ def _parity_worker(rank, world_size, directory):
 
     script = _script()
     results = []
-    for stage, policy in ((1, "static"), (0, "dcp"), (1, "dcp"), (2, "dcp")):
+    for stage, policy in ((1, "static"), (0, "dcp"), (1, "dcp"), (2, "dcp"), (2, "ulysses")):
         path = os.path.join(directory, f"sgd_z{stage}_{policy}.json")
         if rank == 0:
             config = ds_config(stage=stage, gradient_clipping=0.0, zero_allow_untested_optimizer=True,
@@ -77,7 +77,8 @@ def _parity_worker(rank, world_size, directory):
                 json.dump(config, f)
         torch.distributed.barrier()
         flags = TINY_MODEL + ["--deepspeed-config", path, "--train-iters", "2"]
-        flags += ["--dcp", *BUDGET, "--dcp-sync-planning"] if policy == "dcp" else []
+        flags += ["--dcp", *BUDGET, "--dcp-sync-planning"] if policy != "static" else []
+        flags += ["--dcp-cp-attention", "ulysses"] if policy == "ulysses" else []
         args = script.parse_args(flags)
         training = script.setup_training(args)
         engine = training.engine
@@ -97,7 +98,9 @@ def _parity_worker(rank, world_size, directory):
             assert 0 < scale < float("inf"), f"degenerate reference gradient (max |g| = {scale})"
             results.append({"stage": stage, "policy": policy, "step": step, "max_rel_err": max(errors),
                             "counts": [plan.num_microbatches(r) for r in range(plan.domain_size)],
-                            "cp_sizes": sorted(plan.cp_size_histogram()), "ran": outcome.num_microbatches})
+                            "cp_sizes": sorted(plan.cp_size_histogram()), "ran": outcome.num_microbatches,
+                            "ulysses": sum(mb.attention == "ulysses" for w in plan.waves for g in w.groups
+                                           for mb in g.microbatches)})
         training.close()
     return results
 
@@ -108,7 +111,8 @@ def test_gradients_equal_one_device_on_the_whole_batch(tmp_path):
     for case in rank0:
         print(case)
         assert case["max_rel_err"] <= 1e-5, case
-    dcp = [c for c in rank0 if c["policy"] == "dcp"]
+    dcp = [c for c in rank0 if c["policy"] != "static"]
+    assert all(c["ulysses"] > 0 for c in rank0 if c["policy"] == "ulysses"), "no micro-batch ran Ulysses"
     assert any(len(set(c["counts"])) > 1 for c in dcp), "no planned step gave the ranks different counts"
     assert any(len(c["cp_sizes"]) > 1 for c in dcp), "no planned step mixed CP sizes"
     static = [c for c in rank0 if c["policy"] == "static"]
@@ -128,7 +132,10 @@ def runs(tmp_path_factory):
         (step5 / "latest").write_text("iter_0000005")
     return {
         "root": root, "plans": plans, "save": save, "dcp_z1": dcp_z1,
-        "dcp_z2": run_deepspeed(ds_config(stage=2), ["--dcp", *BUDGET], directory=str(root)),
+        # ZeRO-2 with Ulysses on every CP micro-batch whose heads split (the cost model never prefers it on
+        # 2 CPU ranks with GQA: the all-gather moves fewer bytes and hides them)
+        "dcp_z2": run_deepspeed(ds_config(stage=2), ["--dcp", *BUDGET, "--dcp-cp-attention", "ulysses",
+                                                     "--dcp-dump-plans", str(root / "plans_z2")], directory=str(root)),
         "static": run_deepspeed(ds_config(stage=1), [], directory=str(root)),
         "one_rank": run_deepspeed(ds_config(stage=0), [], nproc=1, directory=str(root)),
         "resumed": run_deepspeed(ds_config(stage=1), ["--dcp", *BUDGET, "--load", str(step5)], directory=str(root)),
@@ -161,6 +168,11 @@ def test_the_dynamic_path_ran(runs):
     assert len({s["cp_sizes"].split("x")[0] for s in static.values()}) == 1
     dynamic = runs["dcp_z2"].dcp_steps
     assert all(s["policy"] == "dcp" for s in dynamic.values())
+    ulysses = read_plan_dumps(runs["root"] / "plans_z2")
+    assert len(ulysses) == 10 and all(mb.attention == "ulysses" for p in ulysses for w in p.waves for g in w.groups
+                                      if g.size > 1 for mb in g.microbatches if mb.sequences)
+    assert any(g.size > 1 for p in ulysses for w in p.waves for g in w.groups)
+    assert all(mb.attention == "allgather" for p in plans for w in p.waves for g in w.groups for mb in g.microbatches)
 
 
 def test_resume_continues_the_trace(runs):

@@ -39,7 +39,10 @@ _BLOCK_KEYS = {
     "gpus_per_node": ("gpus_per_node", int),
     "plan_ahead": ("plan_ahead", bool),
     "refine": ("refine", bool),
+    "cp_attention": ("cp_attention", list),
 }
+# Under DeepSpeed the planner may pick Ulysses per micro-batch unless told otherwise.
+DEFAULT_CP_ATTENTION = ("allgather", "ulysses")
 
 
 def load_deepspeed_config(path: str) -> dict:
@@ -73,6 +76,8 @@ def dcp_block_settings(block) -> dict:
         if value is not None and bad_type:
             names = "/".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
             raise DcpUsageError(f'"dcp": {{"{key}": {json.dumps(value)}}} must be a {names}')
+        if key == "cp_attention" and value is not None:
+            value = tuple(value)
         if key == "recompute" and value is not None:
             value = tuple(value)
             if not value or any(r not in RECOMPUTE_CHOICES for r in value):
@@ -130,6 +135,8 @@ def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int,
             raise DcpUsageError(f"{', '.join(names)} only take effect with --dcp (or \"dcp\": {{\"enabled\": true}})")
         return None
     settings.update(given)
+    if settings.get("cp_attention") is None:
+        settings["cp_attention"] = DEFAULT_CP_ATTENTION
     if settings.get("gpus_per_node") is None:
         settings["gpus_per_node"] = local_world_size()
     if settings.get("profile") and not os.path.isfile(settings["profile"]):

@@ -44,6 +44,15 @@ from dcp_megatron.runtime.sharding import LocalShard, shard_microbatch
 
 # Attribute of a PackedSeqParams holding this rank's rebuilt shard (None without a CP group).
 _SHARD_ATTR = "_dcp_local_shard"
+# Attribute of a PackedSeqParams naming the micro-batch's CP attention flavour (absent: all-gather).
+_FLAVOUR_ATTR = "_dcp_cp_attention"
+
+
+def set_cp_attention(params: PackedSeqParams, flavour: str) -> PackedSeqParams:
+    """Mark a micro-batch's params with the CP attention flavour its plan chose ("allgather" or "ulysses");
+    every layer and recompute sees the same params object."""
+    setattr(params, _FLAVOUR_ATTR, flavour)
+    return params
 
 
 class PackedCoreAttention(MegatronModule):
@@ -102,7 +111,8 @@ class PackedCoreAttention(MegatronModule):
         if shard is not None:
             if self.dropout_p > 0 and self.training:
                 raise ValueError("attention dropout is not supported with DCP context-parallel attention")
-            out = cp_attention(query, key, value, shard, packed_seq_params.cp_group, softmax_scale=self.softmax_scale)
+            out = cp_attention(query, key, value, shard, packed_seq_params.cp_group, softmax_scale=self.softmax_scale,
+                               impl=getattr(packed_seq_params, _FLAVOUR_ATTR, "allgather"))
             return out.reshape(out.shape[0], -1)
         cu_seqlens = packed_seq_params.cu_seqlens_q.tolist()
         out = packed_causal_attention(query, key, value, cu_seqlens, self.softmax_scale, dropout_p)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 DCP_POLICIES = ("static", "static-balanced", "megatron-hybrid", "dcp")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+CP_ATTENTION_CHOICES = ("allgather", "ulysses")
 
 
 class DcpUsageError(ValueError):
@@ -42,6 +43,9 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--dcp-no-refine", action="store_true",
                        help="keep the cost model as given (default: correct it every step from measured "
                             "micro-batch times; PP 1 only)")
+    group.add_argument("--dcp-cp-attention", default=None,
+                       help="comma list of CP attention flavours the planner may choose per micro-batch from "
+                            "allgather,ulysses (ulysses: DeepSpeed script only; default there: both)")
     group.add_argument("--dcp-check-plans", action="store_true",
                        help="all-reduce a hash of every plan to prove all ranks planned the same step")
     return parser
@@ -64,6 +68,7 @@ class DcpConfig:
     plan_ahead: bool = True          # plan step k+1 while step k trains (planner/ahead.py)
     train_iters: int | None = None   # the last step: nothing to read ahead after it
     refine: bool = True              # correct the cost model from measured times (planner/refine.py)
+    cp_attention: tuple[str, ...] = ("allgather",)   # CP attention flavours per micro-batch (+ "ulysses")
 
     def __post_init__(self) -> None:
         if self.policy not in DCP_POLICIES:
@@ -79,6 +84,10 @@ class DcpConfig:
                              f"{','.join(RECOMPUTE_CHOICES)}")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise DcpUsageError(f"--dcp-gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        bad = [a for a in self.cp_attention if a not in CP_ATTENTION_CHOICES]
+        if bad or not self.cp_attention:
+            raise DcpUsageError(f"--dcp-cp-attention: unknown {bad or 'empty list'}; give a comma list from "
+                                f"{','.join(CP_ATTENTION_CHOICES)}")
         if self.seq_length < 1:
             raise DcpUsageError(f"--seq-length must be positive, got {self.seq_length}")
 
@@ -93,7 +102,13 @@ def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
                      seq_length=args.seq_length, log_interval=args.log_interval,
                      plan_ahead=not getattr(args, "dcp_sync_planning", False),
                      train_iters=getattr(args, "train_iters", None),
-                     refine=not getattr(args, "dcp_no_refine", False))
+                     refine=not getattr(args, "dcp_no_refine", False),
+                     cp_attention=parse_cp_attention(getattr(args, "dcp_cp_attention", None)) or ("allgather",))
+
+
+def parse_cp_attention(value: str | None) -> tuple[str, ...] | None:
+    """--dcp-cp-attention's comma list (None when the flag is not given)."""
+    return tuple(a.strip() for a in value.split(",") if a.strip()) if value is not None else None
 
 
 def local_world_size() -> int | None:
@@ -149,6 +164,10 @@ def validate_dcp_args(args: argparse.Namespace) -> None:
         return
     if args.dcp_profile is not None and not os.path.isfile(args.dcp_profile):
         raise DcpUsageError(f"--dcp-profile {args.dcp_profile}: no such file")
+    if args.dcp_cp_attention is not None and "ulysses" in args.dcp_cp_attention:
+        raise DcpUsageError("--dcp-cp-attention ulysses: the Ulysses CP flavour runs under DeepSpeed "
+                            "(pretrain_scripts/pretrain_gpt_deepspeed.py) only; Megatron-LM's get_batch hands "
+                            "attention a CP group per micro-batch but no flavour")
     if args.dcp_max_cp_size is not None and args.dcp_max_cp_size > args.data_parallel_size:
         raise DcpUsageError(f"--dcp-max-cp-size {args.dcp_max_cp_size} exceeds the DCP domain of "
                          f"{args.data_parallel_size} ranks (world size / (TP x PP))")

@@ -38,6 +38,7 @@ class MicroBatchContext:
     cp_rank: int
     group: object            # torch.distributed.ProcessGroup, None for a group of one
     recompute: Recompute
+    attention: str = "allgather"   # CP attention flavour the plan chose ("allgather" or "ulysses")
 
 
 def _prefix(lengths) -> torch.Tensor:
@@ -47,7 +48,7 @@ def _prefix(lengths) -> torch.Tensor:
 
 
 def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, group, recompute: Recompute,
-                wave_index: int, device, pad_multiple: int = 1) -> dict:
+                wave_index: int, device, pad_multiple: int = 1, attention: str = "allgather") -> dict:
     """One micro-batch dict from its documents' [L, 3] rows (token, label, loss mask).
 
     `pad_multiple`: every document's local rows become a multiple of it (the TP size under sequence
@@ -67,7 +68,8 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
 
     context = MicroBatchContext(wave_index=wave_index, cp_size=cp_size, cp_rank=cp_rank,
                                 group=group if cp_size > 1 else None,
-                                recompute=recompute if documents else NO_RECOMPUTE)
+                                recompute=recompute if documents else NO_RECOMPUTE,
+                                attention=attention if cp_size > 1 else "allgather")
     return {
         "tokens": row(local[:, 0]), "labels": row(local[:, 1]), "loss_mask": row(loss_mask),
         "position_ids": row(shard.position_ids),
@@ -90,7 +92,8 @@ def rank_batches(plan: StepPlan, documents: dict[int, torch.Tensor], *, pool, de
             docs = [documents[int(sid)] for sid, _ in microbatch.sequences]
             batches.append(build_batch(docs, cp_size=group.size, cp_rank=rank - group.first_rank,
                                        group=process_group, recompute=microbatch.recompute,
-                                       wave_index=wave_index, device=device, pad_multiple=pad_multiple))
+                                       wave_index=wave_index, device=device, pad_multiple=pad_multiple,
+                                       attention=microbatch.attention))
     if not batches:
         batches.append(build_batch([], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE,
                                    wave_index=0, device=device, pad_multiple=pad_multiple))

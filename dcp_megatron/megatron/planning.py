@@ -41,7 +41,8 @@ def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, 
     if changes:
         cluster = dataclasses.replace(cluster, **changes)
     profile = load_profile(config.profile) if config.profile else None
-    return CostModel(model, cluster, profile=profile, allowed_recompute=config.recompute)
+    return CostModel(model, cluster, profile=profile, allowed_recompute=config.recompute,
+                     cp_attention=config.cp_attention)
 
 
 def plan_global_batch(config: DcpConfig, sequences, cost: CostModel) -> StepPlan:

@@ -44,7 +44,7 @@ import numpy as np
 
 from dcp_megatron.planner.cluster import ClusterSpec
 from dcp_megatron.planner.cost_profile import (PROFILE_SCALARS, RECOMPUTE_KINDS, check_allowed_recompute,  # noqa: F401
-                                               check_profile, load_profile)
+                                               check_cp_attention, check_profile, load_profile)
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 
@@ -58,13 +58,17 @@ class CostModel:
     """Scores micro-batches; the same instance scores every policy."""
 
     def __init__(self, model: ModelShape, cluster: ClusterSpec, *, profile: dict | None = None,
-                 allowed_recompute=RECOMPUTE_KINDS, time_scale: dict | None = None) -> None:
+                 allowed_recompute=RECOMPUTE_KINDS, time_scale: dict | None = None,
+                 cp_attention: tuple[str, ...] = ("allgather",)) -> None:
         if not isinstance(model, ModelShape):
             raise ValueError(f"CostModel needs a ModelShape, got {type(model).__name__}")
         if not isinstance(cluster, ClusterSpec):
             raise ValueError(f"CostModel needs a ClusterSpec, got {type(cluster).__name__}")
         # the recompute kinds every choice below is restricted to (validate checks plans against it)
         self.allowed_recompute: tuple[str, ...] = check_allowed_recompute(allowed_recompute)
+        # the CP attention flavours plans may use: "allgather" (K/V all-gather, overlapped) and "ulysses"
+        self.cp_attention: tuple[str, ...] = check_cp_attention(cp_attention)
+        self.prefer_ulysses = tuple(cp_attention) == ("ulysses",) or cp_attention == "ulysses"
         self._init_args = (model, cluster, profile)
         # Measured corrections (planner/refine.py): micro-batch seconds x factor per (cp size, recompute kind).
         self.time_scale: dict[tuple[int, str], float] = dict(time_scale or {})
@@ -96,6 +100,8 @@ class CostModel:
         self._rate_log_len = np.log([float(L) for L, _ in cluster.attn_rate_points])
         self._rate_values = np.array([float(r) for _, r in cluster.attn_rate_points])
         kv_heads_per_rank = max(m.num_kv_heads / m.tp, 1.0)
+        self._heads_per_rank = max(m.num_heads // m.tp, 1)
+        self._kv_heads_per_rank = max(m.num_kv_heads // m.tp, 1)
         self._kv_bytes_per_token = 2 * kv_heads_per_rank * m.head_dim * 2 * self.layers_per_stage
         h_per_rank = m.hidden_size / m.tp
         self._act_per_token_layer = h_per_rank       # × bytes-per-token-layer factor
@@ -121,7 +127,8 @@ class CostModel:
         """The same cost model with micro-batch times scaled per (cp size, recompute kind)."""
         model, cluster, profile = self._init_args
         return CostModel(model, cluster, profile=profile, allowed_recompute=self.allowed_recompute,
-                         time_scale=time_scale)
+                         time_scale=time_scale,
+                         cp_attention=("ulysses",) if self.prefer_ulysses else self.cp_attention)
 
     def _scaled(self, t, cp_sizes, kind: str):
         """t x the measured factor of (cp size, kind); cp_sizes an int or an array like t."""
@@ -173,7 +180,8 @@ class CostModel:
         if cp_size > 1:
             bw = self.cluster.intra_node_bw if self.cluster.same_node(0, cp_size) else self.cluster.inter_node_bw
             received = CP_PASSES * self._kv_bytes_per_token * local * (cp_size - 1)
-            seconds += np.maximum(received / bw - attn, 0.0) + self._latency_per_mb
+            exposed = np.maximum(received / bw - attn, 0.0)
+            seconds += self._cp_comm_seconds(exposed, local, CP_PASSES, cp_size, bw) + self._latency_per_mb
         overhead = self.cluster.microbatch_overhead_s
         if self.base_recompute is not NO_RECOMPUTE:
             return local, compute, attn, self._fastest_alone_seconds(local, compute, attn, cp_size) - overhead
@@ -234,8 +242,8 @@ class CostModel:
             bw = (self.cluster.intra_node_bw if self.cluster.same_node(first_rank, cp_size)
                   else self.cluster.inter_node_bw)
             received = passes * self._kv_bytes_per_token * local_tokens * (cp_size - 1)
-            exposed = received / bw - attn_s * passes / CP_PASSES
-            t += max(exposed, 0.0) + self._latency_per_mb
+            exposed = max(received / bw - attn_s * passes / CP_PASSES, 0.0)
+            t += float(self._cp_comm_seconds(exposed, local_tokens, passes, cp_size, bw)) + self._latency_per_mb
         return float(self._scaled(t, cp_size, recompute.kind))
 
     def times_from_sums(self, local_tokens: np.ndarray, compute_s: np.ndarray, attn_s: np.ndarray,
@@ -249,10 +257,34 @@ class CostModel:
             same_node = first_ranks // per_node == (first_ranks + cp_sizes - 1) // per_node
             bw = np.where(same_node, self.cluster.intra_node_bw, self.cluster.inter_node_bw)
             received = passes * self._kv_bytes_per_token * local_tokens * (cp_sizes - 1)
-            exposed = received / bw - attn_s * passes / CP_PASSES
-            t = np.where(cp_sizes > 1, t + (np.maximum(exposed, 0.0) + self._latency_per_mb), t)
+            exposed = np.maximum(received / bw - attn_s * passes / CP_PASSES, 0.0)
+            comm = self._cp_comm_seconds(exposed, local_tokens, passes, cp_sizes, bw)
+            t = np.where(cp_sizes > 1, t + (comm + self._latency_per_mb), t)
         t = self._scaled(t, cp_sizes, recompute.kind)
         return np.where(local_tokens <= 0, self.cluster.microbatch_overhead_s, t)
+
+    def _ulysses_comm_seconds(self, local_tokens, passes, cp_sizes, bw):
+        """Seconds of Ulysses' all-to-alls of q, k, v and the output per pass ((c - 1)/c of the local rows each,
+        not overlapped); inf where it may not run (not allowed, or heads that do not split over c)."""
+        cp = np.asarray(cp_sizes, dtype=np.int64)
+        heads, kv_heads = self._heads_per_rank, self._kv_heads_per_rank
+        if "ulysses" not in self.cp_attention:
+            return np.full(np.broadcast(cp, local_tokens).shape, np.inf)
+        ok = (cp > 1) & (heads % np.maximum(cp, 1) == 0)
+        kv_moved = np.where(kv_heads % np.maximum(cp, 1) == 0, kv_heads, heads)
+        bytes_per_token = (2 * heads + 2 * kv_moved) * self.model.head_dim * 2 * self.layers_per_stage
+        sent = passes * bytes_per_token * local_tokens * (cp - 1) / np.maximum(cp, 1)
+        return np.where(ok, sent / bw, np.inf)
+
+    def _cp_comm_seconds(self, allgather_exposed, local_tokens, passes, cp_sizes, bw):
+        """The exposed CP communication of the flavour the plan will use: the all-gather's, or Ulysses' where
+        it is allowed and faster (everywhere it can run with `prefer_ulysses`); see policies/cp_flavour.py."""
+        if "ulysses" not in self.cp_attention:
+            return allgather_exposed
+        ulysses = self._ulysses_comm_seconds(local_tokens, passes, cp_sizes, bw)
+        if self.prefer_ulysses:
+            return np.where(np.isfinite(ulysses), ulysses, allgather_exposed)
+        return np.minimum(allgather_exposed, ulysses)
 
     def bytes_per_local_token(self, recompute: Recompute) -> float:
         if recompute is NO_RECOMPUTE:                  # the common case, without hashing
@@ -344,6 +376,25 @@ class CostModel:
                         recompute: Recompute = NO_RECOMPUTE) -> float:
         """Seconds for one pipeline stage of the micro-batch on a CP group of `cp_size` ranks."""
         return self.time_from_sums(*self._sums(lengths, cp_size), cp_size, first_rank, recompute)
+
+    def ulysses_time(self, lengths: Sequence[int], cp_size: int, *, first_rank: int = 0,
+                     recompute: Recompute = NO_RECOMPUTE) -> float | None:
+        """Seconds of the micro-batch with Ulysses CP attention; None where it may not run (not allowed, CP 1,
+        or heads that do not split over the group).
+
+        Same compute as the all-gather flavour (every rank runs whole documents for H/c heads); the
+        communication is an all-to-all of q, k, v and the output in forward, of their gradients in backward
+        (and again per recompute pass): (c - 1)/c of this rank's rows each, none of it overlapped."""
+        if "ulysses" not in self.cp_attention or cp_size < 2 or self._heads_per_rank % cp_size:
+            return None
+        local, compute_s, attn_s = self._sums(lengths, cp_size)
+        if local <= 0:
+            return self.cluster.microbatch_overhead_s
+        extra, passes = self.recompute_extra(compute_s, attn_s, recompute)
+        bw = self.cluster.intra_node_bw if self.cluster.same_node(first_rank, cp_size) else self.cluster.inter_node_bw
+        comm = float(self._ulysses_comm_seconds(local, passes, cp_size, bw))
+        t = self.cluster.microbatch_overhead_s + compute_s + extra + comm + self._latency_per_mb
+        return float(self._scaled(t, cp_size, recompute.kind))
 
     def microbatch_memory(self, lengths: Sequence[int], cp_size: int, *,
                           recompute: Recompute = NO_RECOMPUTE) -> int:

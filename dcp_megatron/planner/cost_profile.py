@@ -45,6 +45,20 @@ def check_profile(obj, *, where: str = "profile") -> dict:
 RECOMPUTE_KINDS = ("none", "selective", "full")
 
 
+CP_ATTENTION_KINDS = ("allgather", "ulysses")
+
+
+def check_cp_attention(allowed) -> tuple[str, ...]:
+    """The CP attention flavours plans may use, in CP_ATTENTION_KINDS order; "allgather" is always among them
+    (the flavour every layout can run: Ulysses needs the heads to split over the group). ("ulysses",) alone
+    means Ulysses wherever it can run (`CostModel.prefer_ulysses`), all-gather elsewhere."""
+    names = (allowed,) if isinstance(allowed, str) else tuple(allowed)
+    bad = [a for a in names if a not in CP_ATTENTION_KINDS]
+    if bad:
+        raise ValueError(f"cp_attention: unknown flavour(s) {bad}; choose from {list(CP_ATTENTION_KINDS)}")
+    return tuple(k for k in CP_ATTENTION_KINDS if k in names or k == "allgather")
+
+
 def check_allowed_recompute(allowed) -> tuple[str, ...]:
     """The recompute kinds a planner may choose, in RECOMPUTE_KINDS order; ValueError naming
     bad values for an empty set or names outside RECOMPUTE_KINDS."""

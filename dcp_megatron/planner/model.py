@@ -70,6 +70,17 @@ class ModelShape:
         return replace(self, tp=tp, pp=pp)
 
 
+def ulysses_supported(num_heads: int, num_kv_heads: int, cp_size: int) -> bool:
+    """Whether Ulysses CP attention can split these (per-TP-rank) heads over a group of cp_size: the query
+    heads must divide evenly (key/value heads are split too when they divide, else replicated)."""
+    return cp_size >= 1 and num_heads % cp_size == 0 and num_heads % num_kv_heads == 0
+
+
+def kv_heads_exchanged(num_heads: int, num_kv_heads: int, cp_size: int) -> int:
+    """Key/value heads a Ulysses all-to-all moves per row: split when c divides them, else all query heads'."""
+    return num_kv_heads if num_kv_heads % cp_size == 0 else num_heads
+
+
 MODEL_PRESETS: dict[str, ModelShape] = {
     # The CPU demo model: small enough to train on 2 cores, byte-level vocabulary.
     "gpt-tiny": ModelShape(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,

@@ -67,6 +67,7 @@ class MicroBatch:
     recompute: Recompute = NO_RECOMPUTE
     est_time_s: float = 0.0
     est_mem_bytes: int = 0
+    attention: str = "allgather"   # CP attention flavour on its group: "allgather" or "ulysses"
 
     @property
     def num_tokens(self) -> int:
@@ -77,12 +78,15 @@ class MicroBatch:
         return [length for _, length in self.sequences]
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "sequences": [[int(s), int(n)] for s, n in self.sequences],
             "recompute": self.recompute.to_json(),
             "est_time_s": float(self.est_time_s),
             "est_mem_bytes": int(self.est_mem_bytes),
         }
+        if self.attention != "allgather":
+            out["attention"] = self.attention
+        return out
 
     @staticmethod
     def from_json(obj: dict) -> "MicroBatch":
@@ -91,6 +95,7 @@ class MicroBatch:
             recompute=Recompute.from_json(obj.get("recompute", "none")),
             est_time_s=float(obj.get("est_time_s", 0.0)),
             est_mem_bytes=int(obj.get("est_mem_bytes", 0)),
+            attention=str(obj.get("attention", "allgather")),
         )
 
 

@@ -60,6 +60,10 @@ def validate(plan: StepPlan, batch: Sequence[tuple[int, int]], cluster: ClusterS
                 if mb.sequences and allowed is not None and rc.kind not in allowed:   # idle: runs nothing
                     raise PlanError(f"recompute: {where} micro-batch {i} uses {rc}, the cost model allows "
                                     f"only {list(allowed)}")
+                flavours = getattr(cost, "cp_attention", ("allgather",))
+                if mb.attention not in flavours or (mb.attention != "allgather" and g.size == 1):
+                    raise PlanError(f"cp attention: {where} micro-batch {i} uses {mb.attention!r}, allowed "
+                                    f"{list(flavours)} (and only on a CP group of 2 or more)")
                 if rc.kind == "full" and rc.full_layers > layers:
                     raise PlanError(f"recompute: {where} micro-batch {i} recomputes {rc.full_layers} layers, "
                                     f"a pipeline stage has {layers}")

@@ -11,6 +11,8 @@ attention inside each document over the document's keys held by the whole group.
   with the online-softmax rule, and backward sends the K/V blocks around again with their
   gradient accumulators. Per rank it only ever holds two K/V blocks, so use it when c is large
   (long documents across nodes) and the gathered K/V would not fit next to the activations.
+- "ulysses": all-to-all from sequence shards to head shards, attention on whole documents for H/c
+  heads, all-to-all back (ulysses_attention.py); the group size must divide the query heads.
 
 Positions and document ids of the other ranks' rows are never sent: every rank recomputes them
 from the shard layout (`LocalShard.for_rank`). Padding query rows output zeros and padding keys
@@ -32,8 +34,9 @@ from dcp_megatron.runtime.attention_blocks import (RowMeta, compute_dtype, key_t
                                                    tile_backward, tile_forward, tile_mask)
 from dcp_megatron.runtime.ring_attention import RingAttention
 from dcp_megatron.runtime.sharding import LocalShard
+from dcp_megatron.runtime.ulysses_attention import ulysses_attention
 
-IMPLS = ("allgather", "ring")
+IMPLS = ("allgather", "ring", "ulysses")
 
 # torch 2.13 renamed the tensor collectives (*_single); older releases on GPU clusters only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -51,6 +54,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Local
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if impl == "ring" and group is not None:
         return RingAttention.apply(q, k, v, shard, group, scale)
+    if impl == "ulysses" and group is not None:
+        return ulysses_attention(q, k, v, shard, group, softmax_scale=scale)
     return AllGatherAttention.apply(q, k, v, shard, group, scale)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.policies.common import candidate_sizes, check_batch, min_fitting_size
+from dcp_megatron.planner.policies.cp_flavour import choose_cp_attention
 from dcp_megatron.planner.policies.dcp import plan_dcp
 from dcp_megatron.planner.policies.hybrid import plan_megatron_hybrid
 from dcp_megatron.planner.policies.static import plan_static, plan_static_balanced, static_packing
@@ -65,6 +66,7 @@ def make_plan(policy: str, batch: Sequence[tuple[int, int]], cost, *, max_seq_le
 
 
 def _finish(policy: str, waves, cost, bound: float, extra: dict | None = None) -> StepPlan:
+    waves = choose_cp_attention(waves, cost)   # the CP flavour each estimate was scored with
     plan = StepPlan(domain_size=cost.cluster.domain_size, waves=waves, lower_bound_s=bound, policy=policy,
                     extra=extra or {})
     return StepPlan(domain_size=plan.domain_size, waves=waves, est_step_time_s=plan_makespan(plan),

@@ -102,7 +102,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     """The DeepSpeed config the engine gets and the run's DcpConfig (policy "static" without --dcp)."""
-    from dcp_megatron.deepspeed.config import dcp_config, load_deepspeed_config, prepare_deepspeed_config
+    from dcp_megatron.deepspeed.config import (DEFAULT_CP_ATTENTION, dcp_config, load_deepspeed_config,
+                                               prepare_deepspeed_config)
     from dcp_megatron.megatron.dcp_args import DcpConfig, parse_cp_attention
     from dcp_megatron.megatron.run_paths import check_writable_dir
 
@@ -122,8 +123,14 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
            "check_plans": True if args.dcp_check_plans else None, "gpus_per_node": args.dcp_gpus_per_node,
            "plan_ahead": False if args.dcp_sync_planning else None, "refine": False if args.dcp_no_refine else None,
            "cp_attention": parse_cp_attention(args.dcp_cp_attention)}
+    # Transformer Engine's attention (GPU) runs its own CP comm type; the per-micro-batch Ulysses flavour is
+    # our torch attention's (the local spec), so on GPU plans use the all-gather flavour.
     config = dcp_config(user_config, cli=cli, seq_length=args.seq_length, train_iters=args.train_iters,
-                        log_interval=args.log_interval, dcp_flag=args.dcp)
+                        log_interval=args.log_interval, dcp_flag=args.dcp,
+                        default_cp_attention=("allgather",) if has_gpu else DEFAULT_CP_ATTENTION)
+    if config is not None and has_gpu and "ulysses" in config.cp_attention:
+        raise DcpUsageError("Ulysses CP attention (--dcp-cp-attention / \"cp_attention\") is not wired to Transformer "
+                            "Engine's attention yet; on GPU use the all-gather flavour")
     if config is not None and config.dump_plans:  # also when set in the "dcp" block
         check_writable_dir(config.dump_plans, '"dcp" dump_plans')
     if config is None:  # Megatron's static layout, on the same batches

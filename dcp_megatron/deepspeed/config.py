@@ -122,7 +122,7 @@ def prepare_deepspeed_config(ds_config: dict) -> dict:
 
 
 def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int, log_interval: int,
-               dcp_flag: bool) -> DcpConfig | None:
+               dcp_flag: bool, default_cp_attention: tuple[str, ...] = DEFAULT_CP_ATTENTION) -> DcpConfig | None:
     """The run's DcpConfig from the `"dcp"` block and the flags given on the command line (`cli`: DcpConfig
     keyword arguments, None where a flag was not given), or None when DCP is off."""
     settings = dcp_block_settings(ds_config.get("dcp"))
@@ -136,7 +136,7 @@ def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int,
         return None
     settings.update(given)
     if settings.get("cp_attention") is None:
-        settings["cp_attention"] = DEFAULT_CP_ATTENTION
+        settings["cp_attention"] = default_cp_attention
     if settings.get("gpus_per_node") is None:
         settings["gpus_per_node"] = local_world_size()
     if settings.get("profile") and not os.path.isfile(settings["profile"]):

@@ -14,7 +14,9 @@ When the params name a CP group (`cp_group` with `local_cp_size > 1`, as Megatro
 rank's zig-zag share of the micro-batch and keys of the other group members are needed: the
 runtime's `cp_attention` computes it over that group. The shard is rebuilt from the params alone
 (the padded global document bounds, the group's size and this rank's place in it), once per
-micro-batch: it is kept on the params object, which every layer and every recompute receives. Padding sits at the end of each document, so treating
+micro-batch: it is kept on the params object, which every layer and every recompute receives. The
+CP flavour is the all-gather one unless the params are marked otherwise (`set_cp_attention`: the
+DeepSpeed adapter marks the micro-batches its plan put on Ulysses). Padding sits at the end of each document, so treating
 padded lengths as document lengths changes no real token's output (causal) and the padding rows
 are masked out of the loss.
 

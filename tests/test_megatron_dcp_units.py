@@ -41,6 +41,8 @@ def _args(**overrides) -> argparse.Namespace:
     (dict(dcp_memory_budget_gb=float("inf")), "--dcp-memory-budget-gb must be a positive number"),
     (dict(dcp_recompute="none,sometimes"), "unknown ['sometimes']"),
     (dict(dcp_profile="/no/such/profile.json"), "no such file"),
+    (dict(dcp_cp_attention="allgather,ulysses"), "runs under DeepSpeed (pretrain_scripts/pretrain_gpt_deepspeed.py) only"),
+    (dict(dcp_cp_attention="a2a"), "--dcp-cp-attention: unknown ['a2a']"),
 ])
 def test_flags_dcp_cannot_honour_are_refused_with_the_flag_named(overrides, message):
     with pytest.raises(DcpUsageError, match=None) as err:

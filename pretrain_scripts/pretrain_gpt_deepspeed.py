@@ -309,7 +309,11 @@ def train(args: argparse.Namespace) -> None:
             print(f"resumed from {args.load} at iteration {iteration} ({consumed} tokens trained)", flush=True)
     started = time.perf_counter()
     while iteration < args.train_iters:
-        outcome = steps.train_step(engine)
+        try:
+            outcome = steps.train_step(engine)
+        except (FloatingPointError, RuntimeError) as err:  # non-finite loss, lost tokens, a collective timed out
+            print(f"error: rank {rank}, iteration {iteration + 1}: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from err
         iteration += 1
         consumed += outcome.num_tokens
         if rank == 0 and iteration % args.log_interval == 0:

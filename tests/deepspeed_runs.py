@@ -21,7 +21,7 @@ DS_SCRIPT = os.path.join(REPO, "pretrain_scripts", "pretrain_gpt_deepspeed.py")
 TINY_MODEL = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 --ffn-hidden-size 128 "
     "--seq-length 1024 --vocab-size 256 --swiglu --normalization RMSNorm --disable-bias-linear "
-    "--untie-embeddings-and-output-weights --mock-data --mock-documents 2000 --tokens-per-step 8192 "
+    "--untie-embeddings-and-output-weights --mock-data --mock-documents 2000 --tokens-per-step 4096 "
     "--distributed-timeout-minutes 3 --seed 1234"
 ).split()
 
@@ -30,7 +30,7 @@ def ds_config(*, stage: int, optimizer: dict | None = None, total_steps: int = 1
     """A DeepSpeed JSON as users write them: ZeRO stage, clipping, AdamW and a warm-up cosine schedule."""
     config = {
         "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0, "steps_per_print": 1000,
-        "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
+        "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
         "scheduler": {"type": "WarmupCosineLR",
                       "params": {"total_num_steps": total_steps, "warmup_num_steps": 2, "cos_min_ratio": 0.1}},
     }

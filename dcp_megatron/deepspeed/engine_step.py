@@ -21,6 +21,7 @@ engine is driven so that this is exactly one optimizer step on the whole global 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 
@@ -61,7 +62,8 @@ def run_planned_step(engine, batches: list[dict], *, forward_loss, model_config,
         raise ValueError(f"a step needs at least one token to train, got {num_tokens}")
     started = time.perf_counter()
     scale = world_size / num_tokens
-    local = torch.zeros(2, dtype=torch.float64)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    local = torch.zeros(2, dtype=torch.float64, device=device)
     marks = []
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # kernels run async
     outer, scopes = _reduction_scopes(engine, len(batches))
@@ -73,18 +75,23 @@ def run_planned_step(engine, batches: list[dict], *, forward_loss, model_config,
             with scope:
                 loss_sum, valid = forward_loss(engine, batch)
                 engine.backward(loss_sum * scale, scale_wrt_gas=False)
-            local += torch.tensor([float(loss_sum.detach()), float(valid)], dtype=torch.float64)
+            local += torch.stack([loss_sum.detach().double(), torch.tensor(float(valid), dtype=torch.float64,
+                                                                             device=device)])
     sync()
     marks.append(time.perf_counter())
-    grad_norm = _reduced_grad_norm(engine) if engine.zero_optimization_stage() == 0 else None
-    engine.step()
-    if grad_norm is None and engine.get_global_grad_norm() is not None:
-        grad_norm = float(engine.get_global_grad_norm())
-    dist.all_reduce(local)
+    dist.all_reduce(local)   # before the update: a step that lost tokens or went non-finite must not apply
     total_loss, total_tokens = local.tolist()
     if int(round(total_tokens)) != num_tokens:
         raise RuntimeError(f"the step trained {int(round(total_tokens))} tokens, its global batch holds {num_tokens}: "
                            "a micro-batch lost or repeated tokens")
+    if not math.isfinite(total_loss):
+        raise FloatingPointError(f"the step's loss is {total_loss / num_tokens} (not finite): stopping before the "
+                                 "optimizer applies it and before any checkpoint is saved; lower the learning rate "
+                                 "or enable gradient_clipping")
+    grad_norm = _reduced_grad_norm(engine) if engine.zero_optimization_stage() == 0 else None
+    engine.step()
+    if grad_norm is None and engine.get_global_grad_norm() is not None:
+        grad_norm = float(engine.get_global_grad_norm())
     durations = tuple(b - a for a, b in zip(marks[:-1], marks[1:]))
     timed = durations[:-1] if engine.zero_optimization_stage() == 0 else durations
     return StepOutcome(loss=total_loss / num_tokens, num_tokens=num_tokens, num_microbatches=len(batches),

@@ -103,12 +103,32 @@ def _parity_worker(rank, world_size, directory):
                             "ulysses": sum(mb.attention == "ulysses" for w in plan.waves for g in w.groups
                                            for mb in g.microbatches)})
         training.close()
+    # A step whose loss is not finite (a weight turned NaN, as a diverged run's would) stops before the
+    # optimizer applies it.
+    args = script.parse_args(TINY_MODEL + ["--deepspeed-config", os.path.join(directory, "sgd_z2_dcp.json"),
+                                           "--train-iters", "2", "--dcp", *BUDGET])
+    training = script.setup_training(args)
+    training.steps.train_step(training.engine)
+    with torch.no_grad():
+        next(training.engine.module.parameters()).view(-1)[0] = float("nan")
+    before = [p.detach().clone() for p in training.engine.module.parameters()]
+    try:
+        training.steps.train_step(training.engine)
+        stopped = None
+    except FloatingPointError as err:
+        stopped = str(err)
+    unchanged = all(torch.equal(a, p.detach()) or (a.isnan() == p.detach().isnan()).all() and torch.equal(
+        a.nan_to_num(), p.detach().nan_to_num()) for a, p in zip(before, training.engine.module.parameters()))
+    training.close()
+    results.append({"policy": "blowup", "stopped": stopped, "unchanged": unchanged})
     return results
 
 
 def test_gradients_equal_one_device_on_the_whole_batch(tmp_path):
     results = run_distributed(_parity_worker, 2, str(tmp_path), timeout_s=600)
-    rank0 = results[0]
+    rank0 = [case for case in results[0] if case["policy"] != "blowup"]
+    blowup = [case for per_rank in results for case in per_rank if case["policy"] == "blowup"]
+    assert all(c["stopped"] and "not finite" in c["stopped"] and c["unchanged"] for c in blowup), blowup
     for case in rank0:
         print(case)
         assert case["max_rel_err"] <= 1e-5, case

@@ -5,7 +5,7 @@
   whole global batch, for ZeRO 0 and 2 with planned steps (mixed CP sizes, unequal micro-batch
   counts) and for ZeRO 2 with Ulysses CP attention;
 - the real script (pretrain_scripts/pretrain_gpt_deepspeed.py, torchrun, 10 steps): `--dcp` under
-  ZeRO-0, ZeRO-1 and ZeRO-2 (with Ulysses CP attention), the static layout and a 1-rank run give the same loss trace; the plans dumped
+  ZeRO-1 and ZeRO-2 (with Ulysses CP attention), the static layout and a 1-rank run give the same loss trace; the plans dumped
   by `--dcp-dump-plans` mix CP sizes and give ranks different micro-batch counts; a resume from
   DeepSpeed's checkpoint continues the trace; a bad "dcp" block stops the run at start.
 """
@@ -155,7 +155,6 @@ def runs(tmp_path_factory):
         # 2 CPU ranks with GQA: the all-gather moves fewer bytes and hides them)
         "dcp_z2": run_deepspeed(ds_config(stage=2), ["--dcp", *BUDGET, "--dcp-cp-attention", "ulysses",
                                                      "--dcp-dump-plans", str(root / "plans_z2")], directory=str(root)),
-        "dcp_z0": run_deepspeed(ds_config(stage=0), ["--dcp", *BUDGET], directory=str(root)),
         "static": run_deepspeed(ds_config(stage=1), [], directory=str(root)),
         "one_rank": run_deepspeed(ds_config(stage=0), [], nproc=1, directory=str(root), torchrun=False),
         "resumed": run_deepspeed(ds_config(stage=1), ["--dcp", *BUDGET, "--load", str(step5)], directory=str(root)),
@@ -171,7 +170,8 @@ def _close(trace, reference, tolerance=1e-5):
 
 def test_loss_traces_agree_across_layouts(runs):
     reference = runs["one_rank"].check().loss_trace()
-    for name in ("dcp_z0", "dcp_z1", "dcp_z2", "static"):
+    # ZeRO-0 (gradients exact at every checked step, above) has no trace run of its own: the suite's 20 minutes.
+    for name in ("dcp_z1", "dcp_z2", "static"):
         print(name, _close(runs[name].check().loss_trace(), reference))
     # Mock tokens are uniform (nothing to learn beyond ln 256): check the weights moved, not that loss fell.
     assert len(set(reference)) == len(reference) and all(n > 0 for n in runs["one_rank"].grad_norms.values())

@@ -104,7 +104,7 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     """The DeepSpeed config the engine gets and the run's DcpConfig (policy "static" without --dcp)."""
     from dcp_megatron.deepspeed.config import (DEFAULT_CP_ATTENTION, dcp_config, load_deepspeed_config,
                                                prepare_deepspeed_config)
-    from dcp_megatron.megatron.dcp_args import DcpConfig, parse_cp_attention
+    from dcp_megatron.megatron.dcp_args import DcpConfig, parse_comma_list
     from dcp_megatron.megatron.run_paths import check_writable_dir
 
     user_config = load_deepspeed_config(args.deepspeed_config)
@@ -116,13 +116,11 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     if not has_gpu and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
         # DeepSpeed's fused Adam needs compiled ops; torch's Adam(W) is the same algorithm.
         optimizer.setdefault("params", {}).setdefault("torch_adam", True)
-    recompute = (tuple(r.strip() for r in args.dcp_recompute.split(",") if r.strip())
-                 if args.dcp_recompute is not None else None)
     cli = {"policy": args.dcp_policy, "max_cp_size": args.dcp_max_cp_size, "memory_budget_gb": args.dcp_memory_budget_gb,
-           "recompute": recompute, "profile": args.dcp_profile, "dump_plans": args.dcp_dump_plans,
+           "recompute": parse_comma_list(args.dcp_recompute), "profile": args.dcp_profile, "dump_plans": args.dcp_dump_plans,
            "check_plans": True if args.dcp_check_plans else None, "gpus_per_node": args.dcp_gpus_per_node,
            "plan_ahead": False if args.dcp_sync_planning else None, "refine": False if args.dcp_no_refine else None,
-           "cp_attention": parse_cp_attention(args.dcp_cp_attention)}
+           "cp_attention": parse_comma_list(args.dcp_cp_attention)}
     # Transformer Engine's attention (GPU) runs its own CP comm type; the per-micro-batch Ulysses flavour is
     # our torch attention's (the local spec), so on GPU plans use the all-gather flavour.
     config = dcp_config(user_config, cli=cli, seq_length=args.seq_length, train_iters=args.train_iters,

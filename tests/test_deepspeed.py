@@ -39,7 +39,7 @@ def _reference_gradients(script, args, model_config, state, batch, source) -> di
     """One device, the whole global batch, per-token loss: the gradient DCP must reproduce."""
     import torch
 
-    from dcp_megatron.data.assembly import microbatch_arrays
+    from dcp_megatron.data.assembly import document_rows
     from dcp_megatron.megatron.microbatches import build_batch
     from dcp_megatron.planner.plan import NO_RECOMPUTE
 
@@ -47,10 +47,7 @@ def _reference_gradients(script, args, model_config, state, batch, source) -> di
     model.load_state_dict(state)
     total = torch.zeros(())
     for sid, length in batch.sequences:
-        inputs, labels = microbatch_arrays(source, batch, [(sid, length)])
-        rows = torch.stack([torch.from_numpy(inputs), torch.from_numpy(labels),
-                            torch.ones(len(inputs), dtype=torch.int64)], dim=1)
-        micro = build_batch([rows], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE, wave_index=0,
+        micro = build_batch([document_rows(source, batch, sid, length)], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE, wave_index=0,
                             device=torch.device("cpu"))
         loss_sum, _ = script.forward_loss(model, micro)
         total = total + loss_sum

@@ -13,7 +13,7 @@ import glob
 import os
 
 from dcp_megatron.megatron.dcp_args import DcpUsageError
-from dcp_megatron.megatron.run_paths import check_writable_dir
+from dcp_megatron.megatron.run_paths import check_resume_dir, check_writable_dir
 
 LATEST_FILE = "latest"   # DeepSpeed's tag file
 _CLIENT_KEY = "dcp_megatron"
@@ -27,14 +27,9 @@ def check_checkpoint_paths(*, save: str | None, load: str | None, dump_plans: st
     for flag, path in (("--save", save), ("--dcp-dump-plans", dump_plans)):
         if path:
             check_writable_dir(path, flag)
-    if not load:
-        return
-    if not os.path.isdir(load):
-        raise DcpUsageError(f"--load {load}: no such directory, so there is nothing to resume from; fix the path, "
-                            "or drop --load to train from scratch")
-    if not holds_deepspeed_checkpoint(load):
-        raise DcpUsageError(f"--load {load}: holds no DeepSpeed checkpoint (no '{LATEST_FILE}' file and no "
-                            "<tag>/*model_states.pt); fix the path, or drop --load to train from scratch")
+    if load:
+        check_resume_dir(load, holds=holds_deepspeed_checkpoint,
+                         expected=f"DeepSpeed checkpoint (no '{LATEST_FILE}' file and no <tag>/*model_states.pt)")
 
 
 def tag_of(iteration: int) -> str:

@@ -20,9 +20,8 @@ when the next batch has already been read for planning ahead.
 """
 from __future__ import annotations
 
-import torch
 
-from dcp_megatron.data.assembly import microbatch_arrays
+from dcp_megatron.data.assembly import document_rows
 from dcp_megatron.deepspeed.engine_step import StepOutcome, run_planned_step
 from dcp_megatron.megatron.dcp_args import DcpConfig
 from dcp_megatron.megatron.global_batch import documents_needed
@@ -94,12 +93,7 @@ class DcpSteps:
         self.pool.ensure_groups(plan_blocks(plan))
         rank = self.pool.domain_rank
         lengths = dict(batch.sequences)
-        documents = {}
-        for sid in documents_needed(plan, rank):
-            inputs, labels = microbatch_arrays(self.source, batch, [(sid, lengths[sid])])
-            rows = torch.stack([torch.from_numpy(inputs), torch.from_numpy(labels),
-                                torch.ones(len(inputs), dtype=torch.int64)], dim=1)
-            documents[sid] = rows
+        documents = {sid: document_rows(self.source, batch, sid, lengths[sid]) for sid in documents_needed(plan, rank)}
         batches = rank_batches(plan, documents, pool=self.pool, device=self.device)
         outcome = run_planned_step(engine, batches, forward_loss=self.forward_loss, model_config=self.model_config,
                                    num_tokens=batch.num_tokens, world_size=self.pool.domain_size)

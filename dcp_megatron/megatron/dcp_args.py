@@ -93,8 +93,7 @@ class DcpConfig:
 
 
 def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
-    recompute = (tuple(r.strip() for r in args.dcp_recompute.split(",") if r.strip())
-                 if args.dcp_recompute is not None else RECOMPUTE_CHOICES)
+    recompute = parse_comma_list(args.dcp_recompute) or RECOMPUTE_CHOICES
     return DcpConfig(policy=args.dcp_policy or "dcp", max_cp_size=args.dcp_max_cp_size,
                      memory_budget_gb=args.dcp_memory_budget_gb, recompute=recompute, profile=args.dcp_profile,
                      dump_plans=args.dcp_dump_plans, check_plans=bool(args.dcp_check_plans),
@@ -103,11 +102,11 @@ def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
                      plan_ahead=not getattr(args, "dcp_sync_planning", False),
                      train_iters=getattr(args, "train_iters", None),
                      refine=not getattr(args, "dcp_no_refine", False),
-                     cp_attention=parse_cp_attention(getattr(args, "dcp_cp_attention", None)) or ("allgather",))
+                     cp_attention=parse_comma_list(getattr(args, "dcp_cp_attention", None)) or ("allgather",))
 
 
-def parse_cp_attention(value: str | None) -> tuple[str, ...] | None:
-    """--dcp-cp-attention's comma list (None when the flag is not given)."""
+def parse_comma_list(value: str | None) -> tuple[str, ...] | None:
+    """A comma-list flag (--dcp-recompute, --dcp-cp-attention) as a tuple; None when the flag is not given."""
     return tuple(a.strip() for a in value.split(",") if a.strip()) if value is not None else None
 
 

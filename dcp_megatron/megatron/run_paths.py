@@ -49,9 +49,14 @@ def check_run_paths(args: argparse.Namespace) -> None:
     load, save = getattr(args, "load", None), getattr(args, "save", None)
     if not load or (save and os.path.abspath(load) == os.path.abspath(save)):
         return
+    check_resume_dir(load, holds=holds_checkpoint, expected=f"Megatron checkpoint (no {TRACKER_FILE} and no iter_* "
+                                                               "directory)")
+
+
+def check_resume_dir(load: str, *, holds, expected: str) -> None:
+    """`--load DIR` the user asks to resume from: DIR exists and `holds(DIR)` (else say which is wrong)."""
     if not os.path.isdir(load):
         raise DcpUsageError(f"--load {load}: no such directory, so there is nothing to resume from; fix the path, "
                             f"or drop --load to train from scratch")
-    if not holds_checkpoint(load):
-        raise DcpUsageError(f"--load {load}: holds no Megatron checkpoint (no {TRACKER_FILE} and no iter_* "
-                            f"directory); fix the path, or drop --load to train from scratch")
+    if not holds(load):
+        raise DcpUsageError(f"--load {load}: holds no {expected}; fix the path, or drop --load to train from scratch")

@@ -2,7 +2,8 @@
 
 - `add_megatron_arguments` builds Megatron's parser for every script on megatron.training; after
   it, our argument group is added (dcp_megatron/megatron/dcp_args.py). A script's own
-  `extra_args_provider` is untouched, so zero lines change in the user's script.
+  `extra_args_provider` is untouched, so zero lines change in the user's script. Megatron's
+  `--distributed-timeout-minutes` also takes fractions of a minute (upstream: whole minutes only).
 - `validate_args` runs Megatron's checks between ours: flag conflicts first (`refuse_conflicting_flags`,
   so e.g. `--context-parallel-size 2` is refused before Megatron sets CP up), the rest after
   (`validate_dcp_args`): a flag DCP cannot honour stops the run at start-up with the reason, before
@@ -35,7 +36,13 @@ def _with_dcp_arguments(original):
     def add_megatron_arguments(parser):
         from dcp_megatron.megatron.dcp_args import add_dcp_arguments
 
-        return add_dcp_arguments(original(parser))
+        parser = original(parser)
+        for action in parser._actions:
+            # An int upstream; timedelta(minutes=...) everywhere it is used takes a float: 0.5 finds a stopped
+            # rank in 30 s (tests, debugging) where the smallest whole value waits a minute.
+            if "--distributed-timeout-minutes" in action.option_strings:
+                action.type = float
+        return add_dcp_arguments(parser)
 
     add_megatron_arguments.dcp_original = original
     return add_megatron_arguments
@@ -78,7 +85,8 @@ def dcp_patches() -> tuple[Patch, ...]:
     return (
         Patch(target=f"{_MODULE}:add_megatron_arguments",
               replacement=_with_dcp_arguments(_unwrapped(module.add_megatron_arguments)),
-              reason="adds the --dcp* argument group to Megatron's parser (no change to the user's script).",
+              reason="adds the --dcp* argument group to Megatron's parser (no change to the user's script); "
+                     "--distributed-timeout-minutes takes fractions of a minute.",
               versions=MEGATRON_CORE_VERSIONS),
         Patch(target=f"{_MODULE}:validate_args",
               replacement=_with_dcp_validation(_unwrapped(module.validate_args)),

@@ -1,9 +1,51 @@
-"""CPU shim for `megatron.training.checkpointing` (no GPU only): its `torch` is a CPU view. checkpoint
-save/load moves RNG state and reductions through torch.cuda.
+"""Patches for `megatron.training.checkpointing`.
+
+CPU shim (no GPU only): its `torch` is a CPU view; checkpoint save/load moves RNG state and reductions
+through torch.cuda.
+
+DCP: under `--dcp`, after `save_checkpoint` returns (a persistent, synchronous save) every rank hashes
+its share of the iteration directory and rank 0 writes a checksum manifest beside Megatron's files
+(dcp_megatron/megatron/resume_checks.py): torch_dist checkpoints carry no checksums, so a flipped byte
+would load silently. Megatron's files, tracker and loading stay as they are. Async and non-persistent
+saves are left unrecorded (their files are finished later or elsewhere); without --dcp nothing changes.
 """
+from __future__ import annotations
+
+import functools
+import importlib
+
 from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
+from patches.registry import Patch
 
 _REASON = ('checkpoint save/load moves RNG state and reductions through torch.cuda.')
 _MODULE = "megatron.training.checkpointing"
 CPU_PATCHES = (cpu_torch_patch(_MODULE, _REASON, MEGATRON_CORE_VERSIONS),)
+
+
+def _with_manifest(original):
+    @functools.wraps(original)
+    def save_checkpoint(iteration, *args, **kwargs):
+        result = original(iteration, *args, **kwargs)
+        from megatron.training import get_args
+
+        run_args = get_args()
+        if (getattr(run_args, "dcp", False) and not run_args.async_save and not kwargs.get("non_persistent_ckpt")
+                and not kwargs.get("release")):
+            from dcp_megatron.megatron.resume_checks import record_saved_checkpoint
+
+            record_saved_checkpoint(run_args, iteration)
+        return result
+
+    save_checkpoint.dcp_original = original
+    return save_checkpoint
+
+
+def dcp_patches() -> tuple[Patch, ...]:
+    module = importlib.import_module(_MODULE)
+    original = getattr(module.save_checkpoint, "dcp_original", module.save_checkpoint)
+    return (
+        Patch(target=f"{_MODULE}:save_checkpoint", replacement=_with_manifest(original),
+              reason="under --dcp, a checksum manifest of each saved checkpoint (verified before it is loaded).",
+              versions=MEGATRON_CORE_VERSIONS),
+    )

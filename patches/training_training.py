@@ -7,12 +7,17 @@ synchronize/empty_cache and memory statistics.
 DCP: `train()` takes its schedule from `get_forward_backward_func` (imported by name into this
 module). Under `--dcp` the schedule it gets is Megatron's own, wrapped in `DcpForwardBackward`
 (dcp_megatron/megatron/schedule.py): each step is planned from its documents' lengths and every
-rank runs its own micro-batches through Megatron's schedule. Without `--dcp` nothing changes.
+rank runs its own micro-batches through Megatron's schedule. Under `--dcp`, `train()` also runs with a
+heartbeat (dcp_megatron/runtime/heartbeat.py): when a collective times out (a stopped or hung rank; every
+group honours `--distributed-timeout-minutes`), the run ends with one line naming the iteration and the
+rank(s) that stopped answering, instead of the collective library's bare timeout and a traceback.
+Without `--dcp` nothing changes.
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from datetime import timedelta
 
 from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
@@ -50,10 +55,50 @@ def _with_dcp_schedule(original):
     return get_forward_backward_func
 
 
+def _with_timeout_report(original):
+    @functools.wraps(original)
+    def train(*args, **kwargs):
+        from megatron.training import get_args
+
+        run_args = get_args()
+        if not getattr(run_args, "dcp", False):
+            return original(*args, **kwargs)
+        import torch
+
+        from dcp_megatron.runtime.heartbeat import Heartbeat, connect_store, is_collective_timeout, timeout_message
+
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        store = connect_store()
+        # The loop sets args.curr_iteration to the number of finished steps when each step starts.
+        heartbeat = None if store is None else Heartbeat(
+            store, rank=rank, world_size=world_size,
+            step_of=lambda: getattr(run_args, "curr_iteration", 0) + 1).start()
+        try:
+            return original(*args, **kwargs)
+        except RuntimeError as err:
+            if not is_collective_timeout(err):
+                raise
+            message = timeout_message(heartbeat, rank=rank, step=getattr(run_args, "curr_iteration", 0) + 1,
+                                      timeout_minutes=run_args.distributed_timeout_minutes)
+            print(f"dcp: error: {message} ({str(err).splitlines()[0][:200]})", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        finally:
+            if heartbeat is not None:
+                heartbeat.close()
+
+    train.dcp_original = original
+    return train
+
+
 def dcp_patches() -> tuple[Patch, ...]:
     module = importlib.import_module(_MODULE)
     original = getattr(module.get_forward_backward_func, "dcp_original", module.get_forward_backward_func)
+    original_train = getattr(module.train, "dcp_original", module.train)
     return (
+        Patch(target=f"{_MODULE}:train", replacement=_with_timeout_report(original_train),
+              reason="under --dcp, a collective timeout ends the run with one line naming the iteration and the "
+                     "rank that stopped answering (a heartbeat in the rendezvous store).",
+              versions=MEGATRON_CORE_VERSIONS, rebind_aliases=False),
         Patch(target=f"{_MODULE}:get_forward_backward_func", replacement=_with_dcp_schedule(original),
               reason="under --dcp, train() runs each step's planned micro-batches (a count per rank) through "
                      "Megatron's own schedule.",

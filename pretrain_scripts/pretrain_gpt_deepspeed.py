@@ -71,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--save", default=None, help="DeepSpeed checkpoint directory")
     train.add_argument("--save-interval", type=int, default=None)
     train.add_argument("--load", default=None, help="resume from this DeepSpeed checkpoint directory")
+    train.add_argument("--override-optimizer-config", action="store_true",
+                       help="on --load, train with the config's optimizer/scheduler settings where they changed")
     train.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                        help="every collective of the run gives up after this long and names the step")
     train.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -102,13 +104,14 @@ def check_args(args: argparse.Namespace) -> None:
 
 def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     """The DeepSpeed config the engine gets and the run's DcpConfig (policy "static" without --dcp)."""
-    from dcp_megatron.deepspeed.config import (DEFAULT_CP_ATTENTION, dcp_config, load_deepspeed_config,
-                                               prepare_deepspeed_config)
+    from dcp_megatron.deepspeed.config import (DEFAULT_CP_ATTENTION, check_schedule_length, dcp_config,
+                                               load_deepspeed_config, prepare_deepspeed_config)
     from dcp_megatron.megatron.dcp_args import DcpConfig, parse_comma_list
     from dcp_megatron.megatron.run_paths import check_writable_dir
 
     user_config = load_deepspeed_config(args.deepspeed_config)
     ds_config = prepare_deepspeed_config(user_config)
+    check_schedule_length(ds_config, train_iters=args.train_iters)
     if "optimizer" not in ds_config:
         raise DcpUsageError(f'--deepspeed-config {args.deepspeed_config}: add an "optimizer" block (e.g. '
                             '{"type": "AdamW", "params": {"lr": 3e-4}}); the script builds no optimizer of its own')
@@ -131,6 +134,11 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
                             "Engine's attention yet; on GPU use the all-gather flavour")
     if config is not None and config.dump_plans:  # also when set in the "dcp" block
         check_writable_dir(config.dump_plans, '"dcp" dump_plans')
+    if args.load:
+        from dcp_megatron.deepspeed.checkpoint import check_resume
+
+        check_resume(args.load, ds_config, override=args.override_optimizer_config,
+                     rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
     if config is None:  # Megatron's static layout, on the same batches
         config = DcpConfig(policy="static", seq_length=args.seq_length, train_iters=args.train_iters,
                            log_interval=args.log_interval, refine=False)
@@ -205,6 +213,7 @@ class Training:
     engine: object
     steps: object
     rank: int
+    ds_config: dict    # as the engine got it (its optimizer/scheduler blocks go into each checkpoint's manifest)
     registry: object   # the megatron-core patches applied for this run (removed by close())
 
     def close(self) -> None:
@@ -256,8 +265,7 @@ def setup_training(args: argparse.Namespace) -> Training:
     registry = deepspeed_patch_registry().apply()
     try:
         # TP = PP = 1: Megatron's groups the model reads; DeepSpeed's data-parallel group is the world.
-        parallel_state.initialize_model_parallel(1, 1, distributed_timeout_minutes=max(1, round(
-            args.distributed_timeout_minutes)))
+        parallel_state.initialize_model_parallel(1, 1, distributed_timeout_minutes=args.distributed_timeout_minutes)
         bf16 = bool((ds_config.get("bf16") or {}).get("enabled"))
         model, model_config = build_model(args, has_gpu=has_gpu, bf16=bf16)
         engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
@@ -272,7 +280,7 @@ def setup_training(args: argparse.Namespace) -> Training:
             parallel_state.destroy_model_parallel()
         registry.remove()
         raise
-    return Training(engine=engine, steps=steps, rank=rank, registry=registry)
+    return Training(engine=engine, steps=steps, rank=rank, ds_config=ds_config, registry=registry)
 
 
 def log_step(training: Training, outcome, *, iteration: int, train_iters: int, consumed: int) -> None:
@@ -295,30 +303,43 @@ def log_step(training: Training, outcome, *, iteration: int, train_iters: int, c
 
 def train(args: argparse.Namespace) -> None:
     from dcp_megatron.deepspeed import checkpoint
+    from dcp_megatron.runtime.heartbeat import Heartbeat, connect_store, is_collective_timeout, timeout_message
 
     training = setup_training(args)
     engine, steps, rank = training.engine, training.steps, training.rank
     iteration, consumed = 0, 0
     if args.load:
-        iteration, data_state = checkpoint.load(engine, args.load)
+        iteration, data_state = checkpoint.load(engine, args.load, apply_config=args.override_optimizer_config)
         steps.load_state_dict(data_state["stream"])
         consumed = int(data_state["consumed_tokens"])
         if rank == 0:
             print(f"resumed from {args.load} at iteration {iteration} ({consumed} tokens trained)", flush=True)
+    store = connect_store()
+    heartbeat = None if store is None else Heartbeat(store, rank=rank, world_size=torch.distributed.get_world_size(),
+                                                     step_of=lambda: iteration + 1).start()
     started = time.perf_counter()
-    while iteration < args.train_iters:
-        try:
+    try:
+        while iteration < args.train_iters:
             outcome = steps.train_step(engine)
-        except (FloatingPointError, RuntimeError) as err:  # non-finite loss, lost tokens, a collective timed out
+            iteration += 1
+            consumed += outcome.num_tokens
+            if rank == 0 and iteration % args.log_interval == 0:
+                log_step(training, outcome, iteration=iteration, train_iters=args.train_iters, consumed=consumed)
+            if args.save and args.save_interval and (iteration % args.save_interval == 0
+                                                     or iteration == args.train_iters):
+                checkpoint.save(engine, args.save, iteration=iteration, ds_config=training.ds_config,
+                                data_state={"stream": steps.state_dict(), "consumed_tokens": consumed})
+    except (FloatingPointError, RuntimeError) as err:  # non-finite loss, lost tokens, a collective timed out
+        if is_collective_timeout(err):
+            message = timeout_message(heartbeat, rank=rank, step=iteration + 1,
+                                      timeout_minutes=args.distributed_timeout_minutes)
+            print(f"error: {message} ({str(err).splitlines()[0][:200]})", file=sys.stderr, flush=True)
+        else:
             print(f"error: rank {rank}, iteration {iteration + 1}: {err}", file=sys.stderr, flush=True)
-            raise SystemExit(1) from err
-        iteration += 1
-        consumed += outcome.num_tokens
-        if rank == 0 and iteration % args.log_interval == 0:
-            log_step(training, outcome, iteration=iteration, train_iters=args.train_iters, consumed=consumed)
-        if args.save and args.save_interval and (iteration % args.save_interval == 0 or iteration == args.train_iters):
-            checkpoint.save(engine, args.save, iteration=iteration,
-                            data_state={"stream": steps.state_dict(), "consumed_tokens": consumed})
+        raise SystemExit(1) from err
+    finally:
+        if heartbeat is not None:
+            heartbeat.close()
     if rank == 0:
         print(f"done: {iteration} iterations in {time.perf_counter() - started:.1f} s", flush=True)
     torch.distributed.barrier()

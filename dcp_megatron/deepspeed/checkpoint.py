@@ -3,9 +3,16 @@
 `engine.save_checkpoint(dir, tag, client_state)` writes the model, optimizer and scheduler states
 and the `latest` tag file; our client state adds the iteration and the data stream's position (the
 first global batch not trained yet), so a resumed run trains exactly the batches an uninterrupted
-one would. Paths are checked at start (before any process group): a `--save` that is a file or not
-writable would otherwise fail at the first save, after training; a `--load` without a checkpoint
-would make DeepSpeed warn and train from scratch.
+one would. After each save, a checksum manifest of the tag directory (dcp_megatron/runtime/
+checkpoint_manifest.py) with the run's optimizer and scheduler blocks.
+
+Checked at start (before any process group): a `--save` that is a file or not writable would otherwise
+fail at the first save, after training; a `--load` without a checkpoint would make DeepSpeed warn and
+train from scratch; the checkpoint `latest` names is verified against its manifest (a flipped byte or a
+truncated file stops the run naming the file); changed optimizer/scheduler settings are refused unless
+`--override-optimizer-config` asks for them: DeepSpeed would silently keep the checkpoint's
+hyperparameters in the optimizer's param groups (the learning rate until the scheduler's next step,
+betas and weight decay for good).
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import os
 
 from dcp_megatron.megatron.dcp_args import DcpUsageError
 from dcp_megatron.megatron.run_paths import check_resume_dir, check_writable_dir
+from dcp_megatron.runtime import checkpoint_manifest as manifest_io
 
 LATEST_FILE = "latest"   # DeepSpeed's tag file
 _CLIENT_KEY = "dcp_megatron"
@@ -32,18 +40,64 @@ def check_checkpoint_paths(*, save: str | None, load: str | None, dump_plans: st
                          expected=f"DeepSpeed checkpoint (no '{LATEST_FILE}' file and no <tag>/*model_states.pt)")
 
 
+def optimizer_settings(ds_config: dict) -> dict:
+    """What a resumed run must agree on with its checkpoint (the config's optimizer and scheduler blocks; the
+    torch_adam switch the script sets on CPU is an implementation choice, not a setting)."""
+    optimizer = dict(ds_config.get("optimizer") or {})
+    if "params" in optimizer:
+        optimizer["params"] = {k: v for k, v in optimizer["params"].items() if k != "torch_adam"}
+    return {"optimizer": optimizer or None, "scheduler": ds_config.get("scheduler")}
+
+
+def check_resume(load: str, ds_config: dict, *, override: bool, rank: int, world_size: int) -> None:
+    """Verify the checkpoint `latest` in `load` names; refuse changed optimizer settings unless `override`."""
+    tag_file = os.path.join(load, LATEST_FILE)
+    if not os.path.isfile(tag_file):
+        return   # DeepSpeed names what it cannot find; check_checkpoint_paths made sure a checkpoint is there
+    with open(tag_file) as f:
+        directory = os.path.join(load, f.read().strip())
+    try:
+        manifest = manifest_io.read_manifest(directory) if os.path.isdir(directory) else None
+        if manifest is None:
+            if rank == 0:
+                print(f"{directory} has no checksum manifest ({manifest_io.MANIFEST_FILE}): loaded unverified",
+                      flush=True)
+            return
+        manifest_io.verify(directory, manifest, rank=rank, world_size=world_size)
+    except manifest_io.CheckpointError as err:
+        raise DcpUsageError(f"--load {load}: {err}") from err
+    saved, now = manifest["settings"].get("deepspeed"), optimizer_settings(ds_config)
+    changed = [key for key in now if saved is not None and saved.get(key) != now[key]]
+    if changed and not override:
+        listed = "; ".join(f'"{key}" {now[key]} (checkpoint: {saved.get(key)})' for key in changed)
+        raise DcpUsageError(
+            f"--load {load}: the DeepSpeed config's optimizer/scheduler settings changed since the checkpoint: "
+            f"{listed}. DeepSpeed would keep the checkpoint's values in the optimizer; add --override-optimizer-config "
+            f"to train with the new ones (optimizer moments are kept), or restore the old values")
+    if rank == 0:
+        note = f"; following the new {', '.join(changed)} settings" if changed else ""
+        print(f"{directory} verified against its checksum manifest ({len(manifest['files'])} files){note}",
+              flush=True)
+
+
 def tag_of(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def save(engine, directory: str, *, iteration: int, data_state: dict) -> None:
+def save(engine, directory: str, *, iteration: int, data_state: dict, ds_config: dict) -> None:
     """A collective: every rank calls it (ZeRO ranks write their own optimizer shards)."""
     engine.save_checkpoint(directory, tag=tag_of(iteration),
                            client_state={_CLIENT_KEY: {"iteration": iteration, "data": data_state}})
+    manifest_io.record(os.path.join(directory, tag_of(iteration)), {"deepspeed": optimizer_settings(ds_config)})
 
 
-def load(engine, directory: str) -> tuple[int, dict]:
-    """(iteration trained, data position) of the latest checkpoint in `directory` (a collective)."""
+def load(engine, directory: str, *, apply_config: bool) -> tuple[int, dict]:
+    """(iteration trained, data position) of the latest checkpoint in `directory` (a collective).
+
+    `apply_config`: after loading, the optimizer's hyperparameters are the config's (as built), not the
+    checkpoint's, and the scheduler re-sets the learning rate for the resumed iteration."""
+    groups = engine.optimizer.param_groups
+    configured = [{k: v for k, v in group.items() if k != "params"} for group in groups]
     path, client_state = engine.load_checkpoint(directory)
     if path is None:
         raise DcpUsageError(f"--load {directory}: DeepSpeed found no loadable checkpoint there")
@@ -51,4 +105,10 @@ def load(engine, directory: str) -> tuple[int, dict]:
     if not isinstance(ours, dict) or not {"iteration", "data"} <= set(ours):
         raise DcpUsageError(f"--load {directory}: checkpoint {path} was not written by this script (no data position "
                             "in its client state), so the run cannot continue its data where it stopped")
+    if apply_config:
+        for group, values in zip(engine.optimizer.param_groups, configured):
+            group.update({k: v for k, v in values.items() if k not in ("step", "initial_lr")})
+        scheduler = engine.lr_scheduler
+        if scheduler is not None and hasattr(scheduler, "last_batch_iteration"):
+            scheduler.step(scheduler.last_batch_iteration)   # the new schedule's rate at the resumed iteration
     return int(ours["iteration"]), ours["data"]

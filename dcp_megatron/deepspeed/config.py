@@ -121,6 +121,18 @@ def prepare_deepspeed_config(ds_config: dict) -> dict:
     return config
 
 
+def check_schedule_length(ds_config: dict, *, train_iters: int) -> None:
+    """A scheduler that ends before the run does would train the last steps at a rate nobody asked for."""
+    scheduler = ds_config.get("scheduler") or {}
+    total = (scheduler.get("params") or {}).get("total_num_steps")
+    if isinstance(total, int) and train_iters > total:
+        kind = scheduler.get("type", "the scheduler")
+        rate = "learning rate 0" if kind == "WarmupDecayLR" else "the schedule's final rate"
+        raise DcpUsageError(f'--train-iters {train_iters} runs past the scheduler\'s "total_num_steps": {total}: '
+                            f"{kind} would train steps {total + 1}-{train_iters} at {rate}; raise total_num_steps "
+                            f"to at least {train_iters} or lower --train-iters")
+
+
 def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int, log_interval: int,
                dcp_flag: bool, default_cp_attention: tuple[str, ...] = DEFAULT_CP_ATTENTION) -> DcpConfig | None:
     """The run's DcpConfig from the `"dcp"` block and the flags given on the command line (`cli`: DcpConfig

@@ -8,7 +8,9 @@ no checkpoint only draws a warning before training starts from scratch. Through 
 - `--save`, `--tensorboard-dir`, `--dcp-dump-plans`: must be a directory or creatable, and writable;
 - `--load DIR` other than `--save` (the user asks to resume from it): DIR must hold a Megatron
   checkpoint (its tracker file or an `iter_*` directory). `--load` equal to `--save` is Megatron's
-  auto-resume pattern: its first run has nothing to load yet, so it is left to Megatron.
+  auto-resume pattern: its first run has nothing to load yet, so it is left to Megatron;
+- the checkpoint either resolves to is verified against its checksum manifest and its schedule flags
+  (dcp_megatron/megatron/resume_checks.py).
 """
 from __future__ import annotations
 
@@ -47,10 +49,12 @@ def check_run_paths(args: argparse.Namespace) -> None:
         if path:
             check_writable_dir(path, flag)
     load, save = getattr(args, "load", None), getattr(args, "save", None)
-    if not load or (save and os.path.abspath(load) == os.path.abspath(save)):
-        return
-    check_resume_dir(load, holds=holds_checkpoint, expected=f"Megatron checkpoint (no {TRACKER_FILE} and no iter_* "
-                                                               "directory)")
+    if load and not (save and os.path.abspath(load) == os.path.abspath(save)):
+        check_resume_dir(load, holds=holds_checkpoint, expected=f"Megatron checkpoint (no {TRACKER_FILE} and no iter_* "
+                                                                   "directory)")
+    from dcp_megatron.megatron.resume_checks import check_resume  # it reads TRACKER_FILE from here
+
+    check_resume(args)   # the checkpoint it resolves to: checksums and schedule flags
 
 
 def check_resume_dir(load: str, *, holds, expected: str) -> None:

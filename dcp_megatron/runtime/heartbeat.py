@@ -1,0 +1,123 @@
+"""Which rank stopped answering, when a collective times out.
+
+A collective that times out (gloo: "Timed out waiting ...ms", NCCL: the watchdog) says that a peer did
+not answer, not which one. Every rank runs a `Heartbeat`: a daemon thread that bumps a counter and
+records the rank's step in the rendezvous store (the launcher's TCP store, which outlives any worker)
+every `interval_s`. After a timeout the survivors read the counters twice, a few intervals apart:
+a rank whose counter stood still is stopped (SIGSTOP, a frozen host) or its process is gone; a rank
+still beating but at an earlier step is hung in its own code. Counters, not clocks, so hosts need not
+agree on the time. Nothing here runs on the training path: the step is read by the beating thread.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+_PREFIX = "dcp_heartbeat"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Silence:
+    rank: int
+    step: int | None      # the last step it reported; None if never heard
+    stopped: bool         # True: no beat at all during the check; False: beating but behind
+
+
+def connect_store(timeout_s: float = 30.0):
+    """A client of the rendezvous store torchrun / deepspeed set up (MASTER_ADDR/PORT), None without one."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+class Heartbeat:
+    def __init__(self, store, *, rank: int, world_size: int, step_of: Callable[[], int], interval_s: float = 2.0):
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be positive, got {interval_s}")
+        self.store, self.rank, self.world_size, self.interval_s = store, rank, world_size, interval_s
+        self.step_of = step_of   # the step this rank is in (e.g. the loop's iteration counter)
+        self._beats = 0
+        self._lock = threading.Lock()   # the store client is used from the beating thread and the caller
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dcp-heartbeat", daemon=True)
+        self._generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted job starts afresh
+
+    def start(self) -> "Heartbeat":
+        self._beat()
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _key(self, rank: int) -> str:
+        return f"{_PREFIX}/{self._generation}/{rank}"
+
+    def _beat(self) -> None:
+        self._beats += 1
+        with self._lock:
+            self.store.set(self._key(self.rank), f"{self._beats} {int(self.step_of())}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._beat()
+            except Exception:   # the store is gone: the job is ending; nothing to report to
+                return
+
+    def _read(self) -> dict[int, tuple[int, int]]:
+        keys = [self._key(r) for r in range(self.world_size)]
+        with self._lock:
+            present = [k for k in keys if self.store.check([k])]
+            values = self.store.multi_get(present) if present else []
+        out = {}
+        for key, value in zip(present, values):
+            beats, step = value.decode().split()
+            out[int(key.rsplit("/", 1)[1])] = (int(beats), int(step))
+        return out
+
+    def silent_ranks(self, *, my_step: int, intervals: float = 3.0) -> list[Silence]:
+        """Ranks other than this one that stopped beating, or beat at an earlier step than `my_step`."""
+        first = self._read()
+        time.sleep(intervals * self.interval_s)
+        second = self._read()
+        silent = []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            if rank not in second or second[rank][0] == first.get(rank, (None,))[0]:
+                silent.append(Silence(rank=rank, step=second.get(rank, (0, None))[1], stopped=True))
+            elif second[rank][1] < my_step:
+                silent.append(Silence(rank=rank, step=second[rank][1], stopped=False))
+        return silent
+
+
+def describe_silence(silent: list[Silence]) -> str:
+    if not silent:
+        return "every other rank is still beating at this step (the stall is inside the collective library)"
+    parts = []
+    for s in silent:
+        where = f"last at step {s.step}" if s.step is not None else "never heard"
+        parts.append(f"rank {s.rank} ({'stopped or dead' if s.stopped else 'alive but behind'}, {where})")
+    return "not answering: " + ", ".join(parts)
+
+
+def is_collective_timeout(err: BaseException) -> bool:
+    """A collective or store operation that gave up waiting for a peer (gloo, NCCL watchdog, TCP store)."""
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+def timeout_message(heartbeat: Heartbeat | None, *, rank: int, step: int, timeout_minutes: float) -> str:
+    """One line for a step whose collective timed out: where, after how long, and who stopped answering."""
+    who = describe_silence(heartbeat.silent_ranks(my_step=step)) if heartbeat is not None else "peers unknown"
+    return (f"rank {rank}, iteration {step}: a collective did not complete within --distributed-timeout-minutes "
+            f"{timeout_minutes:g}; {who}. The run stops here; the latest checkpoint is the last good one")

@@ -8,7 +8,7 @@ PYTHON312 ?= $(shell for c in $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.
 	$$(command -v python3.12 2>/dev/null); do "$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' \
 	2>/dev/null && echo "$$c" && break; done)
 
-.PHONY: demo test venv simulate
+.PHONY: demo test test-slow venv simulate
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: setup.py
@@ -24,7 +24,11 @@ demo: venv
 	$(PY) tools/demo.py
 
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not slow" tests
+
+# CI runs it after `make test`: the planner properties at 10,000 hypothesis examples (minutes).
+test-slow: venv
+	$(PY) -m pytest -q -m slow tests
 
 simulate: venv
 	$(PY) tools/simulate.py --lengths builtin:wikipedia --model llama3-8b --cluster h200 --gpus 32 --tokens-per-step 4194304 --steps 10

@@ -51,13 +51,14 @@ def _with_dcp_arguments(original):
 def _with_dcp_validation(original):
     @functools.wraps(original)
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's own signature
-        from dcp_megatron.megatron.dcp_args import refuse_conflicting_flags, validate_dcp_args
+        from dcp_megatron.megatron.dcp_args import check_plannable, refuse_conflicting_flags, validate_dcp_args
 
         from dcp_megatron.megatron.run_paths import check_run_paths
 
         refuse_conflicting_flags(args)  # first: Megatron's own checks may fail on what we refuse
         result = original(args, defaults)
         validate_dcp_args(args)
+        check_plannable(args)   # the profile and the longest document, before any model is built
         check_run_paths(args)  # every run: Megatron would find a bad --save only when it first saves
         return result
 

@@ -5,7 +5,7 @@ through torch.cuda.
 
 DCP: under `--dcp`, after `save_checkpoint` returns (a persistent, synchronous save) every rank hashes
 its share of the iteration directory and rank 0 writes a checksum manifest beside Megatron's files
-(dcp_megatron/megatron/resume_checks.py): torch_dist checkpoints carry no checksums, so a flipped byte
+(dcp_megatron.megatron.checkpoints.py): torch_dist checkpoints carry no checksums, so a flipped byte
 would load silently. Megatron's files, tracker and loading stay as they are. Async and non-persistent
 saves are left unrecorded (their files are finished later or elsewhere); without --dcp nothing changes.
 """
@@ -25,15 +25,18 @@ CPU_PATCHES = (cpu_torch_patch(_MODULE, _REASON, MEGATRON_CORE_VERSIONS),)
 
 def _with_manifest(original):
     @functools.wraps(original)
-    def save_checkpoint(iteration, *args, **kwargs):
-        result = original(iteration, *args, **kwargs)
+    def save_checkpoint(iteration, model, *args, **kwargs):
         from megatron.training import get_args
 
         run_args = get_args()
-        if (getattr(run_args, "dcp", False) and not run_args.async_save and not kwargs.get("non_persistent_ckpt")
-                and not kwargs.get("release")):
-            from dcp_megatron.megatron.resume_checks import record_saved_checkpoint
+        if not getattr(run_args, "dcp", False):
+            return original(iteration, model, *args, **kwargs)
+        from dcp_megatron.megatron.checkpoints import may_save, record_saved_checkpoint
 
+        if not may_save(run_args, iteration, model):
+            return None
+        result = original(iteration, model, *args, **kwargs)
+        if not run_args.async_save and not kwargs.get("non_persistent_ckpt") and not kwargs.get("release"):
             record_saved_checkpoint(run_args, iteration)
         return result
 
@@ -46,6 +49,7 @@ def dcp_patches() -> tuple[Patch, ...]:
     original = getattr(module.save_checkpoint, "dcp_original", module.save_checkpoint)
     return (
         Patch(target=f"{_MODULE}:save_checkpoint", replacement=_with_manifest(original),
-              reason="under --dcp, a checksum manifest of each saved checkpoint (verified before it is loaded).",
+              reason="under --dcp, no save of non-finite weights; a checksum manifest of each saved checkpoint "
+                     "(verified before it is loaded).",
               versions=MEGATRON_CORE_VERSIONS),
     )

@@ -78,7 +78,8 @@ def _with_timeout_report(original):
         except RuntimeError as err:
             if not is_collective_timeout(err):
                 raise
-            message = timeout_message(heartbeat, rank=rank, step=getattr(run_args, "curr_iteration", 0) + 1,
+            where = f"iteration {getattr(run_args, 'curr_iteration', 0) + 1}"
+            message = timeout_message(heartbeat, rank=rank, where=where,
                                       timeout_minutes=run_args.distributed_timeout_minutes)
             print(f"dcp: error: {message} ({str(err).splitlines()[0][:200]})", file=sys.stderr, flush=True)
             raise SystemExit(1) from None

@@ -179,12 +179,15 @@ def build_model(args: argparse.Namespace, *, has_gpu: bool, bf16: bool):
 
 def document_source(args: argparse.Namespace):
     from dcp_megatron.data.documents import MockDocuments
-    from dcp_megatron.megatron.indexed_documents import IndexedDocuments
+    from dcp_megatron.megatron.indexed_documents import IndexedDataError, IndexedDocuments
 
     if args.mock_data:
         return MockDocuments(seed=args.seed, num_documents=args.mock_documents, max_len=args.seq_length,
                              vocab_size=args.vocab_size)
-    return IndexedDocuments(args.data_path, vocab_size=args.vocab_size)
+    try:
+        return IndexedDocuments(args.data_path, vocab_size=args.vocab_size)
+    except (IndexedDataError, OSError) as err:   # the message names the file and what is wrong with it
+        raise DcpUsageError(f"--data-path {args.data_path}: {err}") from None
 
 
 def forward_loss(engine, batch: dict):
@@ -230,7 +233,7 @@ def setup_training(args: argparse.Namespace) -> Training:
     has_gpu = torch.cuda.is_available()
     ds_config, config = deepspeed_setup(args, has_gpu=has_gpu)
     from dcp_megatron.data.batches import GlobalBatchStream
-    from dcp_megatron.megatron.planning import build_cost_model, check_longest_fits
+    from dcp_megatron.megatron.planning import checked_cost_model
     from dcp_megatron.planner.model import ModelShape
 
     source = document_source(args)
@@ -245,8 +248,7 @@ def setup_training(args: argparse.Namespace) -> Training:
                        head_dim=args.kv_channels or args.hidden_size // args.num_attention_heads,
                        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size, vocab_size=args.vocab_size,
                        gated_mlp=args.swiglu, tp=1, pp=1)
-    cost = build_cost_model(config, shape, domain_size=world_size, has_gpu=has_gpu)
-    check_longest_fits(config, cost)
+    cost = checked_cost_model(config, shape, domain_size=world_size, has_gpu=has_gpu)
 
     import deepspeed
     from megatron.core import parallel_state
@@ -318,8 +320,10 @@ def train(args: argparse.Namespace) -> None:
     heartbeat = None if store is None else Heartbeat(store, rank=rank, world_size=torch.distributed.get_world_size(),
                                                      step_of=lambda: iteration + 1).start()
     started = time.perf_counter()
+    where = "start"
     try:
         while iteration < args.train_iters:
+            where = f"iteration {iteration + 1}"
             outcome = steps.train_step(engine)
             iteration += 1
             consumed += outcome.num_tokens
@@ -327,15 +331,16 @@ def train(args: argparse.Namespace) -> None:
                 log_step(training, outcome, iteration=iteration, train_iters=args.train_iters, consumed=consumed)
             if args.save and args.save_interval and (iteration % args.save_interval == 0
                                                      or iteration == args.train_iters):
+                where = f"saving iteration {iteration}"
                 checkpoint.save(engine, args.save, iteration=iteration, ds_config=training.ds_config,
                                 data_state={"stream": steps.state_dict(), "consumed_tokens": consumed})
     except (FloatingPointError, RuntimeError) as err:  # non-finite loss, lost tokens, a collective timed out
         if is_collective_timeout(err):
-            message = timeout_message(heartbeat, rank=rank, step=iteration + 1,
+            message = timeout_message(heartbeat, rank=rank, where=where,
                                       timeout_minutes=args.distributed_timeout_minutes)
             print(f"error: {message} ({str(err).splitlines()[0][:200]})", file=sys.stderr, flush=True)
         else:
-            print(f"error: rank {rank}, iteration {iteration + 1}: {err}", file=sys.stderr, flush=True)
+            print(f"error: rank {rank}, {where}: {err}", file=sys.stderr, flush=True)
         raise SystemExit(1) from err
     finally:
         if heartbeat is not None:
@@ -347,14 +352,15 @@ def train(args: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    train(args)
+    """The script as a command: 0 when trained, 2 (one line on stderr, nothing trained) for a usage error."""
+    try:
+        args = parse_args(argv)
+        train(args)
+    except DcpUsageError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except DcpUsageError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    sys.exit(main())

@@ -7,6 +7,7 @@ Megatron-style iteration and dcp lines). Each launch costs ~15 s on 2 cores, mos
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -52,3 +53,12 @@ def run_deepspeed(config: dict, extra: list[str], *, nproc: int = 2, iters: int 
     env = dict(run_env(), DS_ACCELERATOR="cpu")
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     return parse_output(proc.returncode, proc.stdout + proc.stderr)
+
+
+def load_ds_script():
+    """pretrain_gpt_deepspeed.py as a module, for in-process use of its functions."""
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_deepspeed", DS_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -7,32 +7,22 @@
 - the real script (pretrain_scripts/pretrain_gpt_deepspeed.py, torchrun, 10 steps): `--dcp` under
   ZeRO-1 and ZeRO-2 (with Ulysses CP attention), the static layout and a 1-rank run give the same loss trace; the plans dumped
   by `--dcp-dump-plans` mix CP sizes and give ranks different micro-batch counts; a resume from
-  DeepSpeed's checkpoint continues the trace; a bad "dcp" block stops the run at start.
+  DeepSpeed's checkpoint continues the trace. (Bad settings and faults: tests/test_fault_matrix.py.)
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
-import sys
 
 import pytest
 
-from tests.deepspeed_runs import DS_SCRIPT, TINY_MODEL, ds_config, run_deepspeed
+from tests.deepspeed_runs import TINY_MODEL, ds_config, load_ds_script, run_deepspeed
 from tests.dist_utils import max_rel_err, run_distributed
 from tests.megatron_runs import read_plan_dumps
 
 BUDGET = ["--dcp-memory-budget-gb", "0.0035"]   # tight enough that long documents need CP 2 or recompute
 SGD_LR = 1e3   # large: the update lr x g dwarfs the weights, so (before - after) / lr is g to fp32 rounding
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_deepspeed", DS_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def _reference_gradients(script, args, model_config, state, batch, source) -> dict:
@@ -62,7 +52,7 @@ def _parity_worker(rank, world_size, directory):
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))  # what torchrun sets
     from dcp_megatron.data.batches import GlobalBatchStream
 
-    script = _script()
+    script = load_ds_script()
     results = []
     # ZeRO-1 with planned steps and the static layout run in the loss-trace and resume runs below.
     for stage, policy in ((0, "dcp"), (2, "dcp"), (2, "ulysses")):
@@ -200,31 +190,3 @@ def test_resume_continues_the_trace(runs):
     full = runs["dcp_z1"].losses
     for iteration, loss in resumed.losses.items():
         assert abs(loss - full[iteration]) <= 1e-5 * abs(full[iteration]), (iteration, loss, full[iteration])
-
-
-def test_bad_settings_stop_at_start(tmp_path):
-    """The script's own start-up path (flags, then the DeepSpeed config and data, before any process group or
-    heavy import), in-process for most cases and once as a process: exit 2, one line, nothing trained."""
-    from dcp_megatron.megatron.dcp_args import DcpUsageError
-
-    script = _script()
-    cases = [
-        (ds_config(stage=3), ["--dcp"], "ZeRO stage 3 is not supported"),
-        (dict(ds_config(stage=1), gradient_accumulation_steps=4), ["--dcp"], '"gradient_accumulation_steps": 4'),
-        (ds_config(stage=1), ["--dcp-max-cp-size", "2"], "only take effect with --dcp"),
-        (ds_config(stage=1), ["--dcp", "--load", str(tmp_path / "missing")], "--load"),
-        ({"zero_optimization": {"stage": 1}}, ["--dcp"], 'add an "optimizer" block'),
-        (ds_config(stage=1), ["--dcp", "--dcp-memory-budget-gb", "0.0001"], "fits no CP group"),
-    ]
-    for i, (config, flags, message) in enumerate(cases):
-        path = tmp_path / f"ds{i}.json"
-        path.write_text(json.dumps(config))
-        with pytest.raises(DcpUsageError) as err:
-            args = script.parse_args(TINY_MODEL + ["--deepspeed-config", str(path), "--train-iters", "2", *flags])
-            script.deepspeed_setup(args, has_gpu=False)
-            script.setup_training(args)   # the data and memory checks, before distributed init
-        assert message in str(err.value), (message, str(err.value))
-    bad = run_deepspeed(dict(ds_config(stage=1), dcp={"enabled": True, "max_cp": 2}), [], directory=str(tmp_path),
-                        torchrun=False)
-    assert bad.returncode == 2 and "unknown key(s) ['max_cp']" in bad.output, bad.output[-3000:]
-    assert "iteration" not in bad.output and "Traceback" not in bad.output, bad.output[-3000:]

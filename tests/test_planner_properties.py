@@ -2,6 +2,7 @@
 every policy's plan validates and fits memory, dcp never loses to a baseline, plans are
 deterministic, and no plan beats the (memory-aware) lower bound, whatever recompute is allowed."""
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -52,9 +53,25 @@ def scenarios(draw):
     return cost, batch, cap
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_SLOW = 10_000   # examples in the slow run (`make test-slow`, run by CI after the suite)
+_QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=_QUIET)
 @given(scenarios())
 def test_policies_hold_every_invariant(scenario):
+    check_every_invariant(scenario)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@settings(max_examples=_SLOW, deadline=None, suppress_health_check=_QUIET)
+@given(scenarios())
+def test_policies_hold_every_invariant_at_10k_examples(scenario):
+    check_every_invariant(scenario)
+
+
+def check_every_invariant(scenario):
     cost, batch, max_seq_len = scenario
     times = {}
     for policy, plan in plans_of_every_policy(batch, cost, max_seq_len).items():
@@ -72,6 +89,17 @@ def test_policies_hold_every_invariant(scenario):
 @settings(max_examples=25, deadline=None)
 @given(st.sampled_from(DOMAINS), st.integers(1, 40), st.integers(0, 1000))
 def test_local_tokens_cover_each_document(domain_size, length, offset):
+    check_local_tokens(domain_size, length, offset)
+
+
+@pytest.mark.slow
+@settings(max_examples=_SLOW, deadline=None)
+@given(st.sampled_from(DOMAINS), st.integers(1, 1 << 20), st.integers(0, 1000))
+def test_local_tokens_cover_each_document_at_10k_examples(domain_size, length, offset):
+    check_local_tokens(domain_size, length, offset)
+
+
+def check_local_tokens(domain_size, length, offset):
     """Padding to 2c never loses tokens and adds fewer than 2c."""
     lengths = np.array([length + offset])
     for size in candidate_sizes(tiny_cost(domain_size).cluster):

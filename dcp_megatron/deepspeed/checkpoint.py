@@ -85,10 +85,17 @@ def tag_of(iteration: int) -> str:
 
 
 def save(engine, directory: str, *, iteration: int, data_state: dict, ds_config: dict) -> None:
-    """A collective: every rank calls it (ZeRO ranks write their own optimizer shards)."""
-    engine.save_checkpoint(directory, tag=tag_of(iteration),
+    """A collective: every rank calls it (ZeRO ranks write their own optimizer shards). `latest` moves to the new
+    tag only once its manifest is written, so the latest checkpoint always has one."""
+    import torch.distributed as dist
+
+    tag = tag_of(iteration)
+    engine.save_checkpoint(directory, tag=tag, save_latest=False,
                            client_state={_CLIENT_KEY: {"iteration": iteration, "data": data_state}})
-    manifest_io.record(os.path.join(directory, tag_of(iteration)), {"deepspeed": optimizer_settings(ds_config)})
+    manifest_io.record(os.path.join(directory, tag), {"deepspeed": optimizer_settings(ds_config)})
+    if dist.get_rank() == 0:
+        manifest_io.write_atomically(os.path.join(directory, LATEST_FILE), tag)
+    dist.barrier()
 
 
 def load(engine, directory: str, *, apply_config: bool) -> tuple[int, dict]:

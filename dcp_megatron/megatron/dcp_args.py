@@ -170,4 +170,26 @@ def validate_dcp_args(args: argparse.Namespace) -> None:
     if args.dcp_max_cp_size is not None and args.dcp_max_cp_size > args.data_parallel_size:
         raise DcpUsageError(f"--dcp-max-cp-size {args.dcp_max_cp_size} exceeds the DCP domain of "
                          f"{args.data_parallel_size} ranks (world size / (TP x PP))")
+    timeout_minutes = getattr(args, "distributed_timeout_minutes", None)
+    if timeout_minutes is not None and not timeout_minutes > 0:
+        raise DcpUsageError(f"--distributed-timeout-minutes must be positive, got {timeout_minutes}")
     dcp_config_from_args(args)  # the remaining value checks live in DcpConfig
+
+
+def check_plannable(args: argparse.Namespace) -> None:
+    """After validate_dcp_args, before any process group: the --dcp-profile reads as a profile, and a
+    --seq-length document fits the domain under the memory budget (else the flags to change are named)."""
+    if not getattr(args, "dcp", False):
+        return
+    import torch
+
+    from dcp_megatron.megatron.planning import checked_cost_model, model_shape_from_args
+
+    vocab_size = getattr(args, "padded_vocab_size", None)
+    if vocab_size is None and getattr(args, "vocab_size", None):   # padded as Megatron's tokenizer set-up does
+        multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+        vocab_size = -(-args.vocab_size // multiple) * multiple
+    if vocab_size is None:
+        return   # a tokenizer's vocabulary is known once Megatron builds it; the first step checks then
+    checked_cost_model(dcp_config_from_args(args), model_shape_from_args(args, vocab_size=vocab_size),
+                       domain_size=args.data_parallel_size, has_gpu=torch.cuda.is_available())

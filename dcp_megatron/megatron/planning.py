@@ -19,13 +19,14 @@ from dcp_megatron.planner.policies import make_plan
 GiB = 1024 ** 3
 
 
-def model_shape_from_args(args) -> ModelShape:
-    """The planner's view of Megatron's model flags (after Megatron's validate_args filled defaults)."""
+def model_shape_from_args(args, *, vocab_size: int | None = None) -> ModelShape:
+    """The planner's view of Megatron's model flags (after Megatron's validate_args filled defaults);
+    `vocab_size` stands in for the padded vocabulary before Megatron has built the tokenizer."""
     num_kv_heads = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     return ModelShape(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_attention_heads,
         num_kv_heads=num_kv_heads, head_dim=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
-        vocab_size=args.padded_vocab_size, gated_mlp=bool(args.swiglu),
+        vocab_size=vocab_size or args.padded_vocab_size, gated_mlp=bool(args.swiglu),
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
 
 
@@ -43,6 +44,21 @@ def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, 
     profile = load_profile(config.profile) if config.profile else None
     return CostModel(model, cluster, profile=profile, allowed_recompute=config.recompute,
                      cp_attention=config.cp_attention)
+
+
+def checked_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:
+    """build_cost_model at start-up: a --dcp-profile that is not a valid profile, or a --seq-length document that
+    fits no CP group, is a DcpUsageError naming the flags to change."""
+    from dcp_megatron.megatron.dcp_args import DcpUsageError
+
+    try:
+        cost = build_cost_model(config, model, domain_size=domain_size, has_gpu=has_gpu)
+    except ValueError as err:   # the profile's own checks (cost_profile.check_profile)
+        if config.profile is None:
+            raise
+        raise DcpUsageError(f"--dcp-profile {config.profile}: {err}") from None
+    check_longest_fits(config, cost)
+    return cost
 
 
 def plan_global_batch(config: DcpConfig, sequences, cost: CostModel) -> StepPlan:

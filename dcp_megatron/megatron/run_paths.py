@@ -10,7 +10,7 @@ no checkpoint only draws a warning before training starts from scratch. Through 
   checkpoint (its tracker file or an `iter_*` directory). `--load` equal to `--save` is Megatron's
   auto-resume pattern: its first run has nothing to load yet, so it is left to Megatron;
 - the checkpoint either resolves to is verified against its checksum manifest and its schedule flags
-  (dcp_megatron/megatron/resume_checks.py).
+  (dcp_megatron.megatron.checkpoints.py).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def check_run_paths(args: argparse.Namespace) -> None:
     if load and not (save and os.path.abspath(load) == os.path.abspath(save)):
         check_resume_dir(load, holds=holds_checkpoint, expected=f"Megatron checkpoint (no {TRACKER_FILE} and no iter_* "
                                                                    "directory)")
-    from dcp_megatron.megatron.resume_checks import check_resume  # it reads TRACKER_FILE from here
+    from dcp_megatron.megatron.checkpoints import check_resume  # it reads TRACKER_FILE from here
 
     check_resume(args)   # the checkpoint it resolves to: checksums and schedule flags
 

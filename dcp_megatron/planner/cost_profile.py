@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 PROFILE_SCALARS = ("gemm_flops", "intra_node_bw", "inter_node_bw", "microbatch_overhead_s",
                     "collective_latency_s", "recompute_cost_factor")
@@ -18,6 +19,12 @@ def load_profile(path: str) -> dict:
     return check_profile(obj, where=path)
 
 
+def _is_positive(value, *, zero_ok: bool = False) -> bool:
+    """A finite JSON number > 0 (>= 0 with zero_ok); NaN, Infinity, strings and booleans are not."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and (value > 0 or (zero_ok and value == 0)))
+
+
 def check_profile(obj, *, where: str = "profile") -> dict:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: a profile is a JSON object, got {type(obj).__name__}")
@@ -25,20 +32,20 @@ def check_profile(obj, *, where: str = "profile") -> dict:
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(_PROFILE_KEYS)}")
     for key in PROFILE_SCALARS:
-        if key in obj and (not isinstance(obj[key], (int, float)) or obj[key] < 0
-                           or (obj[key] == 0 and key not in ("microbatch_overhead_s", "collective_latency_s"))):
-            raise ValueError(f"{where}: {key} must be a positive number, got {obj[key]!r}")
+        if key in obj and not _is_positive(obj[key], zero_ok=key in ("microbatch_overhead_s", "collective_latency_s")):
+            raise ValueError(f"{where}: {key} must be a positive finite number, got {obj[key]!r}")
     if "attn_rate_points" in obj:
         pts = obj["attn_rate_points"]
         if (not isinstance(pts, list) or not pts
-                or any(not isinstance(p, list) or len(p) != 2 or p[0] <= 0 or p[1] <= 0 for p in pts)):
-            raise ValueError(f"{where}: attn_rate_points must be a non-empty list of [length, rate>0], got {pts!r}")
+                or any(not isinstance(p, list) or len(p) != 2 or not all(map(_is_positive, p)) for p in pts)):
+            raise ValueError(f"{where}: attn_rate_points must be a non-empty list of [length, rate], both positive "
+                             f"finite numbers, got {pts!r}")
     if "attention_times" in obj:
         rows = obj["attention_times"]
         if (not isinstance(rows, list) or not rows
-                or any(not isinstance(r, list) or len(r) != 3 or r[0] <= 0 or r[1] <= 0 or r[2] <= 0
-                       for r in rows)):
-            raise ValueError(f"{where}: attention_times must be a non-empty list of [length, cp_size, seconds>0]")
+                or any(not isinstance(r, list) or len(r) != 3 or not all(map(_is_positive, r)) for r in rows)):
+            raise ValueError(f"{where}: attention_times must be a non-empty list of [length, cp_size, seconds], all "
+                             "positive finite numbers")
     return obj
 
 

@@ -53,14 +53,20 @@ def digests_of(directory: str, relative_paths: list[str]) -> dict[str, dict]:
     return {p: file_digest(os.path.join(directory, p)) for p in relative_paths}
 
 
-def write_manifest(directory: str, digests: dict[str, dict], settings: dict) -> str:
-    path = os.path.join(directory, MANIFEST_FILE)
+def write_atomically(path: str, text: str) -> None:
+    """A reader sees the old file or the whole new one."""
     temporary = path + ".dcp_tmp"
     with open(temporary, "w") as f:
-        json.dump({"format": _FORMAT, "files": dict(sorted(digests.items())), "settings": settings}, f, indent=1)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, path)
+
+
+def write_manifest(directory: str, digests: dict[str, dict], settings: dict) -> str:
+    path = os.path.join(directory, MANIFEST_FILE)
+    write_atomically(path, json.dumps({"format": _FORMAT, "files": dict(sorted(digests.items())), "settings": settings},
+                                      indent=1))
     return path
 
 

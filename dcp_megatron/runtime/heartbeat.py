@@ -105,7 +105,7 @@ def describe_silence(silent: list[Silence]) -> str:
         return "every other rank is still beating at this step (the stall is inside the collective library)"
     parts = []
     for s in silent:
-        where = f"last at step {s.step}" if s.step is not None else "never heard"
+        where = f"last heartbeat in step {s.step}" if s.step is not None else "never heard"
         parts.append(f"rank {s.rank} ({'stopped or dead' if s.stopped else 'alive but behind'}, {where})")
     return "not answering: " + ", ".join(parts)
 
@@ -116,8 +116,10 @@ def is_collective_timeout(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and ("timed out" in text or "timeout" in text)
 
 
-def timeout_message(heartbeat: Heartbeat | None, *, rank: int, step: int, timeout_minutes: float) -> str:
-    """One line for a step whose collective timed out: where, after how long, and who stopped answering."""
+def timeout_message(heartbeat: Heartbeat | None, *, rank: int, where: str, timeout_minutes: float) -> str:
+    """One line for a collective that timed out: where (e.g. "iteration 7"), after how long, and who stopped
+    answering."""
+    step = heartbeat.step_of() if heartbeat is not None else 0
     who = describe_silence(heartbeat.silent_ranks(my_step=step)) if heartbeat is not None else "peers unknown"
-    return (f"rank {rank}, iteration {step}: a collective did not complete within --distributed-timeout-minutes "
+    return (f"rank {rank}, {where}: a collective did not complete within --distributed-timeout-minutes "
             f"{timeout_minutes:g}; {who}. The run stops here; the latest checkpoint is the last good one")

@@ -70,9 +70,11 @@ def local_tokens(lengths: np.ndarray, size: int) -> np.ndarray:
 
 def check_static_memory(cost) -> None:
     if cost.static_bytes >= cost.cluster.mem_budget_bytes:
-        raise ValueError(f"the model's static state alone ({cost.static_bytes} bytes per rank: weights, grads, "
-                         f"optimizer) exceeds the memory budget {cost.cluster.mem_budget_bytes}; use more ranks "
-                         f"(distributed optimizer), tp or pp")
+        raise ValueError(f"the model's static state alone ({cost.static_bytes / 2**30:.4g} GiB per rank: weights, "
+                         f"grads, optimizer state) exceeds the memory budget of {cost.cluster.mem_budget_bytes / 2**30:.4g} "
+                         f"GiB per rank; raise the budget (--dcp-memory-budget-gb), shard the optimizer state over more "
+                         f"ranks (--use-distributed-optimizer, more data-parallel ranks), or split the model "
+                         f"(--tensor-model-parallel-size, --pipeline-model-parallel-size)")
 
 
 def min_fitting_size(lengths: np.ndarray, ids: np.ndarray, sizes: list[int], cost) -> np.ndarray:
@@ -88,8 +90,8 @@ def min_fitting_size(lengths: np.ndarray, ids: np.ndarray, sizes: list[int], cos
         j = int(bad[np.argmax(lengths[bad])])
         raise ValueError(f"sample {int(ids[j])} of {int(lengths[j])} tokens fits no CP group up to size "
                          f"{sizes[-1]} with the allowed recompute {list(cost.allowed_recompute)} (at most "
-                         f"{cost.strongest_recompute}; memory budget {cost.cluster.mem_budget_bytes} bytes per "
-                         f"rank); allow more recompute (e.g. full), a larger max CP size, more memory per rank, "
+                         f"{cost.strongest_recompute}; memory budget {cost.cluster.mem_budget_bytes / 2**30:.4g} GiB "
+                         f"per rank); allow more recompute (e.g. full), a larger max CP size, more memory per rank, "
                          f"or shorten it (GlobalBatcher overlong='split' or 'truncate')")
     return idx
 

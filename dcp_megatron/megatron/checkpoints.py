@@ -1,5 +1,11 @@
-"""Checkpoints of megatron.training runs under our patches: a checksum manifest after each save, and the
-checkpoint to resume checked at start-up (before any process group or model).
+"""Checkpoints of megatron.training runs under our patches: no save of non-finite weights, a checksum
+manifest after each save, and the checkpoint to resume checked at start-up (before any process group or model).
+
+- Before `save_checkpoint`, every rank checks its weights are finite (one all-reduce): megatron-core's
+  NaN check stops the run at a non-finite loss, but first saves the state it stopped in (to diagnose it),
+  which after a step at `--lr inf` already holds Inf weights and would become the latest checkpoint to
+  resume; and without `--save` that save fails with a TypeError. Such a save is skipped, saying so, and
+  Megatron's check ends the run with its own exit code.
 
 - After `save_checkpoint` (persistent, synchronous saves of `--dcp` runs) every rank hashes its share of
   the iteration directory and rank 0 writes the manifest (dcp_megatron/runtime/checkpoint_manifest.py),
@@ -56,6 +62,33 @@ def schedule_settings(args: argparse.Namespace) -> dict:
             "end_wd": args.end_weight_decay, "wd_incr_steps": incr, "wd_incr_style": args.weight_decay_incr_style}
 
 
+def weights_are_finite(model_chunks) -> bool:
+    """All ranks' weights finite (a collective over the world)."""
+    import torch
+
+    bad = any(not bool(torch.isfinite(p.detach()).all()) for chunk in model_chunks for p in chunk.parameters())
+    device = next((p.device for chunk in model_chunks for p in chunk.parameters()), torch.device("cpu"))
+    flag = torch.tensor([1.0 if bad else 0.0], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return float(flag) == 0.0
+
+
+def may_save(args: argparse.Namespace, iteration: int, model_chunks) -> bool:
+    """Whether Megatron's save of `iteration` may go ahead (else one line says why not)."""
+    if not getattr(args, "save", None):
+        if getattr(args, "rank", 0) == 0:
+            print(f"dcp: iteration {iteration}: a checkpoint was requested but there is no --save directory; "
+                  "nothing saved", flush=True)
+        return False
+    if not weights_are_finite(model_chunks):
+        if getattr(args, "rank", 0) == 0:
+            print(f"dcp: error: iteration {iteration}: the weights hold NaN/Inf, so they are not saved; the latest "
+                  f"checkpoint in {args.save} stays the last good one. Lower --lr or enable clipping (--clip-grad)",
+                  flush=True)
+        return False
+    return True
+
+
 def record_saved_checkpoint(args: argparse.Namespace, iteration: int) -> None:
     """After Megatron's save returned on every rank (a collective)."""
     manifest_io.record(iteration_dir(args.save, iteration), {"megatron": schedule_settings(args)})
@@ -87,6 +120,8 @@ def check_resume(args: argparse.Namespace) -> None:
         manifest = manifest_io.read_manifest(directory)
         if manifest is None:
             if getattr(args, "dcp", False) and getattr(args, "rank", 0) == 0:
+                # Megatron moves its tracker only after every rank wrote its files, so the checkpoint is whole; a
+                # --dcp run stopped between that and the manifest (or a run without --dcp) leaves none.
                 print(f"dcp: {directory} has no checksum manifest ({manifest_io.MANIFEST_FILE}): loaded unverified",
                       flush=True)
             return

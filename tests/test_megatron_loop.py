@@ -56,16 +56,24 @@ def runs(work):
     return get
 
 
+# Saves each rank's main_grad after the first step (before clipping and the optimizer step; no checkpoint
+# content beyond that is kept): test_gradients_equal_an_independent_one_device_reference reads them.
+def _wgrads(root, name):
+    return ["--save", str(root / f"wgrads_{name}"), "--save-interval", "1000", "--save-wgrads-interval", "1",
+            "--no-save-optim", "--no-save-rng"]
+
+
 _RUNS = {
     # One rank, no DCP, the whole global batch as one micro-batch: the independent reference.
-    "reference": lambda root, script: run_training(OUR_SCRIPT, [], nproc=1, launcher=False, iters=ITERS),
+    "reference": lambda root, script: run_training(OUR_SCRIPT, _wgrads(root, "reference"), nproc=1, launcher=False,
+                                                   iters=ITERS),
     # Way 1: the user's unmodified script through the launcher, without and with --dcp.
     "plain": lambda root, script: run_training(script, [], iters=ITERS),
     # --dcp-no-refine here and in dcp_direct: plans from the configured cost model only, so the two runs' plan
     # files can be compared (measured corrections would make them depend on this machine's timing).
     "dcp_launcher": lambda root, script: run_training(
         script, ["--dcp", *SMALL_BUDGET, "--dcp-dump-plans", str(root / "plans"), "--dcp-check-plans",
-                 "--dcp-no-refine"], iters=ITERS),
+                 "--dcp-no-refine", *_wgrads(root, "dcp")], iters=ITERS),
     # Way 3 (and 2: the script carries the two lines): our script run directly, uninterrupted and
     # stopped at 5 then resumed from Megatron's checkpoint; evaluated after every step.
     # (This one plans each step when it starts, --dcp-sync-planning; all others plan one step ahead.)
@@ -151,17 +159,13 @@ def test_plain_run_has_no_dcp_steps(runs):
     assert runs("plain").dcp_steps == {}
 
 
-def test_gradients_equal_an_independent_one_device_reference(work):
-    """main_grad after one step (clipping off), --dcp on 2 ranks vs 1 rank with one micro-batch."""
-    root, script = work
+def test_gradients_equal_an_independent_one_device_reference(runs, work):
+    """main_grad after the first step (saved before clipping): --dcp on 2 ranks vs 1 rank with one micro-batch."""
+    root, _ = work
     grads = {}
-    for name, nproc, extra in (("reference", 1, []),
-                               ("dcp", 2, ["--dcp", *SMALL_BUDGET])):
-        save = root / f"wgrads_{name}"
-        run_training(script, [*extra, "--clip-grad", "0", "--save", str(save), "--save-interval", "100",
-                              "--save-wgrads-interval", "1",
-                              "--no-save-optim", "--no-save-rng"], nproc=nproc, iters=3).check()
-        (path,) = glob.glob(str(save / "wgrads" / "iter_0000001" / "*"))
+    for name, run in (("reference", "reference"), ("dcp", "dcp_launcher")):
+        runs(run)
+        (path,) = glob.glob(str(root / f"wgrads_{name}" / "wgrads" / "iter_0000001" / "*"))
         grads[name] = torch.load(path, map_location="cpu", weights_only=False)
     reference, dcp = (_flatten(grads[k]) for k in ("reference", "dcp"))
     assert reference.keys() == dcp.keys() and reference

@@ -34,8 +34,11 @@ def connect_store(timeout_s: float = 30.0):
         return None
     import torch.distributed as dist
 
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    except (RuntimeError, OSError):   # no store to beat into: a timeout then says less, nothing else changes
+        return None
 
 
 class Heartbeat:
@@ -119,7 +122,11 @@ def is_collective_timeout(err: BaseException) -> bool:
 def timeout_message(heartbeat: Heartbeat | None, *, rank: int, where: str, timeout_minutes: float) -> str:
     """One line for a collective that timed out: where (e.g. "iteration 7"), after how long, and who stopped
     answering."""
-    step = heartbeat.step_of() if heartbeat is not None else 0
-    who = describe_silence(heartbeat.silent_ranks(my_step=step)) if heartbeat is not None else "peers unknown"
+    who = "peers unknown (no heartbeat store)"
+    if heartbeat is not None:
+        try:
+            who = describe_silence(heartbeat.silent_ranks(my_step=heartbeat.step_of()))
+        except Exception as err:   # the store lives in a stopped process (e.g. rank 0 without torchrun's agent)
+            who = f"peers unknown (the heartbeat store did not answer: {str(err).splitlines()[0][:120]})"
     return (f"rank {rank}, {where}: a collective did not complete within --distributed-timeout-minutes "
             f"{timeout_minutes:g}; {who}. The run stops here; the latest checkpoint is the last good one")

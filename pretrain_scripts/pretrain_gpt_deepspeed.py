@@ -332,6 +332,8 @@ def train(args: argparse.Namespace) -> None:
             if args.save and args.save_interval and (iteration % args.save_interval == 0
                                                      or iteration == args.train_iters):
                 where = f"saving iteration {iteration}"
+                if rank == 0:
+                    print(f"saving checkpoint at iteration {iteration} to {args.save}", flush=True)
                 checkpoint.save(engine, args.save, iteration=iteration, ds_config=training.ds_config,
                                 data_state={"stream": steps.state_dict(), "consumed_tokens": consumed})
     except (FloatingPointError, RuntimeError) as err:  # non-finite loss, lost tokens, a collective timed out

@@ -57,15 +57,13 @@ def check_resume(load: str, ds_config: dict, *, override: bool, rank: int, world
     with open(tag_file) as f:
         directory = os.path.join(load, f.read().strip())
     try:
-        manifest = manifest_io.read_manifest(directory) if os.path.isdir(directory) else None
-        if manifest is None:
-            if rank == 0:
-                print(f"{directory} has no checksum manifest ({manifest_io.MANIFEST_FILE}): loaded unverified",
-                      flush=True)
-            return
-        manifest_io.verify(directory, manifest, rank=rank, world_size=world_size)
+        manifest = manifest_io.read_and_verify(directory, rank=rank, world_size=world_size)
     except manifest_io.CheckpointError as err:
         raise DcpUsageError(f"--load {load}: {err}") from err
+    if manifest is None:
+        if rank == 0:
+            print(f"{directory} has no checksum manifest ({manifest_io.MANIFEST_FILE}): loaded unverified", flush=True)
+        return
     saved, now = manifest["settings"].get("deepspeed"), optimizer_settings(ds_config)
     changed = [key for key in now if saved is not None and saved.get(key) != now[key]]
     if changed and not override:

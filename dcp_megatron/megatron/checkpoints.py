@@ -117,17 +117,17 @@ def check_resume(args: argparse.Namespace) -> None:
     if directory is None or not os.path.isdir(directory):
         return
     try:
-        manifest = manifest_io.read_manifest(directory)
-        if manifest is None:
-            if getattr(args, "dcp", False) and getattr(args, "rank", 0) == 0:
-                # Megatron moves its tracker only after every rank wrote its files, so the checkpoint is whole; a
-                # --dcp run stopped between that and the manifest (or a run without --dcp) leaves none.
-                print(f"dcp: {directory} has no checksum manifest ({manifest_io.MANIFEST_FILE}): loaded unverified",
-                      flush=True)
-            return
-        manifest_io.verify(directory, manifest, rank=getattr(args, "rank", 0), world_size=getattr(args, "world_size", 1))
+        manifest = manifest_io.read_and_verify(directory, rank=getattr(args, "rank", 0),
+                                               world_size=getattr(args, "world_size", 1))
     except manifest_io.CheckpointError as err:
         raise DcpUsageError(f"--load {load}: {err}") from err
+    if manifest is None:
+        if getattr(args, "dcp", False) and getattr(args, "rank", 0) == 0:
+            # Megatron moves its tracker only after every rank wrote its files, so the checkpoint is whole; a
+            # --dcp run stopped between that and the manifest (or a run without --dcp) leaves none.
+            print(f"dcp: {directory} has no checksum manifest ({manifest_io.MANIFEST_FILE}): loaded unverified",
+                  flush=True)
+        return
     saved = manifest["settings"].get("megatron")
     # --finetune and --no-load-optim load neither the optimizer nor the scheduler: any flags apply.
     if saved and not getattr(args, "finetune", False) and not getattr(args, "no_load_optim", False):

@@ -105,6 +105,14 @@ def verify(directory: str, manifest: dict, *, rank: int, world_size: int) -> Non
                                   "on disk); resume from an earlier iteration")
 
 
+def read_and_verify(directory: str, *, rank: int, world_size: int) -> dict | None:
+    """The checkpoint's manifest after `verify` passed on this rank; None if it has none."""
+    manifest = read_manifest(directory)
+    if manifest is not None:
+        verify(directory, manifest, rank=rank, world_size=world_size)
+    return manifest
+
+
 def record(directory: str, settings: dict) -> None:
     """After a save every rank has finished: hash in parallel, rank 0 writes the manifest (a collective)."""
     import torch.distributed as dist

@@ -28,11 +28,16 @@ Profile JSON (`load_profile`) overrides the cluster constants; all keys optional
      "microbatch_overhead_s": s, "collective_latency_s": s,
      "recompute_cost_factor": x (cost of a recomputed forward / its modelled FLOP share),
      "attention_times": [[length, cp_size, seconds], ...],
+     "activation_bytes_per_hidden": {"none": x, "selective": x, "full": x},
+     "output_bytes_per_vocab": x,
      "meta": {...}}                                  free-form, ignored
 `attention_times` are measured forward+backward causal-attention seconds per document per
 rank for one pipeline stage of this model at its tp; when given they replace the FLOP/rate
 estimate: interpolated log-log in length among the rows of the largest listed cp size <= c,
-scaled by cp_row/c, extrapolated as L² beyond the table.
+scaled by cp_row/c, extrapolated as L² beyond the table. `activation_bytes_per_hidden` (measured
+bytes saved for backward per local token per layer per hidden/tp unit, by recompute kind; "full" is a
+recomputed layer's) replaces the 34 / 32 / 2 above, `output_bytes_per_vocab` (per local token per
+vocab/tp unit, outside the layers) the fp32 logits' 4.
 """
 from __future__ import annotations
 
@@ -105,7 +110,10 @@ class CostModel:
         self._kv_bytes_per_token = 2 * kv_heads_per_rank * m.head_dim * 2 * self.layers_per_stage
         h_per_rank = m.hidden_size / m.tp
         self._act_per_token_layer = h_per_rank       # × bytes-per-token-layer factor
-        self._logit_bytes_per_token = 4.0 * m.vocab_size / m.tp
+        self._act_factors = {"none": ACT_BYTES_PER_TOKEN_LAYER, "selective": SELECTIVE_BYTES_PER_TOKEN_LAYER,
+                             "full": FULL_BYTES_PER_TOKEN_LAYER}
+        self._act_factors.update((profile or {}).get("activation_bytes_per_hidden", {}))
+        self._logit_bytes_per_token = (profile or {}).get("output_bytes_per_vocab", 4.0) * m.vocab_size / m.tp
         self._latency_per_mb = cluster.collective_latency_s * self.layers_per_stage * CP_PASSES
         params = m.num_params / split
         opt = 12.0 / cluster.domain_size if cluster.distributed_optimizer else 12.0
@@ -294,16 +302,23 @@ class CostModel:
             cached = self._bytes_per_token[recompute] = self._bytes_per_local_token(recompute)
         return cached
 
-    def _bytes_per_local_token(self, recompute: Recompute) -> float:
-        n = self.layers_per_stage
+    def _held_per_layer(self, recompute: Recompute) -> float:
+        """Bytes per local token per hidden/tp unit the layers hold for backward (sum over the stage's layers)."""
+        n, f = self.layers_per_stage, self._act_factors
         if recompute.kind == "full":
             k = recompute.full_layers
-            per_layer = (n - k) * ACT_BYTES_PER_TOKEN_LAYER + k * FULL_BYTES_PER_TOKEN_LAYER + ACT_BYTES_PER_TOKEN_LAYER
-        elif recompute.kind == "selective":
-            per_layer = n * SELECTIVE_BYTES_PER_TOKEN_LAYER
-        else:
-            per_layer = n * ACT_BYTES_PER_TOKEN_LAYER
-        act = per_layer * self._act_per_token_layer
+            return (n - k) * f["none"] + k * f["full"]
+        return n * f["selective" if recompute.kind == "selective" else "none"]
+
+    def held_bytes_per_local_token(self, recompute: Recompute) -> float:
+        """Bytes per local token saved for backward during one stage's forward (no pipelining): what the
+        profiler measures; the peak adds the recomputed layer's working set (`bytes_per_local_token`)."""
+        return self._held_per_layer(recompute) * self._act_per_token_layer + self._logit_bytes_per_token
+
+    def _bytes_per_local_token(self, recompute: Recompute) -> float:
+        # full recompute: one layer's working set (a non-recomputed layer's activations) while it reruns
+        working = self._act_factors["none"] if recompute.kind == "full" else 0.0
+        act = (self._held_per_layer(recompute) + working) * self._act_per_token_layer
         return max(self.model.pp * act, act + self._logit_bytes_per_token)
 
     def memory_from_tokens(self, local_tokens: float, recompute: Recompute) -> int:

@@ -6,7 +6,9 @@ import math
 
 PROFILE_SCALARS = ("gemm_flops", "intra_node_bw", "inter_node_bw", "microbatch_overhead_s",
                     "collective_latency_s", "recompute_cost_factor")
-_PROFILE_KEYS = frozenset(PROFILE_SCALARS + ("attn_rate_points", "attention_times", "meta"))
+_PROFILE_KEYS = frozenset(PROFILE_SCALARS + ("attn_rate_points", "attention_times", "activation_bytes_per_hidden",
+                                             "output_bytes_per_vocab", "meta"))
+ACTIVATION_KINDS = ("none", "selective", "full")
 
 
 def load_profile(path: str) -> dict:
@@ -34,6 +36,15 @@ def check_profile(obj, *, where: str = "profile") -> dict:
     for key in PROFILE_SCALARS:
         if key in obj and not _is_positive(obj[key], zero_ok=key in ("microbatch_overhead_s", "collective_latency_s")):
             raise ValueError(f"{where}: {key} must be a positive finite number, got {obj[key]!r}")
+    if "output_bytes_per_vocab" in obj and not _is_positive(obj["output_bytes_per_vocab"]):
+        raise ValueError(f"{where}: output_bytes_per_vocab must be a positive finite number, got "
+                         f"{obj['output_bytes_per_vocab']!r}")
+    if "activation_bytes_per_hidden" in obj:
+        factors = obj["activation_bytes_per_hidden"]
+        if (not isinstance(factors, dict) or not factors or set(factors) - set(ACTIVATION_KINDS)
+                or not all(map(_is_positive, factors.values()))):
+            raise ValueError(f"{where}: activation_bytes_per_hidden must map some of {list(ACTIVATION_KINDS)} to "
+                             f"positive finite bytes per token per layer per hidden/tp unit, got {factors!r}")
     if "attn_rate_points" in obj:
         pts = obj["attn_rate_points"]
         if (not isinstance(pts, list) or not pts

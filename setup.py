@@ -14,5 +14,6 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "matplotlib>=3.7"],
     },
-    entry_points={"console_scripts": ["dcp-simulate=dcp_megatron.simulate:main"]},
+    entry_points={"console_scripts": ["dcp-simulate=dcp_megatron.simulate:main",
+                                     "dcp-profile=dcp_megatron.profile:main"]},
 )

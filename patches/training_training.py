@@ -11,6 +11,8 @@ rank runs its own micro-batches through Megatron's schedule. Under `--dcp`, `tra
 heartbeat (dcp_megatron/runtime/heartbeat.py): when a collective times out (a stopped or hung rank; every
 group honours `--distributed-timeout-minutes`), the run ends with one line naming the iteration and the
 rank(s) that stopped answering, instead of the collective library's bare timeout and a traceback.
+Under `--dcp-profile-out` (set by `dcp-profile`), `train()` profiles the model it was given instead of
+training it (dcp_megatron/megatron/profiler.py), writes the profile and ends the run.
 Without `--dcp` nothing changes.
 """
 from __future__ import annotations
@@ -67,6 +69,9 @@ def _with_timeout_report(original):
 
         from dcp_megatron.runtime.heartbeat import Heartbeat, connect_store, is_collective_timeout, timeout_message
 
+        if getattr(run_args, "dcp_profile_out", None):
+            _profile_instead(run_args, forward_step_func=args[0] if args else kwargs["forward_step_func"],
+                             model=args[1] if len(args) > 1 else kwargs["model"])
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         store = connect_store()
         # The loop sets args.curr_iteration to the number of finished steps when each step starts.
@@ -89,6 +94,22 @@ def _with_timeout_report(original):
 
     train.dcp_original = original
     return train
+
+
+def _profile_instead(run_args, *, forward_step_func, model) -> None:
+    """The profiler's run in place of the training loop; ends the process when the profile is written."""
+    import torch
+
+    from dcp_megatron.megatron.dcp_args import dcp_config_from_args, profile_config_from_args
+    from dcp_megatron.megatron.planning import model_shape_from_args
+    from dcp_megatron.megatron.profiler import run_profile
+
+    run_profile(forward_step_func, model if isinstance(model, list) else [model],
+                profile=profile_config_from_args(run_args), dcp=dcp_config_from_args(run_args),
+                shape=model_shape_from_args(run_args), sequence_parallel=bool(run_args.sequence_parallel),
+                timeout=timedelta(minutes=run_args.distributed_timeout_minutes))
+    torch.distributed.barrier()
+    raise SystemExit(0)
 
 
 def dcp_patches() -> tuple[Patch, ...]:

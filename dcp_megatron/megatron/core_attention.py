@@ -177,10 +177,11 @@ def packed_causal_attention(
     for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
         if end == start:
             continue
-        # [L, H, D] -> [H, L, D] for SDPA; GQA by repeating each key/value head.
-        q = query[start:end].transpose(0, 1)
-        k = key[start:end].repeat_interleave(repeat, dim=1).transpose(0, 1)
-        v = value[start:end].repeat_interleave(repeat, dim=1).transpose(0, 1)
+        # [L, H, D] -> [1, H, L, D] for SDPA (with a batch dimension: 3-D inputs take torch's math path on CPU,
+        # which keeps the L x L probabilities for backward); GQA by repeating each key/value head.
+        q = query[start:end].transpose(0, 1).unsqueeze(0)
+        k = key[start:end].repeat_interleave(repeat, dim=1).transpose(0, 1).unsqueeze(0)
+        v = value[start:end].repeat_interleave(repeat, dim=1).transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=softmax_scale)
-        outputs.append(out.transpose(0, 1))
+        outputs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outputs, dim=0)

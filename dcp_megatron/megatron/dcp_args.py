@@ -48,6 +48,17 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "allgather,ulysses (ulysses: DeepSpeed script only; default there: both)")
     group.add_argument("--dcp-check-plans", action="store_true",
                        help="all-reduce a hash of every plan to prove all ranks planned the same step")
+    # set by dcp-profile (dcp_megatron/profile.py), which runs the user's script with them
+    group.add_argument("--dcp-profile-out", default=None, metavar="PROFILE.json",
+                       help="profile the model instead of training: time a grid of micro-batches, fit the cost "
+                            "model, write the profile JSON --dcp-profile reads")
+    group.add_argument("--dcp-profile-report", default=None, metavar="REPORT.json",
+                       help="with --dcp-profile-out: write the held-back predicted-vs-measured comparison here")
+    group.add_argument("--dcp-profile-repeats", type=int, default=None, help="timed runs per grid point (default 3)")
+    group.add_argument("--dcp-profile-clock", choices=("cpu", "wall"), default=None,
+                       help="CPU runs: time in process CPU time (default) or wall time; GPU runs use CUDA timing")
+    group.add_argument("--dcp-profile-scale-to-layers", type=int, default=None, metavar="N",
+                       help="the training run's --num-layers when the profiled model is built with fewer")
     return parser
 
 
@@ -174,6 +185,34 @@ def validate_dcp_args(args: argparse.Namespace) -> None:
     if timeout_minutes is not None and not timeout_minutes > 0:
         raise DcpUsageError(f"--distributed-timeout-minutes must be positive, got {timeout_minutes}")
     dcp_config_from_args(args)  # the remaining value checks live in DcpConfig
+    if args.dcp_profile_out is not None or args.dcp_profile_report is not None:
+        profile_config_from_args(args)
+
+
+def profile_config_from_args(args: argparse.Namespace):
+    """The ProfileConfig of a `dcp-profile` run (DcpUsageError for flags it cannot honour)."""
+    from dcp_megatron.megatron.profiler import ProfileConfig
+
+    for flag, path in (("--dcp-profile-out", args.dcp_profile_out), ("--dcp-profile-report", args.dcp_profile_report)):
+        if path is not None:
+            parent = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(parent) or os.path.isdir(path):
+                raise DcpUsageError(f"{flag} {path}: {'is a directory' if os.path.isdir(path) else 'no such directory ' + parent}")
+    if args.dcp_profile_report is not None and args.dcp_profile_out is None:
+        raise DcpUsageError("--dcp-profile-report needs --dcp-profile-out")
+    if args.pipeline_model_parallel_size != 1:
+        raise DcpUsageError("the profiler runs one pipeline stage: give --pipeline-model-parallel-size 1 and "
+                            "--num-layers = the training run's layers per stage")
+    trained = args.dcp_profile_scale_to_layers or args.num_layers
+    if trained < args.num_layers:
+        raise DcpUsageError(f"--dcp-profile-scale-to-layers {trained} is below the profiled --num-layers "
+                            f"{args.num_layers}")
+    try:
+        return ProfileConfig(out=args.dcp_profile_out, report=args.dcp_profile_report,
+                             repeats=3 if args.dcp_profile_repeats is None else args.dcp_profile_repeats,
+                             trained_layers=trained, clock=args.dcp_profile_clock or "cpu")
+    except ValueError as err:
+        raise DcpUsageError(str(err)) from None
 
 
 def check_plannable(args: argparse.Namespace) -> None:

@@ -29,6 +29,7 @@ class ClusterSpec:
     inter_node_bw: float                   # bytes/s per GPU, one direction
     microbatch_overhead_s: float = 0.0     # launch/sync cost paid by every micro-batch
     collective_latency_s: float = 0.0      # per CP collective (per layer) latency
+    document_overhead_s: float = 0.0       # per document and rank: work launched per document (RoPE, attention)
     max_cp_size: int = 0                   # 0: up to domain_size
     # Measured / modelled cost of recomputing a forward pass: 1.0 means recompute costs exactly
     # the forward FLOPs (1/3 of fwd+bwd); CPU runs measure more (allocation, Python overhead).
@@ -53,7 +54,7 @@ class ClusterSpec:
             raise ValueError("ClusterSpec.attn_rate_points must be sorted by length")
         if self.recompute_cost_factor <= 0:
             raise ValueError(f"ClusterSpec.recompute_cost_factor must be positive, got {self.recompute_cost_factor}")
-        for name in ("microbatch_overhead_s", "collective_latency_s"):
+        for name in ("microbatch_overhead_s", "collective_latency_s", "document_overhead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ClusterSpec.{name} must be >= 0 seconds, got {getattr(self, name)}")
         if self.max_cp_size < 0:

@@ -4,7 +4,7 @@ A micro-batch is a list of documents packed THD and run by a CP group of c ranks
 lock-step. Each document is padded to a multiple of 2c (zig-zag chunks), so padding is paid.
 
 time = overhead
-     + compute            Σ_docs (a·Lp + b(Lp)·Lp²) / c, per pipeline stage
+     + compute            Σ_docs (a·Lp + b(Lp)·Lp²) / c + d per document, per pipeline stage
      + recompute          full k of n layers: (k/n)·(1/3)·compute; selective: attention forward
      + exposed CP comm    K/V bytes each rank receives ((c-1)/c of the group's K/V per layer and
                           pass; 3 passes fwd+bwd: K/V gather, again in backward, dK/dV reduce),
@@ -25,7 +25,7 @@ Profile JSON (`load_profile`) overrides the cluster constants; all keys optional
     {"gemm_flops": float FLOP/s,
      "attn_rate_points": [[length, FLOP/s], ...]    sorted by length,
      "intra_node_bw": bytes/s, "inter_node_bw": bytes/s,
-     "microbatch_overhead_s": s, "collective_latency_s": s,
+     "microbatch_overhead_s": s, "collective_latency_s": s, "document_overhead_s": s,
      "recompute_cost_factor": x (cost of a recomputed forward / its modelled FLOP share),
      "attention_times": [[length, cp_size, seconds], ...],
      "activation_bytes_per_hidden": {"none": x, "selective": x, "full": x},
@@ -167,13 +167,13 @@ class CostModel:
         lp = self.padded(lengths, cp_size).astype(np.float64)
         local = lp / cp_size
         attn = self._attention_seconds(lp, cp_size)
-        return local, local * self._linear_s_per_token + attn, attn
+        return local, local * self._linear_s_per_token + attn + self.cluster.document_overhead_s, attn
 
     def ideal_doc_seconds(self, lengths) -> tuple[np.ndarray, np.ndarray]:
         """Per document at CP size 1, unpadded: (compute seconds, attention seconds)."""
         lengths = np.asarray(lengths, dtype=np.float64)
         attn = self._attention_seconds(lengths, 1)
-        return lengths * self._linear_s_per_token + attn, attn
+        return lengths * self._linear_s_per_token + attn + self.cluster.document_overhead_s, attn
 
     def ideal_rank_seconds(self, lengths) -> float:
         """Σ compute of the documents at CP size 1, unpadded: the work no layout can avoid."""

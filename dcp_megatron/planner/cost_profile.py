@@ -5,7 +5,8 @@ import json
 import math
 
 PROFILE_SCALARS = ("gemm_flops", "intra_node_bw", "inter_node_bw", "microbatch_overhead_s",
-                    "collective_latency_s", "recompute_cost_factor")
+                    "collective_latency_s", "recompute_cost_factor", "document_overhead_s")
+_ZERO_OK = ("microbatch_overhead_s", "collective_latency_s", "document_overhead_s")
 _PROFILE_KEYS = frozenset(PROFILE_SCALARS + ("attn_rate_points", "attention_times", "activation_bytes_per_hidden",
                                              "output_bytes_per_vocab", "meta"))
 ACTIVATION_KINDS = ("none", "selective", "full")
@@ -34,7 +35,7 @@ def check_profile(obj, *, where: str = "profile") -> dict:
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(_PROFILE_KEYS)}")
     for key in PROFILE_SCALARS:
-        if key in obj and not _is_positive(obj[key], zero_ok=key in ("microbatch_overhead_s", "collective_latency_s")):
+        if key in obj and not _is_positive(obj[key], zero_ok=key in _ZERO_OK):
             raise ValueError(f"{where}: {key} must be a positive finite number, got {obj[key]!r}")
     if "output_bytes_per_vocab" in obj and not _is_positive(obj["output_bytes_per_vocab"]):
         raise ValueError(f"{where}: output_bytes_per_vocab must be a positive finite number, got "

@@ -5,19 +5,24 @@ packing x recompute x CP size) through the user's model and hands this module on
 per grid point. `fit_profile` turns the fit share into the profile JSON `--dcp-profile` reads
 (cost.py's schema), each constant from the measurements the cost model uses it for:
 
-- microbatch_overhead_s and gemm_flops: least squares of (time - attention time) = overhead +
-  a x local tokens over the no-recompute points; the profiler times the core attention inside
-  the model, so the linear part is measured, not guessed; gemm_flops = linear FLOPs per token /
-  (tp x a);
-- attention_times: per (padded length, CP size) the measured attention seconds per document and
-  rank (less the modelled per-micro-batch collective latency at CP > 1, which the cost model adds
-  itself); packed points give rows for their short documents;
+- microbatch_overhead_s, gemm_flops and document_overhead_s: least squares of (time - attention
+  time) = overhead + a x local tokens + d x documents over the no-recompute points (the profiler
+  times the core attention inside the model, so the rest is measured, not guessed; d is the work
+  launched per document, e.g. Megatron's per-sequence RoPE under THD); gemm_flops = linear FLOPs
+  per token / (tp x a);
+- attention_times and collective_latency_s: per (padded length, CP size) the measured attention
+  seconds per document and rank, and at CP > 1 a fixed part per micro-batch (its K/V collectives'
+  latency), fitted together over the points whose documents share one length (recompute points
+  too: the attention is timed once, in its grad-enabled forward and its backward); the cost model
+  charges the fixed part as collective_latency_s x layers x 3 passes, so that is what it becomes;
 - recompute_cost_factor: least squares through 0 of each recompute point's extra time (measured
-  minus the fitted model's time without recompute) against the share the cost model charges;
+  minus the same micro-batch measured without recompute, else minus the fitted model's time)
+  against the share the cost model charges;
 - activation_bytes_per_hidden / output_bytes_per_vocab: bytes saved for backward per local token,
   per layer per hidden/tp unit inside the transformer block (per recompute kind) and per vocab/tp
   unit outside it (embedding, output layer, loss);
-- intra_node_bw / collective_latency_s: passed through from the profiler's all-gather timings.
+- intra_node_bw: passed through from the profiler's all-gather timings (as collective_latency_s
+  when no CP > 1 point was run).
 
 `score_profile` predicts the held-back points with a CostModel built from the fitted profile and
 reports per-point relative errors of time and memory, with their median and maximum. Pure numpy:
@@ -71,29 +76,52 @@ def local_tokens(lengths, cp_size: int) -> float:
     return float(CostModel.padded(np.asarray(lengths, dtype=np.int64), cp_size).sum()) / cp_size
 
 
-def _fit_linear(points: list[Measurement]) -> tuple[float, float]:
-    """(overhead s, s per local token) of the linear part; the overhead is clipped at 0."""
-    x = np.array([local_tokens(m.lengths, m.cp_size) for m in points])
+def _fit_linear(points: list[Measurement]) -> tuple[float, float, float]:
+    """(overhead s per micro-batch, s per local token, s per document) of the time outside the attention:
+    non-negative least squares over the three (a coefficient that would come out negative is dropped)."""
+    x = np.array([[1.0, local_tokens(m.lengths, m.cp_size), float(len(m.lengths))] for m in points])
     y = np.array([max(m.seconds - m.attention_seconds, 0.0) for m in points])
-    if len(points) >= 2 and np.ptp(x) > 0:
-        slope, intercept = np.polyfit(x, y, 1)
-        if intercept >= 0 and slope > 0:
-            return float(intercept), float(slope)
-    return 0.0, float(max(np.dot(x, y) / np.dot(x, x), 1e-12))
+    active = [0, 1, 2]
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        negative = [a for a, c in zip(active, coef) if c < 0 and a != 1]
+        if not negative or len(active) == 1:
+            break
+        active.remove(negative[0])
+    full = dict.fromkeys(range(3), 0.0) | dict(zip(active, coef.tolist()))
+    return max(full[0], 0.0), max(full[1], 1e-12), max(full[2], 0.0)
 
 
-def _attention_rows(points: list[Measurement], latency_per_mb: float) -> list[list[float]]:
-    """[padded length, cp, seconds per document per rank]: the geometric mean per (length, cp)."""
-    samples: dict[tuple[int, int], list[float]] = {}
-    for m in points:
-        padded = CostModel.padded(np.asarray(m.lengths, dtype=np.int64), m.cp_size)
-        if len(set(padded.tolist())) != 1:
-            continue                       # mixed lengths: the split per document is unknown
-        attention = m.attention_seconds - (latency_per_mb if m.cp_size > 1 else 0.0)
-        per_doc = max(attention, 0.1 * m.attention_seconds, 1e-9) / len(m.lengths)
-        samples.setdefault((int(padded[0]), m.cp_size), []).append(per_doc)
-    return [[length, cp, float(math.exp(statistics.fmean(math.log(s) for s in secs)))]
-            for (length, cp), secs in sorted(samples.items())]
+def _attention_fit(points: list[Measurement]) -> tuple[list[list[float]], dict[int, float]]:
+    """Attention rows [padded length, cp, seconds per document per rank] and, per CP size > 1, the fixed
+    attention seconds of a micro-batch (its K/V collectives' latency, paid once however many documents it
+    packs): least squares of attention = fixed + documents x row(length) over the points whose documents
+    share one length (singles and packs of the same length tell the two apart)."""
+    rows, fixed = [], {}
+    for cp in sorted({m.cp_size for m in points}):
+        uniform = []
+        for m in points:
+            padded = CostModel.padded(np.asarray(m.lengths, dtype=np.int64), cp)
+            if m.cp_size == cp and len(set(padded.tolist())) == 1:
+                uniform.append((int(padded[0]), len(m.lengths), m.attention_seconds))
+        lengths = sorted({length for length, _, _ in uniform})
+        if not lengths:
+            continue
+        column = {length: j + 1 for j, length in enumerate(lengths)}
+        x = np.zeros((len(uniform), len(lengths) + 1))
+        y = np.array([a for _, _, a in uniform])
+        for i, (length, count, _) in enumerate(uniform):
+            x[i, 0] = 1.0 if cp > 1 else 0.0
+            x[i, column[length]] = count
+        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+        base = max(float(coef[0]), 0.0) if cp > 1 else 0.0
+        if cp > 1:
+            fixed[cp] = base
+        for length in lengths:   # refit each row with the fixed part known (a negative coefficient is noise)
+            own = [(count, a) for L, count, a in uniform if L == length]
+            per_doc = sum(max(a - base, 0.1 * a) for count, a in own) / sum(count for count, _ in own)
+            rows.append([length, cp, float(max(per_doc, 1e-9))])
+    return rows, fixed
 
 
 def _share(cost: CostModel, m: Measurement) -> float:
@@ -138,13 +166,16 @@ def fit_profile(measurements: list[Measurement], shape: ModelShape, cluster: Clu
     plain = [m for m in fit if m.recompute == NO_RECOMPUTE]
     if len(plain) < 2:
         raise ValueError(f"the profile needs at least 2 fitted points without recompute, got {len(plain)}")
-    overhead, per_token = _fit_linear(plain)
-    latency_per_mb = collective_latency_s * shape.num_layers * CP_PASSES
+    overhead, per_token, per_document = _fit_linear(plain)
+    attention_rows, fixed = _attention_fit(fit)
+    if fixed:
+        collective_latency_s = statistics.median(fixed.values()) / (shape.num_layers * CP_PASSES)
     activation, output = _memory_factors(fit, shape, shape.num_layers)
     profile = {
         "gemm_flops": shape.linear_flops_per_token / (shape.tp * per_token),
-        "attention_times": _attention_rows(plain, latency_per_mb),
+        "attention_times": attention_rows,
         "microbatch_overhead_s": overhead,
+        "document_overhead_s": per_document,
         "intra_node_bw": intra_node_bw,
         "inter_node_bw": intra_node_bw,
         "collective_latency_s": collective_latency_s,
@@ -156,7 +187,9 @@ def fit_profile(measurements: list[Measurement], shape: ModelShape, cluster: Clu
     if recomputed:
         cost = CostModel(shape, cluster, profile=check_profile(dict(profile)))
         shares = np.array([_share(cost, m) for m in recomputed])
-        extras = np.array([m.seconds - cost.microbatch_time(m.lengths, m.cp_size) for m in recomputed])
+        twins = {(m.lengths, m.cp_size): m.seconds for m in plain}
+        extras = np.array([m.seconds - twins.get((m.lengths, m.cp_size), cost.microbatch_time(m.lengths, m.cp_size))
+                           for m in recomputed])
         if np.dot(shares, shares) > 0:
             profile["recompute_cost_factor"] = float(max(np.dot(shares, extras) / np.dot(shares, shares), 0.05))
     if meta is not None:

@@ -110,10 +110,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: 
     repeat = q_all.shape[1] // k_all.shape[1]
     outputs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        qd = q_all[start:end].transpose(0, 1)
-        kd = k_all[start:end].repeat_interleave(repeat, dim=1).transpose(0, 1)
-        vd = v_all[start:end].repeat_interleave(repeat, dim=1).transpose(0, 1)
-        outputs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale).transpose(0, 1))
+        # [1, H, L, D]: with a batch dimension SDPA takes the fused kernel on CPU (3-D inputs: the math path)
+        qd = q_all[start:end].transpose(0, 1).unsqueeze(0)
+        kd = k_all[start:end].repeat_interleave(repeat, dim=1).transpose(0, 1).unsqueeze(0)
+        vd = v_all[start:end].repeat_interleave(repeat, dim=1).transpose(0, 1).unsqueeze(0)
+        outputs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)[0].transpose(0, 1))
     natural = torch.cat(outputs)
     gathered = natural.index_select(0, torch.argsort(order))   # back to rank 0's rows, rank 1's, ...
     out = _HeadsToSequence.apply(gathered.contiguous(), group)

@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = SimulationConfig(lengths="-")
     p.add_argument("--lengths", required=True, help="lengths file (one positive integer per line) or builtin:NAME "
-                   "with NAME in wikipedia, prolong, lognormal")
+                   "with NAME in wikipedia, prolong, lognormal, bytescale")
     p.add_argument("--model", default=d.model, help="model preset")
     p.add_argument("--cluster", default=d.cluster, help="cluster preset")
     p.add_argument("--gpus", type=int, default=d.gpus, help="total GPUs (domain = gpus / (tp*pp))")

@@ -14,10 +14,14 @@ in the compute it reruns), and a group of c ranks spends c rank-seconds per seco
 Every rank of a group pays the per-micro-batch overhead, and no rank's share of a micro-batch
 holds more local tokens than the strongest allowed recompute fits, M; the ranks' shares add up to
 at least the batch's tokens, so every plan runs at least ceil(tokens / M) rank-micro-batches.
-Group sizes the policies use (powers of two, divisors of the domain, the limit) are scored
-exactly; any other size c' is bounded from below by the c = 1 compute (padding only adds tokens,
-the attention rate grows with the chunk length) plus the least recompute that fits at the next
-scored size above c' (fewer local tokens than at c', so no more recompute). A document that needs
+Group sizes up to 64, those the policies use (powers of two, divisors of the domain, the limit) and
+a geometric grid above 64 are scored exactly (`scored_sizes`); any other size c' in a gap [lo, hi]
+is bounded from below by the unpadded linear work plus the attention at the fastest rate a chunk of
+L/hi .. L/lo + 2 tokens reaches (padding only adds tokens), plus the least recompute that fits L/hi
+local tokens (fewer local tokens than at c', so no more recompute). (Scoring only the policies' sizes
+and charging the gaps the c = 1 compute let sizes such as 33..63 look like a 0.65M-token document
+runs at its full-length attention rate without recompute: 614 rank-seconds where no group size
+does it in under 667 (c = 42), and ByteScale-like steps bounded 7-9% too low.) A document that needs
 no recompute even at c = 1 is charged its c = 1 compute (the same argument), without the search.
 
 Without the memory term, a batch whose documents mostly exceed what one rank holds without
@@ -35,6 +39,8 @@ from dcp_megatron.planner.policies.common import candidate_sizes, check_batch, c
 
 # a bound must never exceed a real plan: judge "fits" with a hair of slack against float rounding
 FIT_SLACK = 1.0 + 1e-9
+EXACT_SIZES = 64          # group sizes up to this are scored exactly (see scored_sizes)
+GRID_RATIO = 1.0625       # above it, the scored sizes grow by at most this ratio
 
 
 def lower_bound(batch: Sequence[tuple[int, int]], cost) -> float:
@@ -82,16 +88,50 @@ def least_rank_seconds(lengths, cost) -> np.ndarray:
 def _least_over_sizes(lengths: np.ndarray, ideal_compute: np.ndarray, ideal_attn: np.ndarray, cost) -> np.ndarray:
     # documents that fit nowhere keep inf here; lower_bound_of_lengths names the longest of them
     best = np.full(lengths.shape, math.inf)
-    scored = sorted(set(candidate_sizes(cost.cluster)) | set(divisor_sizes(cost.cluster)))
     previous = 0
-    for size in scored:
+    for size in scored_sizes(cost.cluster):
         if size > previous + 1:         # sizes strictly between previous and size: the relaxed form
-            relaxed = ideal_compute + least_recompute_extra(lengths / size, ideal_compute, ideal_attn, cost)
+            lo, hi = previous + 1, size - 1
+            compute, attn = _compute_floor(lengths, lo, hi, ideal_compute, ideal_attn, cost)
+            relaxed = compute + least_recompute_extra(lengths / hi, compute, attn, cost)
             best = np.minimum(best, relaxed)
         local, compute, attn = cost.doc_terms(lengths, size)
         best = np.minimum(best, size * (compute + least_recompute_extra(local, compute, attn, cost)))
         previous = size
     return best
+
+
+def scored_sizes(cluster) -> list[int]:
+    """Group sizes the bound scores exactly (ascending): every size up to EXACT_SIZES, the sizes the
+    policies use, and a geometric grid (ratio GRID_RATIO) up to the limit; the gaps get the relaxed form."""
+    limit = cluster.cp_size_limit
+    sizes = set(range(1, min(limit, EXACT_SIZES) + 1)) | set(candidate_sizes(cluster)) | set(divisor_sizes(cluster))
+    c = float(EXACT_SIZES)
+    while c < limit:
+        sizes.add(int(c))
+        c *= GRID_RATIO
+    return sorted(x for x in sizes if x <= limit)
+
+
+def _compute_floor(lengths: np.ndarray, lo: int, hi: int, ideal_compute: np.ndarray, ideal_attn: np.ndarray,
+                   cost) -> tuple[np.ndarray, np.ndarray]:
+    """Per document, (compute, attention) rank-seconds no group size c in [lo, hi] beats: padding only adds
+    tokens (linear part and L² at least the unpadded document's); the attention of a rank's chunk
+    (between L/hi and L/lo + 2 tokens) runs at no more than the fastest rate over that range of chunk
+    lengths. With measured attention times the rank-seconds are t(padded length) x the profile's cp row,
+    and that row (the largest listed cp size <= c) only grows with c: charge t(L) x the row of lo."""
+    linear = ideal_compute - ideal_attn
+    if cost._attn_table:
+        attn = lo * cost._attention_seconds(lengths.astype(np.float64), lo)
+        return linear + attn, attn
+    log_len, rates = cost._rate_log_len, cost._rate_values
+    shortest = np.log(np.maximum(lengths / hi, 1.0))
+    longest = np.log(lengths / lo + 2.0)
+    fastest = np.maximum(np.interp(shortest, log_len, rates), np.interp(longest, log_len, rates))
+    for x, r in zip(log_len.tolist(), rates.tolist()):     # an interior rate point can be the fastest
+        fastest = np.where((shortest <= x) & (x <= longest), np.maximum(fastest, r), fastest)
+    attn = cost._attn_flops_per_len2 * lengths.astype(np.float64) ** 2 / fastest
+    return linear + attn, attn
 
 
 def least_recompute_extra(local: np.ndarray, compute: np.ndarray, attn: np.ndarray, cost) -> np.ndarray:

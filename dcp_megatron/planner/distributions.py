@@ -10,6 +10,12 @@ real corpora (the corpora themselves are not shipped; only these fractions are):
   power-of-two buckets above 256K held 6 + 0 + 1 documents and are merged into one.
 - "prolong": a ProLong-style long-context mix as used by DistCA (prolong_distca.txt,
   77,932 documents): min 575, median 1,914, mean 3,052, max 340,149 tokens.
+- "bytescale": a ByteScale-like production mix (the shape ByteScale, Ge et al. 2025, describes
+  for its long-context training data: about 80% of documents under 4K tokens and a heavy tail
+  to the 2M context), NOT ByteScale's data: the fractions below are this project's choice.
+  80.0% of documents are under 4K; 0.008% are exactly 2,097,152 tokens (documents truncated at
+  a 2M context, a point mass); mean about 5.8K tokens, so a 16M-token step holds about 2,900
+  documents, and about one step in five holds a 2M document.
 - "lognormal": Megatron's mock length distribution, not a table: log-normal with
   sigma 1.5 and mu = ln(1024) - sigma^2/2 (so the unclipped mean is 1024 tokens), clipped to
   [128, 8192].
@@ -60,10 +66,30 @@ PROLONG_BUCKETS: BucketTable = (     # documents per bucket / 77,932
     (262144, 340150, 0.000051),
 )
 
+BYTESCALE_MAX = 2_097_152
+BYTESCALE_BUCKETS: BucketTable = (   # a ByteScale-like shape (this project's fractions, not ByteScale's data)
+    (1, 128, 0.10),
+    (128, 512, 0.25),
+    (512, 1024, 0.20),
+    (1024, 2048, 0.15),
+    (2048, 4096, 0.10),               # 80% of documents end here, under 4K
+    (4096, 8192, 0.08),
+    (8192, 16384, 0.055),
+    (16384, 32768, 0.035),
+    (32768, 65536, 0.018),
+    (65536, 131072, 0.0075),
+    (131072, 262144, 0.0030),
+    (262144, 524288, 0.0010),
+    (524288, 1048576, 0.00030),
+    (1048576, BYTESCALE_MAX, 0.00012),
+    (BYTESCALE_MAX, BYTESCALE_MAX + 1, 0.00008),   # truncated at the 2M context
+)
+
 LOGNORMAL_MIN, LOGNORMAL_MAX, LOGNORMAL_MEAN, LOGNORMAL_SIGMA = 128, 8192, 1024, 1.5
 
-BUCKET_TABLES: dict[str, BucketTable] = {"wikipedia": WIKIPEDIA_BUCKETS, "prolong": PROLONG_BUCKETS}
-BUILTIN_NAMES = ("wikipedia", "prolong", "lognormal")
+BUCKET_TABLES: dict[str, BucketTable] = {"wikipedia": WIKIPEDIA_BUCKETS, "prolong": PROLONG_BUCKETS,
+                                          "bytescale": BYTESCALE_BUCKETS}
+BUILTIN_NAMES = ("wikipedia", "prolong", "lognormal", "bytescale")
 
 _BLOCK_SIZE = 4096
 

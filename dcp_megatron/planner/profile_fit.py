@@ -215,39 +215,55 @@ def relative_error(predicted: float, measured: float) -> float:
 def score_profile(profile: dict, measurements: list[Measurement], shape: ModelShape, cluster: ClusterSpec) -> dict:
     """Predicted vs measured time and activation memory of the held-back points (the report JSON)."""
     cost = CostModel(shape, cluster, profile=profile)
+    preset = CostModel(shape, cluster)     # what a run without --dcp-profile plans with
     rows = []
     for m in measurements:
         if not m.held_back:
             continue
         local = local_tokens(m.lengths, m.cp_size)
         predicted_s = cost.microbatch_time(m.lengths, m.cp_size, recompute=m.recompute)
+        preset_s = preset.microbatch_time(m.lengths, m.cp_size, recompute=m.recompute)
         predicted_bytes = local * cost.held_bytes_per_local_token(m.recompute)
+        preset_bytes = local * preset.held_bytes_per_local_token(m.recompute)
         rows.append({**m.to_json(), "local_tokens": local, "predicted_seconds": predicted_s,
                      "time_rel_error": relative_error(predicted_s, m.seconds),
                      "predicted_saved_bytes": predicted_bytes,
-                     "memory_rel_error": relative_error(predicted_bytes, m.saved_bytes)})
+                     "memory_rel_error": relative_error(predicted_bytes, m.saved_bytes),
+                     "preset_seconds": preset_s, "preset_time_rel_error": relative_error(preset_s, m.seconds),
+                     "preset_memory_rel_error": relative_error(preset_bytes, m.saved_bytes)})
     if not rows:
         raise ValueError("no held-back points to score")
-    time_errors = [r["time_rel_error"] for r in rows]
-    memory_errors = [r["memory_rel_error"] for r in rows]
-    return {"median_rel_error": statistics.median(time_errors), "max_rel_error": max(time_errors),
-            "memory_median_rel_error": statistics.median(memory_errors), "memory_max_rel_error": max(memory_errors),
-            "num_fitted": sum(not m.held_back for m in measurements), "num_held_back": len(rows), "points": rows}
+
+    def median_and_max(key: str) -> tuple[float, float]:
+        values = [r[key] for r in rows]
+        return statistics.median(values), max(values)
+
+    (median_time, max_time), (median_memory, max_memory) = median_and_max("time_rel_error"), median_and_max(
+        "memory_rel_error")
+    (preset_time, _), (preset_memory, _) = median_and_max("preset_time_rel_error"), median_and_max(
+        "preset_memory_rel_error")
+    return {"median_rel_error": median_time, "max_rel_error": max_time,
+            "memory_median_rel_error": median_memory, "memory_max_rel_error": max_memory,
+            "preset_median_rel_error": preset_time, "preset_memory_median_rel_error": preset_memory,
+            "preset": cluster.name, "num_fitted": sum(not m.held_back for m in measurements),
+            "num_held_back": len(rows), "points": rows}
 
 
 def format_report(report: dict) -> str:
     """The held-back table the profiler prints."""
-    lines = [f"{'held-back micro-batch':40s} {'measured':>10s} {'predicted':>10s} {'error':>7s}   "
+    lines = [f"{'held-back micro-batch':40s} {'measured':>10s} {'predicted':>10s} {'error':>7s} {'preset':>7s}  "
              f"{'saved MiB':>9s} {'predicted':>9s} {'error':>7s}"]
     for r in report["points"]:
         lengths = r["lengths"]
         name = (f"{lengths[0]} tok" if len(lengths) == 1 else f"{len(lengths)} docs/{sum(lengths)} tok") + \
                f" cp{r['cp_size']} {r['recompute']}"
         lines.append(f"{name:40s} {r['seconds'] * 1e3:8.1f}ms {r['predicted_seconds'] * 1e3:8.1f}ms "
-                     f"{r['time_rel_error']:6.1%}   {r['saved_bytes'] / 2**20:9.2f} "
+                     f"{r['time_rel_error']:6.1%} {r['preset_time_rel_error']:7.1%}  {r['saved_bytes'] / 2**20:9.2f} "
                      f"{r['predicted_saved_bytes'] / 2**20:9.2f} {r['memory_rel_error']:6.1%}")
     lines.append(f"time: median error {report['median_rel_error']:.1%}, worst {report['max_rel_error']:.1%}; "
                  f"activation memory: median {report['memory_median_rel_error']:.1%}, worst "
                  f"{report['memory_max_rel_error']:.1%} ({report['num_held_back']} held-back points, "
-                 f"{report['num_fitted']} fitted)")
+                 f"{report['num_fitted']} fitted); the {report['preset']} preset without a profile: median "
+                 f"{report['preset_median_rel_error']:.1%} (time), {report['preset_memory_median_rel_error']:.1%} "
+                 "(memory)")
     return "\n".join(lines)

@@ -243,6 +243,13 @@ MEGATRON_CASES = {
     "profile_infinity": (lambda w: ([*MEGATRON_DCP, "--dcp-profile", w.profile('{"intra_node_bw": Infinity}')], 0), ["intra_node_bw must be a positive finite number"]),
     "profile_string": (lambda w: ([*MEGATRON_DCP, "--dcp-profile", w.profile('{"attn_rate_points": [["4096", 1e12]]}')], 0), ["--dcp-profile", "attn_rate_points"]),
     "profile_unknown_key": (lambda w: ([*MEGATRON_DCP, "--dcp-profile", w.profile('{"gemm_flop": 1e12}')], 0), ["--dcp-profile", "unknown keys ['gemm_flop']"]),
+    # the profiler's run (dcp-profile sets these flags)
+    "profile_out_dir_missing": (lambda w: ([*MEGATRON_DCP, "--dcp-profile-out", str(w.root / "no" / "p.json")], 0),
+                                ["--dcp-profile-out", "no such directory"]),
+    "profile_with_pp2": (lambda w: ([*MEGATRON_DCP, "--dcp-profile-out", str(w.root / "p.json"),
+                                     "--pipeline-model-parallel-size", "2"], 0), ["profiler runs one pipeline stage"]),
+    "profile_report_without_out": (lambda w: ([*MEGATRON_DCP, "--dcp-profile-report", str(w.root / "r.json")], 0),
+                                   ["--dcp-profile-report needs --dcp-profile-out"]),
     # output and resume paths
     "save_is_a_file": (lambda w: ([*MEGATRON_DCP, "--save", str(w.a_file), "--save-interval", "2"], 0), ["--save", "exists and is not a directory"]),
     "save_under_a_file": (lambda w: ([*MEGATRON_DCP, "--save", str(w.a_file / "sub"), "--save-interval", "2"], 0), ["--save", "is a file"]),

@@ -154,7 +154,11 @@ def main(argv=None) -> int:
                         help="modelled memory per rank (GiB): 0.02 holds ~490 local tokens without recompute, so a "
                              "full-length document needs CP 2 and recompute, as long documents do on real GPUs")
     parser.add_argument("--out", default=os.path.join(ROOT, "demo_out"), help="where the plot and JSON go")
+    parser.add_argument("--profile", default=None, metavar="PROFILE.json",
+                        help="plan both runs with this measured profile (tools/profile.py on the demo's model flags)")
     args = parser.parse_args(argv)
+    if args.profile is not None and not os.path.isfile(args.profile):
+        parser.error(f"--profile {args.profile}: no such file")
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="dcp-demo-") as tmp:
@@ -162,6 +166,8 @@ def main(argv=None) -> int:
         print("== building the demo dataset from the Python standard library", flush=True)
         build_dataset(prefix, args.max_files)
         budget = ["--dcp-memory-budget-gb", str(args.memory_budget_gb)]
+        if args.profile is not None:
+            budget += ["--dcp-profile", os.path.abspath(args.profile)]
         dcp = train("dcp", prefix, args, ["--dcp", *budget])
         static = train("static", prefix, args, ["--dcp", "--dcp-policy", "static", *budget])
         lengths_file = os.path.join(args.out, "demo_document_lengths.txt")

@@ -216,3 +216,11 @@ def test_dcp_profile_writes_a_profile_the_planner_uses_and_a_held_back_report(pr
     assert cost.bytes_per_local_token(NO_RECOMPUTE) == pytest.approx(
         2 * profile["activation_bytes_per_hidden"]["none"] * 64 + profile["output_bytes_per_vocab"] * 256)
     assert local_tokens([1000], 2) == 500
+
+
+def test_tools_profile_on_sys_path_does_not_hide_the_standard_library_profile():
+    """`python tools/X.py` puts tools/ first on sys.path; torch.distributed.checkpoint imports cProfile, which
+    imports `profile`: tools/profile.py must then be the standard library's module."""
+    code = "import sys; sys.path.insert(0, 'tools'); import cProfile, profile; print(profile.run.__module__)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "profile", proc.stderr[-2000:]

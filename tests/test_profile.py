@@ -151,10 +151,10 @@ class _Model(torch.nn.Module):
 
 
 def test_probes_time_the_core_attention_and_split_saved_bytes_at_the_block():
-    from dcp_megatron.megatron.profile_probes import AttentionTimer, SavedBytesMeter, _Clock
+    from dcp_megatron.megatron.profile_probes import AttentionTimer, SavedBytesMeter, Clock
 
     model = _Model()
-    timer, meter = AttentionTimer([model], _Clock(cuda=False)), SavedBytesMeter([model])
+    timer, meter = AttentionTimer([model], Clock(cuda=False)), SavedBytesMeter([model])
     x = torch.randn(1, 2, 64, 8, requires_grad=True)
     with meter:
         loss = model(x)

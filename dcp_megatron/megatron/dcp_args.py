@@ -218,8 +218,8 @@ def profile_config_from_args(args: argparse.Namespace):
 def check_plannable(args: argparse.Namespace) -> None:
     """After validate_dcp_args, before any process group: the --dcp-profile reads as a profile, and a
     --seq-length document fits the domain under the memory budget (else the flags to change are named)."""
-    if not getattr(args, "dcp", False):
-        return
+    if not getattr(args, "dcp", False) or getattr(args, "dcp_profile_out", None):
+        return   # (a profiling run plans nothing: the training run's budget does not bind it)
     import torch
 
     from dcp_megatron.megatron.planning import checked_cost_model, model_shape_from_args

@@ -1,5 +1,6 @@
-"""What the profiler measures inside the user's model while one micro-batch runs: time in the core
-attention (forward and backward) and the bytes saved for backward, split at the transformer block.
+"""What the profiler measures besides whole micro-batches: inside the user's model, time in the core
+attention (forward and backward) and the bytes saved for backward, split at the transformer block;
+between ranks, the all-gather's bandwidth and latency.
 
 Both attach to the model as built by the user's model provider, from the outside (torchtitan-style):
 
@@ -16,9 +17,11 @@ Both attach to the model as built by the user's model provider, from the outside
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 
 def unwrapped(chunk):
@@ -40,7 +43,7 @@ def core_attentions(chunk) -> list:
             if hasattr(getattr(layer, "self_attention", None), "core_attention")]
 
 
-class _Clock:
+class Clock:
     """Marks that can be subtracted: CUDA events on GPU, the chosen host clock on CPU."""
 
     def __init__(self, *, cuda: bool, host_clock=time.process_time) -> None:
@@ -88,7 +91,7 @@ class _Exit(torch.autograd.Function):
 class AttentionTimer:
     """Seconds spent in the model's core attention, forward and backward (module docstring)."""
 
-    def __init__(self, model_chunks, clock: _Clock) -> None:
+    def __init__(self, model_chunks, clock: Clock) -> None:
         self.clock = clock
         self.pairs: list = []
         self.forward_start = self.backward_start = None
@@ -175,3 +178,29 @@ class SavedBytesMeter:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def all_gather_constants(group, domain_size: int, device) -> tuple[float, float] | None:
+    """(bytes/s one rank receives, seconds of a tiny all-gather) over the domain; None on one rank."""
+    if domain_size < 2:
+        return None
+
+    def best(numel: int) -> float:
+        local = torch.zeros(numel, device=device)
+        gathered = torch.empty(numel * domain_size, device=device)
+        times = []
+        for _ in range(6):
+            dist.barrier(group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            dist.all_gather_into_tensor(gathered, local, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
+
+    latency = best(2)
+    sizes = (1 << 20, 1 << 22)
+    bandwidth = statistics.median(4 * n * (domain_size - 1) / max(best(n) - latency, 1e-9) for n in sizes)
+    return bandwidth, latency

@@ -15,7 +15,6 @@ held-back ones; rank 0 writes the profile (scaled to the trained model's layers)
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import torch.distributed as dist
 
 from dcp_megatron.megatron.forward_step import DcpForwardStep
 from dcp_megatron.megatron.microbatches import build_batch
-from dcp_megatron.megatron.profile_probes import AttentionTimer, SavedBytesMeter, _Clock
+from dcp_megatron.megatron.profile_probes import AttentionTimer, SavedBytesMeter, Clock, all_gather_constants
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 from dcp_megatron.planner.profile_fit import Measurement, fit_profile, format_report, scaled_to_stage, score_profile
 
@@ -118,32 +117,6 @@ def _progress(done: int, total: int, started: float, *, final: bool = False) -> 
         print(text, file=sys.stderr, flush=True)
 
 
-def _all_gather_constants(group, domain_size: int, device) -> tuple[float, float] | None:
-    """(bytes/s one rank receives, seconds of a tiny all-gather) over the domain; None on one rank."""
-    if domain_size < 2:
-        return None
-
-    def best(numel: int) -> float:
-        local = torch.zeros(numel, device=device)
-        gathered = torch.empty(numel * domain_size, device=device)
-        times = []
-        for _ in range(6):
-            dist.barrier(group=group)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            dist.all_gather_into_tensor(gathered, local, group=group)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return min(times[1:])
-
-    latency = best(2)
-    sizes = (1 << 20, 1 << 22)
-    bandwidth = statistics.median(4 * n * (domain_size - 1) / max(best(n) - latency, 1e-9) for n in sizes)
-    return bandwidth, latency
-
-
 def _documents(lengths: tuple[int, ...], vocab_size: int, seed: int) -> list[torch.Tensor]:
     """Random [L, 3] rows (token, label, loss mask 1), the same on every rank (TP peers must agree)."""
     generator = torch.Generator().manual_seed(seed)
@@ -158,7 +131,7 @@ class _GridRunner:
     """Runs one grid point's micro-batch on this rank through Megatron's schedule; times and meters it."""
 
     def __init__(self, forward_step_func, model_chunks, *, pool, vocab_size: int, seq_length: int,
-                 pad_multiple: int, clock: _Clock, device) -> None:
+                 pad_multiple: int, clock: Clock, device) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.utils import get_model_config
 
@@ -180,14 +153,16 @@ class _GridRunner:
 
     def _run_once(self, batch: dict, *, meter: bool) -> None:
         step = DcpForwardStep(self.forward_step_func, [batch], model_chunks=self.model_chunks, config=self.config)
-        forward_step = step
-        if meter:
-            def forward_step(data_iterator, model, *args, **kwargs):
-                with self.meter:
-                    return step(data_iterator, model, *args, **kwargs)
-            forward_step.__wrapped__ = step   # Megatron inspects the step's parameters
+        forward_step = self._metered(step) if meter else step
         self.schedule(forward_step_func=forward_step, data_iterator=iter(()), model=self.model_chunks,
                       num_microbatches=1, seq_length=self.seq_length, micro_batch_size=1, forward_only=False)
+
+    def _metered(self, step):
+        def metered_step(data_iterator, model, *args, **kwargs):
+            with self.meter:
+                return step(data_iterator, model, *args, **kwargs)
+        metered_step.__wrapped__ = step   # Megatron inspects the step's parameters
+        return metered_step
 
     def saved_bytes(self, batch: dict) -> list[float]:
         """One untimed run (the warm-up): [bytes saved for backward, of which inside the block]."""
@@ -232,7 +207,7 @@ def run_profile(forward_step_func, model_chunks, *, profile: ProfileConfig, dcp,
                          "--num-layers = the training run's layers per stage")
     has_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if has_gpu else torch.device("cpu")
-    clock = _Clock(cuda=has_gpu, host_clock=time.process_time if profile.clock == "cpu" else time.perf_counter)
+    clock = Clock(cuda=has_gpu, host_clock=time.process_time if profile.clock == "cpu" else time.perf_counter)
     pool = build_group_pool(tp_size=shape.tp, pp_size=1, timeout=timeout)
     cp_sizes = profile_cp_sizes(pool.domain_size, dcp.max_cp_size)
     pool.ensure_groups([(first, cp) for cp in cp_sizes if cp > 1 for first in range(0, pool.domain_size, cp)])
@@ -265,7 +240,7 @@ def run_profile(forward_step_func, model_chunks, *, profile: ProfileConfig, dcp,
             values = torch.tensor([seconds, attention, *saved[index]], dtype=torch.float64, device=device)
             dist.all_reduce(values, op=dist.ReduceOp.MAX)   # the slowest rank of the world
             results.append(values.tolist())
-        links = _all_gather_constants(pool.domain_group, pool.domain_size, device)
+        links = all_gather_constants(pool.domain_group, pool.domain_size, device)
     finally:
         config.finalize_model_grads_func = saved_finalize
         runner.timer.remove()

@@ -5,7 +5,8 @@ max( balanced: every document's least rank-seconds, plus the overhead of the few
      document's least rank-seconds is the minimum over group sizes c of c x (its compute at c + the
      least recompute it needs there even alone in a micro-batch),
      longest: the longest sequence alone in a micro-batch on its best allowed group size — it
-     has to run somewhere, with the fastest recompute that fits there )
+     has to run somewhere, with the fastest recompute that fits there; every group size counts,
+     not only the policies' (a 20K-token document runs faster on 63 ranks than on 32 or 64) )
 
 Why the balanced term holds: a rank's busy time is the sum of its micro-batches' compute and
 recompute; a micro-batch holds at least the local tokens of each of its documents, so the
@@ -52,17 +53,39 @@ def lower_bound_of_lengths(lengths: np.ndarray, cost) -> float:
     check_static_memory(cost)
     overhead = cost.cluster.microbatch_overhead_s * fewest_rank_microbatches(lengths, cost)
     balanced = (float(least_rank_seconds(lengths, cost).sum()) + overhead) / cost.cluster.domain_size
-    longest = int(lengths.max())
-    best = math.inf
-    for size in candidate_sizes(cost.cluster):
-        local, compute, attn = (float(x[0]) for x in cost.doc_terms(np.array([longest]), size))
-        recompute = cost.best_recompute_from_sums(local, compute, attn, size)
-        if recompute is not None:
-            best = min(best, cost.time_from_sums(local, compute, attn, size, 0, recompute))
+    best = fastest_alone_time(int(lengths.max()), cost)
     if math.isinf(best):
-        raise ValueError(f"a sequence of {longest} tokens fits no allowed CP group "
+        raise ValueError(f"a sequence of {int(lengths.max())} tokens fits no allowed CP group "
                          f"(cp_size_limit {cost.cluster.cp_size_limit}) even with the strongest allowed recompute")
     return max(balanced, best)
+
+
+def fastest_alone_time(length: int, cost) -> float:
+    """Seconds no group runs the document in, alone in a micro-batch (inf: it fits none): every scored
+    size exactly at first rank 0 (inside a node when the size fits one: the fastest placement), over every
+    allowed recompute that fits; a size c' in a gap [lo, hi] at least the overhead plus the gap's
+    rank-seconds floor (_least_over_sizes' relaxed form) over hi ranks, communication left out."""
+    sizes = np.asarray(scored_sizes(cost.cluster), dtype=np.int64)
+    local, compute, attn = cost.doc_terms(np.full(sizes.shape, length), sizes)
+    room = (cost.cluster.mem_budget_bytes - cost.static_bytes) * FIT_SLACK
+    best = np.full(sizes.shape, math.inf)
+    first = np.zeros(sizes.shape, dtype=np.int64)
+    for option in cost.recompute_options():
+        t = cost.times_from_sums(local, compute, attn, sizes, first, option)
+        best = np.where(local * cost.bytes_per_local_token(option) <= room, np.minimum(best, t), best)
+    fastest = float(best.min())
+    previous = np.r_[0, sizes[:-1]]
+    gap = sizes > previous + 1
+    if gap.any():
+        lo, hi = previous[gap] + 1, sizes[gap] - 1
+        doc = np.array([[float(length)]])
+        ideal_compute, ideal_attn = (x.reshape(1, 1) for x in cost.ideal_doc_seconds(doc[0]))
+        floor_compute, floor_attn = _compute_floor(doc, lo[None, :], hi[None, :], ideal_compute, ideal_attn, cost)
+        rank_seconds = floor_compute + least_recompute_extra(doc / hi[None, :], floor_compute, floor_attn, cost)
+        scale = min([1.0] + list(cost.time_scale.values()))
+        relaxed = scale * (cost.cluster.microbatch_overhead_s + rank_seconds / hi[None, :])
+        fastest = min(fastest, float(relaxed.min()))
+    return fastest
 
 
 def fewest_rank_microbatches(lengths, cost) -> int:
@@ -86,19 +109,29 @@ def least_rank_seconds(lengths, cost) -> np.ndarray:
 
 
 def _least_over_sizes(lengths: np.ndarray, ideal_compute: np.ndarray, ideal_attn: np.ndarray, cost) -> np.ndarray:
-    # documents that fit nowhere keep inf here; lower_bound_of_lengths names the longest of them
-    best = np.full(lengths.shape, math.inf)
-    previous = 0
-    for size in scored_sizes(cost.cluster):
-        if size > previous + 1:         # sizes strictly between previous and size: the relaxed form
-            lo, hi = previous + 1, size - 1
-            compute, attn = _compute_floor(lengths, lo, hi, ideal_compute, ideal_attn, cost)
-            relaxed = compute + least_recompute_extra(lengths / hi, compute, attn, cost)
-            best = np.minimum(best, relaxed)
-        local, compute, attn = cost.doc_terms(lengths, size)
-        best = np.minimum(best, size * (compute + least_recompute_extra(local, compute, attn, cost)))
-        previous = size
+    # documents that fit nowhere keep inf here; lower_bound_of_lengths names the longest of them.
+    # One (documents x sizes) array per form; measured attention times take one cp size at a time.
+    sizes = np.asarray(scored_sizes(cost.cluster), dtype=np.int64)
+    previous = np.r_[0, sizes[:-1]]
+    gap = sizes > previous + 1          # sizes strictly between previous and size: the relaxed form
+    lo, hi = previous[gap] + 1, sizes[gap] - 1
+    column = lengths[:, None]
+    if cost._attn_table:
+        exact = np.column_stack([_exact_rank_seconds(lengths, int(c), cost) for c in sizes.tolist()])
+    else:
+        exact = _exact_rank_seconds(column, sizes[None, :], cost)
+    best = exact.min(axis=1)
+    if gap.any():
+        compute, attn = _compute_floor(column, lo[None, :], hi[None, :], ideal_compute[:, None],
+                                       ideal_attn[:, None], cost)
+        relaxed = compute + least_recompute_extra(column / hi[None, :], compute, attn, cost)
+        best = np.minimum(best, relaxed.min(axis=1))
     return best
+
+
+def _exact_rank_seconds(lengths, sizes, cost) -> np.ndarray:
+    local, compute, attn = cost.doc_terms(lengths, sizes)
+    return sizes * (compute + least_recompute_extra(local, compute, attn, cost))
 
 
 def scored_sizes(cluster) -> list[int]:
@@ -113,16 +146,18 @@ def scored_sizes(cluster) -> list[int]:
     return sorted(x for x in sizes if x <= limit)
 
 
-def _compute_floor(lengths: np.ndarray, lo: int, hi: int, ideal_compute: np.ndarray, ideal_attn: np.ndarray,
+def _compute_floor(lengths: np.ndarray, lo: np.ndarray, hi: np.ndarray, ideal_compute: np.ndarray, ideal_attn: np.ndarray,
                    cost) -> tuple[np.ndarray, np.ndarray]:
-    """Per document, (compute, attention) rank-seconds no group size c in [lo, hi] beats: padding only adds
+    """Per document (rows) and gap [lo, hi] (columns): (compute, attention) rank-seconds no group size c in
+    [lo, hi] beats: padding only adds
     tokens (linear part and L² at least the unpadded document's); the attention of a rank's chunk
     (between L/hi and L/lo + 2 tokens) runs at no more than the fastest rate over that range of chunk
     lengths. With measured attention times the rank-seconds are t(padded length) x the profile's cp row,
     and that row (the largest listed cp size <= c) only grows with c: charge t(L) x the row of lo."""
     linear = ideal_compute - ideal_attn
+    lengths = lengths.astype(np.float64)
     if cost._attn_table:
-        attn = lo * cost._attention_seconds(lengths.astype(np.float64), lo)
+        attn = np.column_stack([c * cost._attention_seconds(lengths[:, 0], c) for c in lo.ravel().tolist()])
         return linear + attn, attn
     log_len, rates = cost._rate_log_len, cost._rate_values
     shortest = np.log(np.maximum(lengths / hi, 1.0))
@@ -130,7 +165,7 @@ def _compute_floor(lengths: np.ndarray, lo: int, hi: int, ideal_compute: np.ndar
     fastest = np.maximum(np.interp(shortest, log_len, rates), np.interp(longest, log_len, rates))
     for x, r in zip(log_len.tolist(), rates.tolist()):     # an interior rate point can be the fastest
         fastest = np.where((shortest <= x) & (x <= longest), np.maximum(fastest, r), fastest)
-    attn = cost._attn_flops_per_len2 * lengths.astype(np.float64) ** 2 / fastest
+    attn = cost._attn_flops_per_len2 * lengths ** 2 / fastest
     return linear + attn, attn
 
 

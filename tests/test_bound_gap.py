@@ -96,8 +96,28 @@ def test_milp_optimum_lies_between_the_bound_and_the_dcp_plan(seed):
     assert bound <= result.dual_bound_s * (1 + 1e-9)
     assert result.dual_bound_s <= result.value_s * (1 + 1e-6)
     assert family_bound(lengths, cost) <= result.value_s * (1 + 1e-9)
-    if "fallback" not in plan.extra:    # dcp's own plan is one of the family's
+    sizes = {g.size for w in plan.waves for g in w.groups}
+    if "fallback" not in plan.extra and all(c & (c - 1) == 0 for c in sizes):   # a plan of the family
         assert result.value_s <= plan.est_step_time_s * (1 + 1e-6)
+
+
+def test_an_odd_group_for_the_longest_document_shortens_a_bytescale_step(monkeypatch):
+    import dcp_megatron.planner.policies.dcp_odd as dcp_odd
+    from dcp_megatron.planner.batcher import GlobalBatcher
+    from dcp_megatron.planner.distributions import iter_builtin_lengths
+    from dcp_megatron.planner.validate import validate
+
+    cost = h200_cost(64)
+    batcher = GlobalBatcher(tokens_per_step=2 ** 24, max_seq_len=2 ** 24)
+    step = next(b for b in batcher.batches(enumerate(iter_builtin_lengths("bytescale", 0))) if b.max_length == 650_872)
+    plan = make_plan("dcp", step.sequences, cost, max_seq_len=BYTESCALE_MAX)
+    validate(plan, step.sequences, cost.cluster, cost)
+    odd = [g for w in plan.waves for g in w.groups if g.size & (g.size - 1)]
+    assert len(odd) == 1 and odd[0].first_rank == 0 and 32 < odd[0].size < 64
+    assert odd[0].microbatches[0].lengths == [650_872]
+    monkeypatch.setattr(dcp_odd, "MIN_GAIN", math.inf)
+    power_of_two = make_plan("dcp", step.sequences, cost, max_seq_len=BYTESCALE_MAX)
+    assert plan.lower_bound_s <= plan.est_step_time_s < power_of_two.est_step_time_s * (1 - 0.005)
 
 
 def test_milp_reference_rejects_bad_input():

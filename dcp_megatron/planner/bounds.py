@@ -61,30 +61,35 @@ def lower_bound_of_lengths(lengths: np.ndarray, cost) -> float:
 
 
 def fastest_alone_time(length: int, cost) -> float:
-    """Seconds no group runs the document in, alone in a micro-batch (inf: it fits none): every scored
-    size exactly at first rank 0 (inside a node when the size fits one: the fastest placement), over every
-    allowed recompute that fits; a size c' in a gap [lo, hi] at least the overhead plus the gap's
-    rank-seconds floor (_least_over_sizes' relaxed form) over hi ranks, communication left out."""
+    """Seconds no group runs the document in, alone in a micro-batch (inf: it fits none): the policies'
+    sizes exactly (first rank 0: inside a node when the size fits one, the fastest placement; the fastest
+    recompute that fits); any other scored size at least the overhead plus its rank-seconds (compute and
+    least recompute, no communication) over its ranks; a size in a gap [lo, hi] at least the overhead plus
+    the gap's rank-seconds floor (_least_over_sizes' relaxed form) over hi ranks."""
+    fastest = math.inf
+    doc = np.array([length])
+    for size in candidate_sizes(cost.cluster):
+        local, compute, attn = (float(x[0]) for x in cost.doc_terms(doc, size))
+        recompute = cost.best_recompute_from_sums(local, compute, attn, size)
+        if recompute is not None:
+            fastest = min(fastest, cost.time_from_sums(local, compute, attn, size, 0, recompute))
     sizes = np.asarray(scored_sizes(cost.cluster), dtype=np.int64)
-    local, compute, attn = cost.doc_terms(np.full(sizes.shape, length), sizes)
-    room = (cost.cluster.mem_budget_bytes - cost.static_bytes) * FIT_SLACK
-    best = np.full(sizes.shape, math.inf)
-    first = np.zeros(sizes.shape, dtype=np.int64)
-    for option in cost.recompute_options():
-        t = cost.times_from_sums(local, compute, attn, sizes, first, option)
-        best = np.where(local * cost.bytes_per_local_token(option) <= room, np.minimum(best, t), best)
-    fastest = float(best.min())
+    overhead = cost.cluster.microbatch_overhead_s
+    scale = min([1.0] + list(cost.time_scale.values()))        # measured factors below 1 shorten any time
+    if cost._attn_table:
+        rank_seconds = np.array([_exact_rank_seconds(doc, int(c), cost)[0] for c in sizes.tolist()])
+    else:
+        rank_seconds = _exact_rank_seconds(np.full(sizes.shape, length), sizes, cost)
+    fastest = min(fastest, float((scale * (overhead + rank_seconds / sizes)).min()))
     previous = np.r_[0, sizes[:-1]]
     gap = sizes > previous + 1
     if gap.any():
         lo, hi = previous[gap] + 1, sizes[gap] - 1
-        doc = np.array([[float(length)]])
-        ideal_compute, ideal_attn = (x.reshape(1, 1) for x in cost.ideal_doc_seconds(doc[0]))
-        floor_compute, floor_attn = _compute_floor(doc, lo[None, :], hi[None, :], ideal_compute, ideal_attn, cost)
-        rank_seconds = floor_compute + least_recompute_extra(doc / hi[None, :], floor_compute, floor_attn, cost)
-        scale = min([1.0] + list(cost.time_scale.values()))
-        relaxed = scale * (cost.cluster.microbatch_overhead_s + rank_seconds / hi[None, :])
-        fastest = min(fastest, float(relaxed.min()))
+        column = np.array([[float(length)]])
+        ideal_compute, ideal_attn = (x.reshape(1, 1) for x in cost.ideal_doc_seconds(column[0]))
+        floor_compute, floor_attn = _compute_floor(column, lo[None, :], hi[None, :], ideal_compute, ideal_attn, cost)
+        floor = floor_compute + least_recompute_extra(column / hi[None, :], floor_compute, floor_attn, cost)
+        fastest = min(fastest, float((scale * (overhead + floor / hi[None, :])).min()))
     return fastest
 
 

@@ -17,6 +17,8 @@
    without recompute (few micro-batches: each pays a fixed overhead); a sequence too big
    for that runs alone with the fastest recompute that fits. Groups become waves in
    execution order (`assemble_waves`), so ranks run variable micro-batch counts.
+   Then `dcp_odd`: the longest sequence may instead run first on a non-power-of-two group
+   (fewer rank-seconds than its power of two), the rest scheduled around it, if that ends sooner.
 3. PP > 1 — see `dcp_pipeline`.
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Wave
 from dcp_megatron.planner.policies.balance import lpt_assign_rounds
 from dcp_megatron.planner.policies.common import (assemble_waves, candidate_sizes, microbatch_from_sums,
                                                   min_fitting_size)
+from dcp_megatron.planner.policies.dcp_odd import odd_group_alternative
 
 
 class SizedSequences:
@@ -148,8 +151,10 @@ def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) ->
         cheaper.grow_long_sequences(D, top)
     # nothing moved, or the long-sequence growth moved the same sequences anyway: one sizing
     if not moved or np.array_equal(cheaper.idx, fitting.idx):
-        return assemble_waves(D, _list_schedule(ids, lengths, cost, fitting)[2])
+        makespan, _, groups = _list_schedule(ids, lengths, cost, fitting)
+        return assemble_waves(D, odd_group_alternative(ids, lengths, cost, fitting, makespan, groups, _list_schedule))
     makespan, busy, groups = _list_schedule(ids, lengths, cost, cheaper)
+    chosen = cheaper
     # Fewer rank-seconds usually mean a shorter step, but larger groups are coarser to balance (on
     # a few ranks that can lose): schedule the smallest-fitting sizes too, unless this schedule
     # already ends when theirs would at best (its busy rank-seconds plus the ones it saved, spread
@@ -158,20 +163,21 @@ def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) ->
     if makespan > (busy + saved) / D:
         other_makespan, _, other_groups = _list_schedule(ids, lengths, cost, fitting)
         if other_makespan < makespan:
-            groups = other_groups
-    return assemble_waves(D, groups)
+            makespan, groups, chosen = other_makespan, other_groups, fitting
+    return assemble_waves(D, odd_group_alternative(ids, lengths, cost, chosen, makespan, groups, _list_schedule))
 
 
-def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost,
-                   seqs: SizedSequences) -> tuple[float, float, list[Group]]:
-    """(makespan, busy rank-seconds, groups in execution order): the list schedule of `seqs`."""
+def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequences,
+                   finish: np.ndarray | None = None) -> tuple[float, float, list[Group]]:
+    """(makespan, busy rank-seconds, groups in execution order): the list schedule of `seqs`, after
+    ranks already busy until `finish` (default: all free at 0)."""
     D, sizes = cost.cluster.domain_size, seqs.sizes
     cap_none = cost.max_local_tokens(cost.base_recompute)   # packing room without (extra) recompute
     none_allowed = cost.base_recompute is NO_RECOMPUTE
     mem_per_token = cost.bytes_per_local_token(NO_RECOMPUTE)
     pairs = list(zip(ids.tolist(), lengths.tolist()))
     local, compute, attn = seqs.local.tolist(), seqs.compute.tolist(), seqs.attn.tolist()
-    finish = np.zeros(D)
+    finish = np.zeros(D) if finish is None else np.array(finish, dtype=np.float64)
     busy_rank_seconds = 0.0
     scheduled: list[Group] = []
     for k in range(len(sizes) - 1, -1, -1):

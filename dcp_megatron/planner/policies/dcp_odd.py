@@ -1,0 +1,118 @@
+"""`dcp`'s one non-power-of-two group: the longest document on fewer ranks than its power of two.
+
+On aligned power-of-two groups alone a long document often pays for the group size it cannot use: a
+650K-token document on 64 H200s needs 64 (on 32 it needs recompute) but would run without recompute
+on 42 for ~5% fewer rank-seconds. Sizes between the powers of two below and above its own
+(steps of half a node) are tried: the document runs first on ranks [0, c), CP-1 sequences fill ranks
+c.. until it ends, and the rest of the batch is list-scheduled after them.
+The alternative is kept only when its makespan is shorter, so it never makes a plan worse; it is tried
+only when the saved rank-seconds are at least MIN_GAIN of the step's rank-seconds.
+"""
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from dcp_megatron.planner.plan import Group
+from dcp_megatron.planner.policies.common import microbatch_from_sums
+
+MIN_GAIN = 0.002
+MAX_CANDIDATES = 8
+
+
+def odd_group_alternative(ids: np.ndarray, lengths: np.ndarray, cost, seqs, makespan: float, groups: list,
+                          list_schedule) -> list:
+    """`groups` (a schedule of `seqs` ending at `makespan`), or a shorter one that runs the longest
+    document on a non-power-of-two group first; `list_schedule` is dcp's, taking initial rank finish times."""
+    D, node = cost.cluster.domain_size, cost.cluster.gpus_per_node
+    overhead = cost.cluster.microbatch_overhead_s
+    j = int(np.argmax(lengths))
+    k = int(seqs.idx[j])
+    size = seqs.sizes[k]
+    if k == 0 or lengths.size < 2:
+        return groups
+    now = size * (seqs.seconds[j] + overhead)
+    # no group size runs it in fewer rank-seconds than its CP-1 compute: too little to gain, stop here
+    if now - float(cost.ideal_doc_seconds(lengths[j:j + 1])[0][0]) < MIN_GAIN * D * makespan:
+        return groups
+    step = max(1, node // 2)
+    upper = seqs.sizes[min(k + 1, len(seqs.sizes) - 1)]
+    candidates = [c for c in range(seqs.sizes[k - 1] + step, upper, step) if c & (c - 1) and c <= D]
+    if len(candidates) > MAX_CANDIDATES:       # evenly spread, at most MAX_CANDIDATES sizes
+        candidates = sorted({candidates[i] for i in np.linspace(0, len(candidates) - 1, MAX_CANDIDATES).astype(int)})
+    best = None
+    for c in candidates:
+        t = float(cost.doc_alone_seconds(lengths[j:j + 1], c)[3][0]) + overhead
+        # it must gain rank-seconds and end before the current plan (the odd group runs alone on its ranks)
+        if c * t < now and t < makespan and (best is None or c * t < best[0]):
+            best = (c * t, c)
+    if best is None or now - best[0] < MIN_GAIN * D * makespan:
+        return groups
+    c = best[1]
+    local, compute, attn = (float(x[0]) for x in cost.doc_terms(lengths[j:j + 1], c))
+    mb = microbatch_from_sums(cost, ((int(ids[j]), int(lengths[j])),), local, compute, attn, c, 0)
+    finish = np.zeros(D)
+    finish[:c] = mb.est_time_s
+    rest = np.arange(lengths.size) != j
+    chunks = _fill_beside(ids, cost, seqs, rest, c, mb.est_time_s, finish)
+    keep = np.flatnonzero(rest)
+    other_makespan, _, other_groups = list_schedule(ids[keep], lengths[keep], cost, _subset(seqs, keep), finish)
+    if other_makespan < makespan * (1 - 1e-9):
+        return [Group(0, c, (mb,))] + _filler_groups(ids, lengths, cost, seqs, chunks) + other_groups
+    return groups
+
+
+def _fill_beside(ids, cost, seqs, rest: np.ndarray, first: int, until: float, finish: np.ndarray) -> dict:
+    """CP-1 sequences, longest first, onto the least-loaded of ranks first.. while they end by `until`
+    (the odd group's end: larger groups straddling it start then anyway). Marks them done in `rest`,
+    sets those ranks' `finish` (an estimate: the sequences' alone-times plus one overhead per
+    micro-batch) and returns {rank: micro-batches as lists of sequence indices, packed next-fit}."""
+    D = cost.cluster.domain_size
+    ones = np.flatnonzero(rest & (seqs.idx == 0))
+    ones = ones[np.lexsort((ids[ones], -seqs.seconds[ones]))]
+    overhead = cost.cluster.microbatch_overhead_s
+    room = cost.max_local_tokens(cost.base_recompute)
+    heap = [(0.0, r) for r in range(first, D)]
+    chunks: dict[int, list[list[int]]] = {}
+    used = [room] * D                   # local tokens in each rank's open micro-batch
+    shortest = float(seqs.seconds[ones[-1]]) if ones.size else 0.0
+    for i, t, tokens in zip(ones.tolist(), seqs.seconds[ones].tolist(), seqs.local[ones].tolist()):
+        load, r = heap[0]
+        if load + shortest > until:     # no rank takes even the shortest one any more
+            break
+        opens = used[r] + tokens > room
+        added = t + overhead if opens else t
+        if load + added > until:
+            continue
+        if opens:
+            chunks.setdefault(r, []).append([])
+            used[r] = 0.0
+        chunks[r][-1].append(i)
+        used[r] += tokens
+        heapq.heapreplace(heap, (load + added, r))
+    for load, r in heap:
+        finish[r] = load
+    for rank_chunks in chunks.values():
+        for chunk in rank_chunks:
+            rest[chunk] = False
+    return chunks
+
+
+def _filler_groups(ids, lengths, cost, seqs, chunks: dict) -> list:
+    groups = []
+    for r, rank_chunks in sorted(chunks.items()):
+        groups.append(Group(r, 1, tuple(
+            microbatch_from_sums(cost, tuple((int(ids[i]), int(lengths[i])) for i in chunk),
+                                 float(seqs.local[chunk].sum()), float(seqs.compute[chunk].sum()),
+                                 float(seqs.attn[chunk].sum()), 1, r) for chunk in rank_chunks)))
+    return groups
+
+
+def _subset(seqs, keep: np.ndarray):
+    """The SizedSequences of the kept sequences (same sizes and terms, no re-scoring)."""
+    other = object.__new__(type(seqs))
+    other.lengths, other.sizes, other.cost = seqs.lengths[keep], seqs.sizes, seqs.cost
+    other.idx, other.local, other.compute, other.attn, other.seconds = (
+        x[keep] for x in (seqs.idx, seqs.local, seqs.compute, seqs.attn, seqs.seconds))
+    return other

@@ -1,12 +1,14 @@
-"""`dcp`'s one non-power-of-two group: the longest document on fewer ranks than its power of two.
+"""`dcp`'s non-power-of-two groups: the longest documents on group sizes between the powers of two.
 
-On aligned power-of-two groups alone a long document often pays for the group size it cannot use: a
-650K-token document on 64 H200s needs 64 (on 32 it needs recompute) but would run without recompute
-on 42 for ~5% fewer rank-seconds. Sizes between the powers of two below and above its own
-(steps of half a node) are tried: the document runs first on ranks [0, c), CP-1 sequences fill ranks
-c.. until it ends, and the rest of the batch is list-scheduled after them.
-The alternative is kept only when its makespan is shorter, so it never makes a plan worse; it is tried
-only when the saved rank-seconds are at least MIN_GAIN of the step's rank-seconds.
+On aligned power-of-two groups alone a long document often pays for a group size it cannot use: a
+650K-token document on 64 H200s needs 64 (on 32 it needs recompute) but runs without recompute on
+42 for ~5% fewer rank-seconds. Up to MAX_ODD documents, longest first, each get the size with the
+fewest rank-seconds among: half-node steps between the powers of two below and above its own, and the
+fewest ranks that hold it without recompute (and one more). They run first, side by side from rank 0
+(each group contiguous; the runtime creates non-power-of-two communicators on first use); CP-1
+sequences fill every rank until the last of them ends, and the rest of the batch is list-scheduled
+after that. The alternative is kept only when its makespan is shorter, so it never makes a plan
+worse; it is tried only when the saved rank-seconds are at least MIN_GAIN of the step's.
 """
 from __future__ import annotations
 
@@ -19,53 +21,76 @@ from dcp_megatron.planner.policies.common import microbatch_from_sums
 
 MIN_GAIN = 0.002
 MAX_CANDIDATES = 8
+MAX_ODD = 4            # documents tried on odd groups, longest first
 
 
 def odd_group_alternative(ids: np.ndarray, lengths: np.ndarray, cost, seqs, makespan: float, groups: list,
                           list_schedule) -> list:
     """`groups` (a schedule of `seqs` ending at `makespan`), or a shorter one that runs the longest
-    document on a non-power-of-two group first; `list_schedule` is dcp's, taking initial rank finish times."""
+    documents on non-power-of-two groups first; `list_schedule` is dcp's, taking initial rank finish times."""
+    D = cost.cluster.domain_size
+    if lengths.size < 2:
+        return groups
+    chosen, first, gain = [], 0, 0.0        # (document, size, first rank) side by side from rank 0
+    for j in np.argsort(-lengths, kind="stable")[:MAX_ODD].tolist():
+        pick = _odd_size(j, lengths, cost, seqs, makespan, D - first)
+        if pick is None:
+            break
+        chosen.append((j, pick[1], first))
+        first += pick[1]
+        gain += pick[0]
+    if not chosen or gain < MIN_GAIN * D * makespan:
+        return groups
+    finish = np.zeros(D)
+    odd = []
+    for j, c, r in chosen:
+        local, compute, attn = (float(x[0]) for x in cost.doc_terms(lengths[j:j + 1], c))
+        mb = microbatch_from_sums(cost, ((int(ids[j]), int(lengths[j])),), local, compute, attn, c, r)
+        finish[r:r + c] = mb.est_time_s
+        odd.append(Group(r, c, (mb,)))
+    rest = np.ones(lengths.size, dtype=bool)
+    rest[[j for j, _, _ in chosen]] = False
+    chunks = _fill_beside(ids, cost, seqs, rest, float(finish.max()), finish)
+    keep = np.flatnonzero(rest)
+    other_makespan, _, other_groups = list_schedule(ids[keep], lengths[keep], cost, _subset(seqs, keep), finish)
+    if other_makespan < makespan * (1 - 1e-9):
+        return odd + _filler_groups(ids, lengths, cost, seqs, chunks) + other_groups
+    return groups
+
+
+def _odd_size(j: int, lengths: np.ndarray, cost, seqs, makespan: float, free: int) -> tuple[float, int] | None:
+    """(rank-seconds saved, size) of document j's best non-power-of-two size of at most `free` ranks, or None."""
     D, node = cost.cluster.domain_size, cost.cluster.gpus_per_node
     overhead = cost.cluster.microbatch_overhead_s
-    j = int(np.argmax(lengths))
     k = int(seqs.idx[j])
-    size = seqs.sizes[k]
-    if k == 0 or lengths.size < 2:
-        return groups
-    now = size * (seqs.seconds[j] + overhead)
+    if k == 0:
+        return None
+    now = seqs.sizes[k] * (seqs.seconds[j] + overhead)
     # no group size runs it in fewer rank-seconds than its CP-1 compute: too little to gain, stop here
-    if now - float(cost.ideal_doc_seconds(lengths[j:j + 1])[0][0]) < MIN_GAIN * D * makespan:
-        return groups
+    if now - float(cost.ideal_doc_seconds(lengths[j:j + 1])[0][0]) < MIN_GAIN * D * makespan / MAX_ODD:
+        return None
     step = max(1, node // 2)
     upper = seqs.sizes[min(k + 1, len(seqs.sizes) - 1)]
-    candidates = [c for c in range(seqs.sizes[k - 1] + step, upper, step) if c & (c - 1) and c <= D]
+    candidates = list(range(seqs.sizes[k - 1] + step, upper, step))
     if len(candidates) > MAX_CANDIDATES:       # evenly spread, at most MAX_CANDIDATES sizes
-        candidates = sorted({candidates[i] for i in np.linspace(0, len(candidates) - 1, MAX_CANDIDATES).astype(int)})
+        candidates = [candidates[i] for i in np.linspace(0, len(candidates) - 1, MAX_CANDIDATES).astype(int)]
+    # and the fewest ranks that hold it without recompute (often the best: fewer need it, more cost rank-seconds)
+    room = cost.max_local_tokens(cost.base_recompute)
+    fewest = -(-int(lengths[j]) // max(2 * (room // 2), 2))
+    candidates = sorted({c for c in candidates + [fewest, fewest + 1]
+                         if seqs.sizes[k - 1] < c < upper and c & (c - 1) and c <= free})
     best = None
     for c in candidates:
         t = float(cost.doc_alone_seconds(lengths[j:j + 1], c)[3][0]) + overhead
         # it must gain rank-seconds and end before the current plan (the odd group runs alone on its ranks)
-        if c * t < now and t < makespan and (best is None or c * t < best[0]):
-            best = (c * t, c)
-    if best is None or now - best[0] < MIN_GAIN * D * makespan:
-        return groups
-    c = best[1]
-    local, compute, attn = (float(x[0]) for x in cost.doc_terms(lengths[j:j + 1], c))
-    mb = microbatch_from_sums(cost, ((int(ids[j]), int(lengths[j])),), local, compute, attn, c, 0)
-    finish = np.zeros(D)
-    finish[:c] = mb.est_time_s
-    rest = np.arange(lengths.size) != j
-    chunks = _fill_beside(ids, cost, seqs, rest, c, mb.est_time_s, finish)
-    keep = np.flatnonzero(rest)
-    other_makespan, _, other_groups = list_schedule(ids[keep], lengths[keep], cost, _subset(seqs, keep), finish)
-    if other_makespan < makespan * (1 - 1e-9):
-        return [Group(0, c, (mb,))] + _filler_groups(ids, lengths, cost, seqs, chunks) + other_groups
-    return groups
+        if c * t < now and t < makespan and (best is None or now - c * t > best[0]):
+            best = (now - c * t, c)
+    return best
 
 
-def _fill_beside(ids, cost, seqs, rest: np.ndarray, first: int, until: float, finish: np.ndarray) -> dict:
-    """CP-1 sequences, longest first, onto the least-loaded of ranks first.. while they end by `until`
-    (the odd group's end: larger groups straddling it start then anyway). Marks them done in `rest`,
+def _fill_beside(ids, cost, seqs, rest: np.ndarray, until: float, finish: np.ndarray) -> dict:
+    """CP-1 sequences, longest first, onto the least-loaded rank (busy until `finish`) while they end by
+    `until` (the last odd group's end: larger groups straddling it start then anyway). Marks them done in `rest`,
     sets those ranks' `finish` (an estimate: the sequences' alone-times plus one overhead per
     micro-batch) and returns {rank: micro-batches as lists of sequence indices, packed next-fit}."""
     D = cost.cluster.domain_size
@@ -73,7 +98,9 @@ def _fill_beside(ids, cost, seqs, rest: np.ndarray, first: int, until: float, fi
     ones = ones[np.lexsort((ids[ones], -seqs.seconds[ones]))]
     overhead = cost.cluster.microbatch_overhead_s
     room = cost.max_local_tokens(cost.base_recompute)
-    heap = [(0.0, r) for r in range(first, D)]
+    heap = [(float(finish[r]), r) for r in range(D) if finish[r] < until]
+    if not heap:
+        return {}
     chunks: dict[int, list[list[int]]] = {}
     used = [room] * D                   # local tokens in each rank's open micro-batch
     shortest = float(seqs.seconds[ones[-1]]) if ones.size else 0.0

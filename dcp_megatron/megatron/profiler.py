@@ -133,9 +133,11 @@ class _GridRunner:
     def __init__(self, forward_step_func, model_chunks, *, pool, vocab_size: int, seq_length: int,
                  pad_multiple: int, clock: Clock, device) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
         from megatron.core.utils import get_model_config
 
         self.schedule = get_forward_backward_func()
+        self.rerun_state_machine = get_rerun_state_machine()
         self.forward_step_func = forward_step_func
         self.model_chunks = model_chunks
         self.config = get_model_config(model_chunks[0])
@@ -154,8 +156,11 @@ class _GridRunner:
     def _run_once(self, batch: dict, *, meter: bool) -> None:
         step = DcpForwardStep(self.forward_step_func, [batch], model_chunks=self.model_chunks, config=self.config)
         forward_step = self._metered(step) if meter else step
-        self.schedule(forward_step_func=forward_step, data_iterator=iter(()), model=self.model_chunks,
-                      num_microbatches=1, seq_length=self.seq_length, micro_batch_size=1, forward_only=False)
+        # inside the rerun state machine's loop, as train_step runs the schedule: loss functions that
+        # validate their result through it (Megatron-LM's pretrain_gpt.py does) assert they are within one
+        while self.rerun_state_machine.should_run_forward_backward(None):
+            self.schedule(forward_step_func=forward_step, data_iterator=iter(()), model=self.model_chunks,
+                          num_microbatches=1, seq_length=self.seq_length, micro_batch_size=1, forward_only=False)
 
     def _metered(self, step):
         def metered_step(data_iterator, model, *args, **kwargs):

@@ -97,9 +97,8 @@ def _with_timeout_report(original):
 
 
 def _profile_instead(run_args, *, forward_step_func, model) -> None:
-    """The profiler's run in place of the training loop; ends the process when the profile is written."""
-    import torch
-
+    """The profiler's run in place of the training loop; ends the process when the profile is written (run_profile
+    returns on every rank after rank 0 wrote it)."""
     from dcp_megatron.megatron.dcp_args import dcp_config_from_args, profile_config_from_args
     from dcp_megatron.megatron.planning import model_shape_from_args
     from dcp_megatron.megatron.profiler import run_profile
@@ -108,7 +107,6 @@ def _profile_instead(run_args, *, forward_step_func, model) -> None:
                 profile=profile_config_from_args(run_args), dcp=dcp_config_from_args(run_args),
                 shape=model_shape_from_args(run_args), sequence_parallel=bool(run_args.sequence_parallel),
                 timeout=timedelta(minutes=run_args.distributed_timeout_minutes))
-    torch.distributed.barrier()
     raise SystemExit(0)
 
 

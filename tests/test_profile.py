@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -151,10 +152,11 @@ class _Model(torch.nn.Module):
 
 
 def test_probes_time_the_core_attention_and_split_saved_bytes_at_the_block():
-    from dcp_megatron.megatron.profile_probes import AttentionTimer, SavedBytesMeter, Clock
+    from dcp_megatron.megatron.forward_step import Clock
+    from dcp_megatron.megatron.profile_probes import AttentionTimer, SavedBytesMeter
 
     model = _Model()
-    timer, meter = AttentionTimer([model], Clock(cuda=False)), SavedBytesMeter([model])
+    timer, meter = AttentionTimer([model], Clock(cuda=False, host_clock=time.process_time)), SavedBytesMeter([model])
     x = torch.randn(1, 2, 64, 8, requires_grad=True)
     with meter:
         loss = model(x)

@@ -35,6 +35,25 @@ def current_microbatch() -> Optional[dict]:
     return _CURRENT_MICROBATCH.get()
 
 
+class Clock:
+    """Marks that can be subtracted: CUDA events on GPU (kernels run asynchronously), a host clock on CPU."""
+
+    def __init__(self, *, cuda: bool, host_clock=time.perf_counter) -> None:
+        self.cuda = cuda
+        self.host_clock = host_clock
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return self.host_clock()
+
+    def seconds(self, start, end) -> float:
+        """Seconds between two marks (on GPU the later one must have completed: synchronize it first)."""
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
 class DcpForwardStep:
     """The user's forward step fed this rank's DCP micro-batches in plan order (module docstring)."""
 
@@ -45,26 +64,17 @@ class DcpForwardStep:
         self._batches = iter(batches)
         self._model_chunks = model_chunks
         self._config = config
-        self._cuda_events = cuda_events
-        self._marks: list = []    # when each forward started (CUDA events on GPU: kernels run async)
+        self._clock = Clock(cuda=cuda_events)
+        self._marks: list = []    # when each forward started
         self.num_run = 0
-
-    def _mark(self):
-        if self._cuda_events:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
 
     def durations(self) -> list[float]:
         """Seconds from each micro-batch's forward to the next one's: its forward and backward under
         Megatron's no-pipelining schedule (F0 B0 F1 B1 ...). The last micro-batch has no next forward
         (and its backward carries the step's gradient reduction): it is not timed."""
-        if self._cuda_events:
-            if self._marks:
-                self._marks[-1].synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self._marks, self._marks[1:])]
-        return [b - a for a, b in zip(self._marks, self._marks[1:])]
+        if self._clock.cuda and self._marks:
+            self._marks[-1].synchronize()
+        return [self._clock.seconds(a, b) for a, b in zip(self._marks, self._marks[1:])]
 
     def __call__(self, data_iterator, model, *args, **kwargs):
         try:
@@ -75,7 +85,7 @@ class DcpForwardStep:
         for chunk in self._model_chunks:
             apply_recompute(chunk, self._config, recompute)
         self.num_run += 1
-        self._marks.append(self._mark())
+        self._marks.append(self._clock.mark())
         token = _CURRENT_MICROBATCH.set(batch)
         try:
             return self._forward_step(iter([batch]), model, *args, **kwargs)

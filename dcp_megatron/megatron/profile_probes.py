@@ -23,17 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 
-
-def unwrapped(chunk):
-    """The model under Megatron's DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
-def transformer_block(chunk):
-    """The chunk's transformer block (`GPTModel.decoder`), or None for models without one."""
-    return getattr(unwrapped(chunk), "decoder", None)
+from dcp_megatron.megatron.forward_step import Clock
+from dcp_megatron.megatron.recompute import transformer_block
 
 
 def core_attentions(chunk) -> list:
@@ -41,24 +32,6 @@ def core_attentions(chunk) -> list:
     layers = getattr(block, "layers", None) or []
     return [layer.self_attention.core_attention for layer in layers
             if hasattr(getattr(layer, "self_attention", None), "core_attention")]
-
-
-class Clock:
-    """Marks that can be subtracted: CUDA events on GPU, the chosen host clock on CPU."""
-
-    def __init__(self, *, cuda: bool, host_clock=time.process_time) -> None:
-        self.cuda = cuda
-        self.host_clock = host_clock
-
-    def mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return self.host_clock()
-
-    def seconds(self, start, end) -> float:
-        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
 
 
 class _Entry(torch.autograd.Function):

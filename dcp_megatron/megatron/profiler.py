@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dcp_megatron.megatron.forward_step import DcpForwardStep
+from dcp_megatron.megatron.forward_step import Clock, DcpForwardStep
 from dcp_megatron.megatron.microbatches import build_batch
-from dcp_megatron.megatron.profile_probes import AttentionTimer, SavedBytesMeter, Clock, all_gather_constants
+from dcp_megatron.megatron.profile_probes import AttentionTimer, SavedBytesMeter, all_gather_constants
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 from dcp_megatron.planner.profile_fit import Measurement, fit_profile, format_report, scaled_to_stage, score_profile
 
@@ -214,8 +214,7 @@ def run_profile(forward_step_func, model_chunks, *, profile: ProfileConfig, dcp,
     device = torch.device("cuda", torch.cuda.current_device()) if has_gpu else torch.device("cpu")
     clock = Clock(cuda=has_gpu, host_clock=time.process_time if profile.clock == "cpu" else time.perf_counter)
     pool = build_group_pool(tp_size=shape.tp, pp_size=1, timeout=timeout)
-    cp_sizes = profile_cp_sizes(pool.domain_size, dcp.max_cp_size)
-    pool.ensure_groups([(first, cp) for cp in cp_sizes if cp > 1 for first in range(0, pool.domain_size, cp)])
+    cp_sizes = profile_cp_sizes(pool.domain_size, dcp.max_cp_size)   # aligned powers of two: the pool has their groups
     grid = profile_grid(dcp.seq_length, cp_sizes, shape.num_layers, dcp.recompute)
     runner = _GridRunner(forward_step_func, model_chunks, pool=pool, vocab_size=shape.vocab_size,
                          seq_length=dcp.seq_length, pad_multiple=shape.tp if sequence_parallel else 1,

@@ -13,12 +13,17 @@ from __future__ import annotations
 from dcp_megatron.planner.plan import Recompute
 
 
-def decoder_layers(model) -> list:
-    """The transformer layers this pipeline stage holds (through DDP / Float16 wrappers)."""
+def transformer_block(model):
+    """The GPT decoder (TransformerBlock) under DDP / Float16 wrappers, or None for models without one."""
     module = model
     while not hasattr(module, "decoder") and hasattr(module, "module"):
         module = module.module
-    decoder = getattr(module, "decoder", None)
+    return getattr(module, "decoder", None)
+
+
+def decoder_layers(model) -> list:
+    """The transformer layers this pipeline stage holds (through DDP / Float16 wrappers)."""
+    decoder = transformer_block(model)
     if decoder is None:
         raise ValueError(f"{type(model).__name__} holds no GPT decoder; cannot switch recompute")
     return list(decoder.layers)

@@ -9,7 +9,6 @@ PROFILE_SCALARS = ("gemm_flops", "intra_node_bw", "inter_node_bw", "microbatch_o
 _ZERO_OK = ("microbatch_overhead_s", "collective_latency_s", "document_overhead_s")
 _PROFILE_KEYS = frozenset(PROFILE_SCALARS + ("attn_rate_points", "attention_times", "activation_bytes_per_hidden",
                                              "output_bytes_per_vocab", "meta"))
-ACTIVATION_KINDS = ("none", "selective", "full")
 
 
 def load_profile(path: str) -> dict:
@@ -42,9 +41,9 @@ def check_profile(obj, *, where: str = "profile") -> dict:
                          f"{obj['output_bytes_per_vocab']!r}")
     if "activation_bytes_per_hidden" in obj:
         factors = obj["activation_bytes_per_hidden"]
-        if (not isinstance(factors, dict) or not factors or set(factors) - set(ACTIVATION_KINDS)
+        if (not isinstance(factors, dict) or not factors or set(factors) - set(RECOMPUTE_KINDS)
                 or not all(map(_is_positive, factors.values()))):
-            raise ValueError(f"{where}: activation_bytes_per_hidden must map some of {list(ACTIVATION_KINDS)} to "
+            raise ValueError(f"{where}: activation_bytes_per_hidden must map some of {list(RECOMPUTE_KINDS)} to "
                              f"positive finite bytes per token per layer per hidden/tp unit, got {factors!r}")
     if "attn_rate_points" in obj:
         pts = obj["attn_rate_points"]

@@ -125,19 +125,16 @@ def _attention_fit(points: list[Measurement]) -> tuple[list[list[float]], dict[i
 
 
 def _share(cost: CostModel, m: Measurement) -> float:
-    """Seconds the cost model charges m's recompute per unit of recompute_cost_factor."""
-    local, compute, attn = cost._sums(m.lengths, m.cp_size)
-    if m.recompute.kind == "full":
-        return m.recompute.full_layers / cost.layers_per_stage * compute / 3.0
-    if m.recompute.kind == "selective":
-        return attn / 3.0
-    return 0.0
+    """Seconds the cost model charges m's recompute per unit of recompute_cost_factor (`cost` has factor 1)."""
+    _, compute, attn = cost._sums(m.lengths, m.cp_size)
+    return float(cost.recompute_extra(compute, attn, m.recompute)[0])
 
 
-def _memory_factors(points: list[Measurement], shape: ModelShape, num_layers: int) -> tuple[dict, float]:
+def _memory_factors(points: list[Measurement], shape: ModelShape) -> tuple[dict, float]:
     """Bytes per local token: per layer per hidden/tp unit by recompute kind, and outside the block per vocab/tp."""
     hidden_unit = shape.hidden_size / shape.tp
     vocab_unit = shape.vocab_size / shape.tp
+    num_layers = shape.num_layers
 
     def per_layer_unit(m: Measurement) -> float:
         return m.block_saved_bytes / (local_tokens(m.lengths, m.cp_size) * hidden_unit)
@@ -170,7 +167,7 @@ def fit_profile(measurements: list[Measurement], shape: ModelShape, cluster: Clu
     attention_rows, fixed = _attention_fit(fit)
     if fixed:
         collective_latency_s = statistics.median(fixed.values()) / (shape.num_layers * CP_PASSES)
-    activation, output = _memory_factors(fit, shape, shape.num_layers)
+    activation, output = _memory_factors(fit, shape)
     profile = {
         "gemm_flops": shape.linear_flops_per_token / (shape.tp * per_token),
         "attention_times": attention_rows,

@@ -59,10 +59,14 @@ class SizedSequences:
         self._refresh(which)
 
     def copy(self) -> "SizedSequences":
+        return self.subset(np.arange(self.lengths.size))
+
+    def subset(self, keep: np.ndarray) -> "SizedSequences":
+        """The sequences at indices `keep` (copies; same sizes and terms, no re-scoring)."""
         other = object.__new__(SizedSequences)
-        other.lengths, other.sizes, other.cost = self.lengths, self.sizes, self.cost
+        other.lengths, other.sizes, other.cost = self.lengths[keep], self.sizes, self.cost
         other.idx, other.local, other.compute, other.attn, other.seconds = (
-            x.copy() for x in (self.idx, self.local, self.compute, self.attn, self.seconds))
+            x[keep] for x in (self.idx, self.local, self.compute, self.attn, self.seconds))
         return other
 
     def grow_above(self, time_limit: float, allowed_top: int) -> None:

@@ -52,7 +52,7 @@ def odd_group_alternative(ids: np.ndarray, lengths: np.ndarray, cost, seqs, make
     rest[[j for j, _, _ in chosen]] = False
     chunks = _fill_beside(ids, cost, seqs, rest, float(finish.max()), finish)
     keep = np.flatnonzero(rest)
-    other_makespan, _, other_groups = list_schedule(ids[keep], lengths[keep], cost, _subset(seqs, keep), finish)
+    other_makespan, _, other_groups = list_schedule(ids[keep], lengths[keep], cost, seqs.subset(keep), finish)
     if other_makespan < makespan * (1 - 1e-9):
         return odd + _filler_groups(ids, lengths, cost, seqs, chunks) + other_groups
     return groups
@@ -134,12 +134,3 @@ def _filler_groups(ids, lengths, cost, seqs, chunks: dict) -> list:
                                  float(seqs.local[chunk].sum()), float(seqs.compute[chunk].sum()),
                                  float(seqs.attn[chunk].sum()), 1, r) for chunk in rank_chunks)))
     return groups
-
-
-def _subset(seqs, keep: np.ndarray):
-    """The SizedSequences of the kept sequences (same sizes and terms, no re-scoring)."""
-    other = object.__new__(type(seqs))
-    other.lengths, other.sizes, other.cost = seqs.lengths[keep], seqs.sizes, seqs.cost
-    other.idx, other.local, other.compute, other.attn, other.seconds = (
-        x[keep] for x in (seqs.idx, seqs.local, seqs.compute, seqs.attn, seqs.seconds))
-    return other

@@ -9,3 +9,6 @@ applies once at start-up.
 
 # The megatron-core release these patches were written against and run on (widen only to versions that were run).
 MEGATRON_CORE_VERSIONS = "==0.19.2"
+
+# The DeepSpeed release the DeepSpeed patches (deepspeed_*.py) were written against and run on.
+DEEPSPEED_VERSIONS = "==0.19.8"

@@ -41,6 +41,8 @@ class Patch:
     replacement: the object put in its place.
     reason: why upstream behaviour has to change (shown by `describe()`).
     versions: PEP 440 specifier of the upstream versions this patch supports, e.g. ">=0.16,<0.17".
+    distribution: the upstream distribution `versions` refers to; None: the registry's (megatron-core
+        by default). A DeepSpeed patch in a megatron-core registry names "deepspeed".
     rebind_aliases: also rebind `from module import attr` copies (module-level targets only).
         Turn it off when the original is shared widely, e.g. a patched module's `torch` binding.
     """
@@ -49,6 +51,7 @@ class Patch:
     replacement: Any
     reason: str
     versions: str
+    distribution: str | None = None
     rebind_aliases: bool = True
 
     def __post_init__(self) -> None:
@@ -100,7 +103,7 @@ class PatchRegistry:
         installed_version: str | None = None,
     ) -> None:
         self.distribution = distribution
-        self._installed_version = installed_version
+        self._installed_version = installed_version   # of `distribution`; others are read when checked
         self._patches: list[Patch] = []
         self._bindings: list[_Binding] = []
         self._applied = False
@@ -129,16 +132,28 @@ class PatchRegistry:
         self._patches.append(patch)
         return patch
 
+    def distribution_of(self, patch: Patch) -> str:
+        return patch.distribution or self.distribution
+
+    def _version_of(self, distribution: str) -> str:
+        if distribution == self.distribution:
+            return self.installed_version
+        return importlib.metadata.version(distribution)
+
     def describe(self) -> str:
-        return "\n".join(f"{p.target}  [{self.distribution} {p.versions}]  {p.reason}" for p in self._patches)
+        return "\n".join(f"{p.target}  [{self.distribution_of(p)} {p.versions}]  {p.reason}" for p in self._patches)
 
     def check_versions(self) -> None:
-        version = self.installed_version
-        unsupported = [p for p in self._patches if not p.supports(version)]
+        unsupported = []
+        for patch in self._patches:
+            distribution = self.distribution_of(patch)
+            version = self._version_of(distribution)
+            if not patch.supports(version):
+                unsupported.append(f"  {patch.target} supports {distribution}{patch.versions}, installed {version}")
         if unsupported:
-            lines = "\n".join(f"  {p.target} supports {self.distribution}{p.versions}" for p in unsupported)
+            lines = "\n".join(unsupported)
             raise PatchVersionError(
-                f"installed {self.distribution} {version} is not supported by {len(unsupported)} patch(es):\n"
+                f"the installed upstream versions are not supported by {len(unsupported)} patch(es):\n"
                 f"{lines}\nInstall a supported version or port these patches."
             )
 

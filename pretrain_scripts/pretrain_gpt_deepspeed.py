@@ -264,7 +264,7 @@ def setup_training(args: argparse.Namespace) -> Training:
     if torch.distributed.get_world_size() != world_size:
         raise RuntimeError(f"WORLD_SIZE says {world_size} ranks, the process group has "
                            f"{torch.distributed.get_world_size()}")
-    registry = deepspeed_patch_registry().apply()
+    registry = deepspeed_patch_registry(timeout=timeout).apply()
     try:
         # TP = PP = 1: Megatron's groups the model reads; DeepSpeed's data-parallel group is the world.
         parallel_state.initialize_model_parallel(1, 1, distributed_timeout_minutes=args.distributed_timeout_minutes)

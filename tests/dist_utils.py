@@ -92,6 +92,19 @@ def _worker(fn, rank, world_size, port, backend, group_timeout_s, args, reports)
         raise SystemExit(1)
 
 
+def group_timeout_s(group) -> float:
+    """The collective timeout of a gloo process group (seconds)."""
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def group_timeouts_s() -> dict[str, float]:
+    """The collective timeout of every process group this process has created, by group name (the default
+    group included): a group created without one has torch's default (30 min on gloo)."""
+    from torch.distributed import distributed_c10d
+
+    return {group.group_name: group_timeout_s(group) for group in distributed_c10d._world.pg_map}
+
+
 def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected| (0 when both are all zero)."""
     scale = expected.abs().max().item() if expected.numel() else 0.0

@@ -3,7 +3,8 @@
 - gradient parity (one 2-rank launch, many cases): after each of two steps, the update a DeepSpeed
   engine applied (SGD, so update = lr x gradient) equals lr x the gradient of one device on the
   whole global batch, for ZeRO 0 and 2 with planned steps (mixed CP sizes, unequal micro-batch
-  counts) and for ZeRO 2 with Ulysses CP attention;
+  counts) and for ZeRO 2 with Ulysses CP attention; every process group (DeepSpeed's own included) has the
+  run's --distributed-timeout-minutes; a ZeRO step whose block raised does not flush its reduction;
 - the real script (pretrain_scripts/pretrain_gpt_deepspeed.py, torchrun, 10 steps): `--dcp` under
   ZeRO-1 and ZeRO-2 (with Ulysses CP attention), the static layout and a 1-rank run give the same loss trace; the plans dumped
   by `--dcp-dump-plans` mix CP sizes and give ranks different micro-batch counts; a resume from
@@ -18,7 +19,7 @@ import shutil
 import pytest
 
 from tests.deepspeed_runs import TINY_MODEL, ds_config, load_ds_script, run_deepspeed
-from tests.dist_utils import max_rel_err, run_distributed
+from tests.dist_utils import group_timeout_s, group_timeouts_s, max_rel_err, run_distributed
 from tests.megatron_runs import read_plan_dumps
 
 BUDGET = ["--dcp-memory-budget-gb", "0.0035"]   # tight enough that long documents need CP 2 or recompute
@@ -43,6 +44,36 @@ def _reference_gradients(script, args, model_config, state, batch, source) -> di
         total = total + loss_sum
     (total / batch.num_tokens).backward()
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def _abandoned_scope_case(engine) -> dict:
+    """ZeRO-2's coalesced reduction scope: flushed once when its block ends, not when the block raised (as when a
+    collective timed out: the flush would wait another timeout for the same peer); the engine's flags reset."""
+    engine_type = type(engine)
+    original = engine_type._flush_coalesced_reduction_zero12
+    flushes = []
+
+    def counting_flush(self, optimizer):
+        flushes.append(1)
+        return original(self, optimizer)
+
+    engine_type._flush_coalesced_reduction_zero12 = counting_flush
+    try:
+        with engine.coalesce_grad_reduction():
+            pass
+        after_normal = len(flushes)
+        raised = None
+        try:
+            with engine.coalesce_grad_reduction():
+                raise RuntimeError("Timed out waiting 21000ms for recv operation to complete")
+        except RuntimeError as err:
+            raised = str(err)
+    finally:
+        engine_type._flush_coalesced_reduction_zero12 = original
+    return {"policy": "abandoned", "after_normal": after_normal, "after_error": len(flushes), "raised": raised,
+            "inside_no_sync": engine.inside_no_sync_ctxt,
+            "shadowed": any(name in vars(engine) for name in ("_flush_coalesced_reduction_zero12",
+                                                                "_flush_coalesced_reduction_zero3"))}
 
 
 def _parity_worker(rank, world_size, directory):
@@ -89,7 +120,16 @@ def _parity_worker(rank, world_size, directory):
                             "cp_sizes": sorted(plan.cp_size_histogram()), "ran": outcome.num_microbatches,
                             "ulysses": sum(mb.attention == "ulysses" for w in plan.waves for g in w.groups
                                            for mb in g.microbatches)})
+        if stage == 2 and policy == "dcp":
+            results.append(_abandoned_scope_case(engine))
         training.close()
+    # Every group created after the default one (Megatron's, the group pool's, DeepSpeed's copy of the world
+    # that ZeRO reduces gradients on) carries the run's --distributed-timeout-minutes, not torch's default.
+    from deepspeed.utils import groups as ds_groups
+
+    default = torch.distributed.group.WORLD.group_name
+    results.append({"policy": "timeouts", "deepspeed_world_s": group_timeout_s(ds_groups._WORLD_GROUP),
+                    "others_s": sorted({s for name, s in group_timeouts_s().items() if name != default})})
     # A step whose loss is not finite (a weight turned NaN, as a diverged run's would) stops before the
     # optimizer applies it.
     args = script.parse_args(TINY_MODEL + ["--deepspeed-config", os.path.join(directory, "sgd_z2_dcp.json"),
@@ -113,7 +153,14 @@ def _parity_worker(rank, world_size, directory):
 
 def test_gradients_equal_one_device_on_the_whole_batch(tmp_path):
     results = run_distributed(_parity_worker, 2, str(tmp_path), timeout_s=600)
-    rank0 = [case for case in results[0] if case["policy"] != "blowup"]
+    timeouts = [case for per_rank in results for case in per_rank if case["policy"] == "timeouts"]
+    run_timeout_s = 60 * float(TINY_MODEL[TINY_MODEL.index("--distributed-timeout-minutes") + 1])
+    assert len(timeouts) == 2 and all(c["deepspeed_world_s"] == run_timeout_s and c["others_s"] == [run_timeout_s]
+                                      for c in timeouts), timeouts
+    abandoned = [case for per_rank in results for case in per_rank if case["policy"] == "abandoned"]
+    assert len(abandoned) == 2 and all(c["after_normal"] == 1 and c["after_error"] == 1 and "Timed out" in c["raised"]
+                                       and not c["inside_no_sync"] and not c["shadowed"] for c in abandoned), abandoned
+    rank0 = [case for case in results[0] if case["policy"] not in ("blowup", "timeouts", "abandoned")]
     blowup = [case for per_rank in results for case in per_rank if case["policy"] == "blowup"]
     assert all(c["stopped"] and "not finite" in c["stopped"] and c["unchanged"] for c in blowup), blowup
     for case in rank0:

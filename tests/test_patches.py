@@ -106,6 +106,22 @@ def test_version_mismatch_is_a_clear_error_and_changes_nothing(fake_upstream):
     assert core.helper is original and not registry.applied
 
 
+def test_a_patch_of_another_distribution_is_checked_against_that_distributions_version(fake_upstream, monkeypatch):
+    """A DeepSpeed patch inside a megatron-core registry: its versions refer to the installed deepspeed."""
+    core, _, _ = fake_upstream
+    installed = {"deepspeed": "0.19.8"}
+    monkeypatch.setattr("importlib.metadata.version", lambda name: installed[name])
+    ds_patch = Patch(target="fakeup.core:helper", replacement=_replacement, reason="t", versions="==0.19.8",
+                     distribution="deepspeed")
+    registry = _registry(ds_patch)   # megatron-core "0.16.1": would not satisfy ==0.19.8
+    assert "[deepspeed ==0.19.8]" in registry.describe()
+    with registry:
+        assert core.helper is _replacement
+    installed["deepspeed"] = "0.20.0"
+    with pytest.raises(PatchVersionError, match=r"fakeup.core:helper supports deepspeed==0.19.8, installed 0.20.0"):
+        _registry(ds_patch).apply()
+
+
 def test_failed_apply_rolls_back(fake_upstream):
     core, user, _ = fake_upstream
     original = core.helper

@@ -2,7 +2,8 @@
 
 Three ways in: a user's unmodified megatron.training script through `-m dcp_megatron.launch`
 (our script with its two DCP lines stripped), our `pretrain_scripts/pretrain_gpt.py` run
-directly (it carries the two lines), and the same with Megatron's checkpoint resume. Every
+directly (it carries the two lines), stopped half way and resumed from Megatron's checkpoint, and
+the same script on two torchrun agents (`--nnodes 2` on localhost, one rank each). Every
 run trains the same 8 global batches of Megatron's mock dataset (documents separated by
 `--dataloader-inter-document-masking`), so loss traces must agree whatever the layout.
 The reference is independent of DCP: one rank, Megatron's own plain path (8 micro-batches of
@@ -15,11 +16,14 @@ from __future__ import annotations
 
 import glob
 import re
+import subprocess
 
 import pytest
 import torch
 
-from tests.megatron_runs import LLAMA_TINY, OUR_SCRIPT, read_plan_dumps, run_training, strip_dcp_lines
+from tests.dist_utils import free_port
+from tests.megatron_runs import (CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, REPO, parse_output, read_plan_dumps,
+                                run_env, run_training, strip_dcp_lines, torchrun_command)
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -63,29 +67,47 @@ def _wgrads(root, name):
             "--no-save-optim", "--no-save-rng"]
 
 
+def _two_agents(root, script):
+    """Multi-node on one machine: two torchrun agents on localhost (`--nnodes 2`, one rank each). The planner
+    then sees one rank per node (LOCAL_WORLD_SIZE 1), so every CP group of 2 crosses nodes in its cost model:
+    plans may differ from the single-node runs', the loss trace may not."""
+    flags = [*LLAMA_TINY, *CPU_FLAGS, "--train-iters", str(ITERS), "--dcp", *SMALL_BUDGET]
+    port = free_port()
+    agents = [subprocess.Popen(torchrun_command(OUR_SCRIPT, flags, nproc=1, launcher=False, port=port, nnodes=2,
+                                                node_rank=node), cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    outputs = []
+    for agent in agents:
+        out, _ = agent.communicate(timeout=600)
+        outputs.append(parse_output(agent.returncode, out).check())
+    # Megatron prints iteration lines on the last rank (node 1), DCP its plan lines on rank 0 (node 0).
+    return parse_output(0, outputs[0].output + outputs[1].output)
+
+
+_DIRECT = ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--dcp-sync-planning", "--dcp-no-refine"]
+
 _RUNS = {
     # One rank, no DCP, the whole global batch as one micro-batch: the independent reference.
     "reference": lambda root, script: run_training(OUR_SCRIPT, _wgrads(root, "reference"), nproc=1, launcher=False,
                                                    iters=ITERS),
-    # Way 1: the user's unmodified script through the launcher, without and with --dcp.
+    # Way 1: the user's unmodified script through the launcher, without and with --dcp. The --dcp run is also the
+    # uninterrupted trace the resumed runs continue (evaluated after every step, RESUME_BASE).
     "plain": lambda root, script: run_training(script, [], iters=ITERS),
-    # --dcp-no-refine here and in dcp_direct: plans from the configured cost model only, so the two runs' plan
+    # --dcp-no-refine here and in the resume runs: plans from the configured cost model only, so the runs' plan
     # files can be compared (measured corrections would make them depend on this machine's timing).
     "dcp_launcher": lambda root, script: run_training(
-        script, ["--dcp", *SMALL_BUDGET, "--dcp-dump-plans", str(root / "plans"), "--dcp-check-plans",
-                 "--dcp-no-refine", *_wgrads(root, "dcp")], iters=ITERS),
-    # Way 3 (and 2: the script carries the two lines): our script run directly, uninterrupted and
-    # stopped at 5 then resumed from Megatron's checkpoint; evaluated after every step.
-    # (This one plans each step when it starts, --dcp-sync-planning; all others plan one step ahead.)
-    "dcp_direct": lambda root, script: run_training(
-        OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--dcp-sync-planning", "--dcp-no-refine",
-                     "--dcp-dump-plans", str(root / "plans_sync")], launcher=False, iters=ITERS, base=RESUME_BASE),
+        script, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--dcp-dump-plans", str(root / "plans"), "--dcp-check-plans",
+                 "--dcp-no-refine", *_wgrads(root, "dcp")], iters=ITERS, base=RESUME_BASE),
+    # Way 3 (and 2: the script carries the two lines): our script run directly, stopped at 5 and resumed from
+    # Megatron's checkpoint. These two plan each step when it starts (--dcp-sync-planning); all others plan one
+    # step ahead.
     "dcp_direct_first_half": lambda root, script: run_training(
-        OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--save", str(root / "ckpt"), "--save-interval", "5",
-                     "--exit-interval", "5"], launcher=False, iters=ITERS, base=RESUME_BASE),
+        OUR_SCRIPT, [*_DIRECT, "--save", str(root / "ckpt"), "--save-interval", "5", "--exit-interval", "5",
+                     "--dcp-dump-plans", str(root / "plans_sync")], launcher=False, iters=ITERS, base=RESUME_BASE),
     "dcp_direct_resumed": lambda root, script: run_training(
-        OUR_SCRIPT, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--load", str(root / "ckpt"), "--save",
-                     str(root / "ckpt"), "--save-interval", "5"], launcher=False, iters=ITERS, base=RESUME_BASE),
+        OUR_SCRIPT, [*_DIRECT, "--load", str(root / "ckpt"), "--save", str(root / "ckpt"), "--save-interval", "5",
+                     "--dcp-dump-plans", str(root / "plans_sync")], launcher=False, iters=ITERS, base=RESUME_BASE),
+    "two_agents": _two_agents,
     # Megatron's static layout (CP 2 for every document, one recompute setting) run by the same runtime.
     "static_cp2": lambda root, script: run_training(
         script, ["--dcp", "--dcp-policy", "static", *SMALL_BUDGET], iters=ITERS),
@@ -98,7 +120,7 @@ def _assert_same_trace(trace, reference, what):
     assert worst <= TOLERANCE, f"{what}: loss trace differs from the reference by {worst:.2e}\n{trace}\n{reference}"
 
 
-@pytest.mark.parametrize("name", ["plain", "dcp_launcher", "static_cp2"])
+@pytest.mark.parametrize("name", ["plain", "dcp_launcher", "static_cp2", "two_agents"])
 def test_loss_trace_equals_the_one_rank_one_microbatch_reference(runs, name):
     _assert_same_trace(runs(name).loss_trace(), runs("reference").loss_trace(), name)
 
@@ -117,7 +139,7 @@ def test_resumed_dcp_run_continues_the_trace(runs):
     and training losses continue the uninterrupted run; the one exception is Megatron's own: the training
     loss it prints for the second step after a resume differs, also without --dcp, while that step's
     gradient norm and every later loss match (an upstream logging quirk, README Status)."""
-    full, first, resumed = runs("dcp_direct"), runs("dcp_direct_first_half"), runs("dcp_direct_resumed")
+    full, first, resumed = runs("dcp_launcher"), runs("dcp_direct_first_half"), runs("dcp_direct_resumed")
     assert sorted(first.losses) == list(range(1, 6)) and sorted(resumed.losses) == list(range(6, ITERS + 1))
     assert "successfully loaded checkpoint" in resumed.output and "at iteration 5" in resumed.output
     combined_eval = {**first.eval_losses, **resumed.eval_losses}
@@ -148,6 +170,12 @@ def test_the_dynamic_path_ran_with_dcps_own_plans(runs, work):
     assert all(plan.domain_size == 2 for plan in plans)
     assert {g.size for plan in plans for wave in plan.waves for g in wave.groups} == {1, 2}
     assert [plan.num_microbatches(0) for plan in plans] != [plan.num_microbatches(1) for plan in plans]
+
+
+def test_two_agents_ran_dcp_plans_with_cp_groups_across_nodes(runs):
+    steps = runs("two_agents").dcp_steps
+    assert sorted(steps) == list(range(1, ITERS + 1)) and all(s["policy"] == "dcp" for s in steps.values())
+    assert any("cp2" in s["cp_sizes"] for s in steps.values()), steps
 
 
 def test_static_policy_runs_every_document_on_cp2(runs):
@@ -189,14 +217,15 @@ _PLANNING = re.compile(r" dcp iteration\s+(\d+) \|.*?\| planning \(ms\): ([0-9.]
 
 def test_plans_made_one_step_ahead_equal_plans_made_at_each_step(runs, work):
     """Planning off the critical path changes when a plan is made, never what: the launcher run planned each
-    step during the previous one, the direct run at each step's start; their plan files are identical."""
+    step during the previous one, the direct runs (stopped at 5, resumed) at each step's start; their plan files
+    are identical."""
     root, _ = work
-    ahead, sync = runs("dcp_launcher"), runs("dcp_direct")
+    ahead, sync = runs("dcp_launcher"), [runs("dcp_direct_first_half"), runs("dcp_direct_resumed")]
     for name in [f"step_{i:07d}.json" for i in range(1, ITERS + 1)]:
         with open(root / "plans" / name) as f, open(root / "plans_sync" / name) as g:
             assert f.read() == g.read(), name
     ahead_steps = {int(m[1]): (m[3], float(m[2]), float(m[4])) for m in _PLANNING.finditer(ahead.output)}
-    sync_steps = {int(m[1]): (m[3], float(m[2]), float(m[4])) for m in _PLANNING.finditer(sync.output)}
+    sync_steps = {int(m[1]): (m[3], float(m[2]), float(m[4])) for run in sync for m in _PLANNING.finditer(run.output)}
     assert sorted(ahead_steps) == sorted(sync_steps) == list(range(1, ITERS + 1))
     # The first step has no previous one to plan behind; every later one was planned during its predecessor.
     assert [ahead_steps[i][0] for i in range(1, ITERS + 1)] == ["at step start"] + ["ahead"] * (ITERS - 1)

@@ -144,18 +144,18 @@ class PatchRegistry:
         return "\n".join(f"{p.target}  [{self.distribution_of(p)} {p.versions}]  {p.reason}" for p in self._patches)
 
     def check_versions(self) -> None:
-        unsupported = []
+        unsupported: dict[tuple[str, str], list[Patch]] = {}   # (distribution, installed version) -> patches
         for patch in self._patches:
             distribution = self.distribution_of(patch)
             version = self._version_of(distribution)
             if not patch.supports(version):
-                unsupported.append(f"  {patch.target} supports {distribution}{patch.versions}, installed {version}")
+                unsupported.setdefault((distribution, version), []).append(patch)
         if unsupported:
-            lines = "\n".join(unsupported)
-            raise PatchVersionError(
-                f"the installed upstream versions are not supported by {len(unsupported)} patch(es):\n"
-                f"{lines}\nInstall a supported version or port these patches."
-            )
+            heading = "; ".join(f"installed {distribution} {version} is not supported by {len(patches)} patch(es)"
+                                for (distribution, version), patches in unsupported.items())
+            lines = "\n".join(f"  {p.target} supports {distribution}{p.versions}"
+                              for (distribution, _), patches in unsupported.items() for p in patches)
+            raise PatchVersionError(f"{heading}:\n{lines}\nInstall a supported version or port these patches.")
 
     def apply(self) -> "PatchRegistry":
         if self._applied:

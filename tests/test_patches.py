@@ -118,7 +118,7 @@ def test_a_patch_of_another_distribution_is_checked_against_that_distributions_v
     with registry:
         assert core.helper is _replacement
     installed["deepspeed"] = "0.20.0"
-    with pytest.raises(PatchVersionError, match=r"fakeup.core:helper supports deepspeed==0.19.8, installed 0.20.0"):
+    with pytest.raises(PatchVersionError, match=r"installed deepspeed 0.20.0 is not supported by 1 patch\(es\):\n  fakeup.core:helper supports deepspeed==0.19.8"):
         _registry(ds_patch).apply()
 
 

@@ -34,7 +34,7 @@ ITERS = 10
 TOLERANCE = 1e-5
 # Resume runs: evaluated after every step (the validation loss depends on the weights alone) and without
 # --use-distributed-optimizer: resuming Megatron's distributed optimizer on CPU (torch Adam, no Apex/TE)
-# leaves the uninterrupted trace even without --dcp (README, Status).
+# leaves the uninterrupted trace even without --dcp (docs/megatron.md, "Not yet").
 RESUME_BASE = [flag for flag in LLAMA_TINY if flag != "--use-distributed-optimizer"]
 RESUME_FLAGS = ["--eval-interval", "1"]
 
@@ -138,7 +138,7 @@ def test_resumed_dcp_run_continues_the_trace(runs):
     """Megatron's --save/--load resume a --dcp run: weights (validation loss after every step), gradient norms
     and training losses continue the uninterrupted run; the one exception is Megatron's own: the training
     loss it prints for the second step after a resume differs, also without --dcp, while that step's
-    gradient norm and every later loss match (an upstream logging quirk, README Status)."""
+    gradient norm and every later loss match (an upstream logging quirk, docs/megatron.md "Not yet")."""
     full, first, resumed = runs("dcp_launcher"), runs("dcp_direct_first_half"), runs("dcp_direct_resumed")
     assert sorted(first.losses) == list(range(1, 6)) and sorted(resumed.losses) == list(range(6, ITERS + 1))
     assert "successfully loaded checkpoint" in resumed.output and "at iteration 5" in resumed.output

@@ -5,7 +5,7 @@ TP/PP coordinate. Megatron's initial weights depend on the TP/PP layout (its RNG
 partition), so each `--dcp` run is compared with Megatron's own plain path at the same TP/PP on
 2 ranks (data-parallel size 1: one micro-batch of one sample at a time, the whole global batch on
 one model replica). That plain path was checked against a 1-rank run on the same weights: a TP-2
-checkpoint loaded by one rank gives the same losses to 7 digits (docs/megatron.md, "Not yet").
+checkpoint loaded by one rank gives the same losses to 7 digits (docs/megatron.md).
 
 - TP 2 + sequence parallelism: every TP rank builds its own micro-batches from the same plan
   (nothing is broadcast per micro-batch), documents are padded so rows split evenly over TP, the

@@ -134,7 +134,7 @@ class DcpForwardBackward:
         local, index, planned = self._this_steps_plan(iteration, data_iterator, num_microbatches)
         plan = planned.plan
         if self._planner is not None and (self.config.train_iters is None or iteration < self.config.train_iters):
-            # the next step's own count: a batch-size schedule or ramp-up may change it at that step
+            # the next step's own count: --step-batch-size-schedule may change it at that step
             self._plan_next_step(iteration + 1, data_iterator, next_step_num_microbatches(num_microbatches))
         if self.config.check_plans:
             # over the world: every domain (TP peers, stages) must run this same plan

@@ -116,3 +116,21 @@ def strip_dcp_lines(source: str, destination: str) -> None:
     assert stripped != text, "pretrain_gpt.py no longer has the two lines this helper removes"
     with open(destination, "w") as f:
         f.write(stripped)
+
+
+def microbatches_seen(directory, rank: int, iteration: int) -> list[tuple]:
+    """(CP group's global ranks or None, recompute) of each micro-batch a rank's decoder ran at an iteration,
+    from the trace --dcp-dump-plans writes next to the plans (dcp_megatron/megatron/microbatch_trace.py)."""
+    import json
+
+    with open(os.path.join(str(directory), f"microbatches_rank{rank}.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [(r["group_ranks"], r["recompute"]) for r in records if r["iteration"] == iteration]
+
+
+def microbatches_planned(plan, rank: int) -> list[tuple]:
+    """The same as the plan names it for a domain rank (TP 1, PP 1: domain ranks are global ranks); an idle
+    rank runs one filler without a group or recompute."""
+    expected = [(list(group.ranks) if group.size > 1 else None, str(mb.recompute))
+                for _, group in plan.rank_schedule(rank) for mb in group.microbatches]
+    return expected or [(None, "none")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 from datetime import timedelta
 
@@ -117,19 +118,27 @@ def test_heartbeat_names_the_rank_that_stopped_beating():
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=10),
                           wait_for_workers=False)
-    steps = {0: 7, 1: 7, 2: 5}
-    beats = [Heartbeat(store, rank=r, world_size=4, step_of=lambda r=r: steps[r], interval_s=0.05).start()
-             for r in range(3)]   # rank 3 never starts
-    time.sleep(0.2)
-    beats[1].close()              # stops beating, as a SIGSTOPped process would
+    steps = {0: 7, 1: 7, 2: 5, 4: 7, 5: 8}
+    # interval 10 s: every beat after the first is a step change, recorded at once (poll_s)
+    beats = {r: Heartbeat(store, rank=r, world_size=6, step_of=lambda r=r: steps[r], interval_s=10.0,
+                          poll_s=0.01).start() for r in steps}   # rank 3 never starts
+    steps[1] = 8                  # finishes step 7, starts step 8 ...
+    time.sleep(0.3)
+    beats[1].close()              # ... and stops beating at once, as a SIGSTOPped process would
     time.sleep(0.1)
-    silent = beats[0].silent_ranks(my_step=7)
-    for beat in beats:
+
+    def next_step():              # the live ones keep beating (here: a new step each, during the check)
+        for r in (0, 2, 4, 5):
+            steps[r] += 1
+
+    threading.Timer(0.1, next_step).start()
+    silent = beats[0].silent_ranks(my_step=8, intervals=0.04)   # reads, waits 0.4 s, reads again
+    for beat in beats.values():
         beat.close()
     by_rank = {s.rank: s for s in silent}
-    assert sorted(by_rank) == [1, 2, 3]
-    assert by_rank[1].stopped and by_rank[1].step == 7
-    assert not by_rank[2].stopped and by_rank[2].step == 5     # alive, but behind
+    assert sorted(by_rank) == [1, 2, 3]                        # ranks 4 (live, same step) and 5 (ahead): fine
+    assert by_rank[1].stopped and by_rank[1].step == 8         # the step it really reached, not its first beat's
+    assert not by_rank[2].stopped and by_rank[2].step == 6     # alive, but behind
     assert by_rank[3].stopped and by_rank[3].step is None      # never heard
     text = describe_silence(silent)
     assert "rank 1 (stopped or dead" in text and "rank 2 (alive but behind" in text and "rank 3" in text

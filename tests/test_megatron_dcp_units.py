@@ -43,6 +43,7 @@ def _args(**overrides) -> argparse.Namespace:
     (dict(dcp_profile="/no/such/profile.json"), "no such file"),
     (dict(dcp_cp_attention="allgather,ulysses"), "runs under DeepSpeed (pretrain_scripts/pretrain_gpt_deepspeed.py) only"),
     (dict(dcp_cp_attention="a2a"), "--dcp-cp-attention: unknown ['a2a']"),
+    (dict(dcp_check_plans=True, dcp_no_check_plans=True), "contradict each other"),
 ])
 def test_flags_dcp_cannot_honour_are_refused_with_the_flag_named(overrides, message):
     with pytest.raises(DcpUsageError, match=None) as err:
@@ -67,6 +68,11 @@ def test_dcp_config_is_validated():
     with pytest.raises(ValueError):
         DcpConfig(seq_length=8, policy="best")
     assert DcpConfig(seq_length=8).recompute == ("none", "selective", "full")
+    from dcp_megatron.megatron.dcp_args import dcp_config_from_args
+
+    # the plan agreement check is on unless turned off
+    assert dcp_config_from_args(_args(dcp=True)).check_plans
+    assert not dcp_config_from_args(_args(dcp=True, dcp_no_check_plans=True)).check_plans
 
 
 def _sample(tokens: list[list[int]], bounds: list[list[int]] | None, seq: int) -> dict:
@@ -118,7 +124,19 @@ def _exchange_worker(rank: int, world_size: int) -> dict:
     per_rank = gather_lengths(local.lengths, group=None, domain_size=2)
     index = DocumentIndex.build(per_rank)
     received = exchange_documents(_plan_two_ranks(), local, index, domain_rank=rank, group=None)
-    return {"per_rank": per_rank, "received": {k: v[:, 0].tolist() for k, v in received.items()}}
+    # The plan agreement check (on by default): the same plan passes, divergent plans raise on every rank.
+    from dcp_megatron.megatron.planning import check_same_plan
+
+    check_same_plan(_plan_two_ranks(), iteration=1, group=None, device="cpu")
+    mine = _plan_two_ranks() if rank == 0 else StepPlan(domain_size=2, waves=_plan_two_ranks().waves[::-1],
+                                                       policy="test")
+    try:
+        check_same_plan(mine, iteration=2, group=None, device="cpu")
+        divergent = "not caught"
+    except RuntimeError as err:
+        divergent = str(err)
+    return {"per_rank": per_rank, "received": {k: v[:, 0].tolist() for k, v in received.items()},
+            "divergent": divergent}
 
 
 def test_documents_reach_exactly_the_ranks_that_run_them():
@@ -126,6 +144,8 @@ def test_documents_reach_exactly_the_ranks_that_run_them():
     assert results[0]["per_rank"] == results[1]["per_rank"] == [(3, 5), (8, 2)]
     assert results[0]["received"] == {0: [1000, 1001, 1002], 3: [2008, 2009], 2: list(range(2000, 2008))}
     assert results[1]["received"] == {1: [1003, 1004, 1005, 1006, 1007], 2: list(range(2000, 2008))}
+    for result in results:
+        assert result["divergent"].startswith("iteration 2: ranks computed different plans"), result["divergent"]
 
 
 def test_microbatch_dict_follows_the_packed_contract():

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from tests.dist_utils import free_port
-from tests.megatron_runs import (CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, REPO, parse_output, read_plan_dumps,
-                                run_env, run_training, strip_dcp_lines, torchrun_command)
+from tests.megatron_runs import (CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, REPO, microbatches_planned, microbatches_seen,
+                                parse_output, read_plan_dumps, run_env, run_training, strip_dcp_lines,
+                                torchrun_command)
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -127,7 +128,7 @@ def test_loss_trace_equals_the_one_rank_one_microbatch_reference(runs, name):
 
 def test_grad_norms_equal_across_layouts(runs):
     reference = runs("reference").grad_norms
-    for name in ("plain", "dcp_launcher", "static_cp2"):
+    for name in ("plain", "dcp_launcher", "static_cp2", "two_agents"):   # every run whose loss trace is checked
         norms = runs(name).grad_norms
         assert norms.keys() == reference.keys()
         for step, norm in norms.items():
@@ -170,6 +171,23 @@ def test_the_dynamic_path_ran_with_dcps_own_plans(runs, work):
     assert all(plan.domain_size == 2 for plan in plans)
     assert {g.size for plan in plans for wave in plan.waves for g in wave.groups} == {1, 2}
     assert [plan.num_microbatches(0) for plan in plans] != [plan.num_microbatches(1) for plan in plans]
+    # the log's label names a fallback (dcp(fallback:<baseline>)); the plan's own flag says it too
+    assert not [i for i, plan in enumerate(plans, start=1) if plan.extra.get("fallback")]
+
+
+def test_every_microbatch_ran_with_the_recompute_and_group_its_plan_named(runs, work):
+    """Inside Megatron's loop, per rank and micro-batch: the recompute set on the model and the CP group the decoder
+    was handed when its forward ran (recorded next to the dumped plans) are the plan's."""
+    root, _ = work
+    runs("dcp_launcher")
+    plans = read_plan_dumps(root / "plans")
+    kinds = set()
+    for rank in range(2):
+        for step, plan in enumerate(plans, start=1):
+            seen = microbatches_seen(root / "plans", rank, step)
+            assert seen == microbatches_planned(plan, rank), (rank, step)
+            kinds |= {recompute for _, recompute in seen}
+    assert "none" in kinds and len(kinds) >= 2, f"the plans never switched recompute between micro-batches: {kinds}"
 
 
 def test_two_agents_ran_dcp_plans_with_cp_groups_across_nodes(runs):

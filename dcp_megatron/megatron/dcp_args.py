@@ -47,7 +47,9 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="comma list of CP attention flavours the planner may choose per micro-batch from "
                             "allgather,ulysses (ulysses: DeepSpeed script only; default there: both)")
     group.add_argument("--dcp-check-plans", action="store_true",
-                       help="all-reduce a hash of every plan to prove all ranks planned the same step")
+                       help="all-reduce a hash of every plan to prove all ranks planned the same step (the default)")
+    group.add_argument("--dcp-no-check-plans", action="store_true",
+                       help="skip the per-step plan hash all-reduce (one 16-byte collective per step)")
     # set by dcp-profile (dcp_megatron/profile.py), which runs the user's script with them
     group.add_argument("--dcp-profile-out", default=None, metavar="PROFILE.json",
                        help="profile the model instead of training: time a grid of micro-batches, fit the cost "
@@ -72,7 +74,7 @@ class DcpConfig:
     recompute: tuple[str, ...] = RECOMPUTE_CHOICES
     profile: str | None = None
     dump_plans: str | None = None
-    check_plans: bool = False
+    check_plans: bool = True         # one all-reduced plan hash per step (planning.check_same_plan)
     gpus_per_node: int | None = None
     seq_length: int
     log_interval: int = 1
@@ -107,7 +109,7 @@ def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
     recompute = parse_comma_list(args.dcp_recompute) or RECOMPUTE_CHOICES
     return DcpConfig(policy=args.dcp_policy or "dcp", max_cp_size=args.dcp_max_cp_size,
                      memory_budget_gb=args.dcp_memory_budget_gb, recompute=recompute, profile=args.dcp_profile,
-                     dump_plans=args.dcp_dump_plans, check_plans=bool(args.dcp_check_plans),
+                     dump_plans=args.dcp_dump_plans, check_plans=not getattr(args, "dcp_no_check_plans", False),
                      gpus_per_node=args.dcp_gpus_per_node or local_world_size(),
                      seq_length=args.seq_length, log_interval=args.log_interval,
                      plan_ahead=not getattr(args, "dcp_sync_planning", False),
@@ -158,6 +160,9 @@ def refuse_conflicting_flags(args: argparse.Namespace) -> None:
     for refused, message in refusals:
         if refused:
             raise DcpUsageError(message)
+    if getattr(args, "dcp_check_plans", False) and getattr(args, "dcp_no_check_plans", False):
+        raise DcpUsageError("--dcp-check-plans and --dcp-no-check-plans contradict each other: give one (the check "
+                            "is on by default)")
     if not args.calculate_per_token_loss:
         # Ranks run different numbers of micro-batches: only a per-token loss (global sum / global
         # token count) gives the gradient of the whole global batch.

@@ -4,7 +4,8 @@ Each micro-batch's documents are zig-zag sharded over its CP group (`shard_micro
 packed THD into the 0.19 packed-sequence contract of Megatron-LM's `pretrain_gpt.py`:
 
 - `tokens`, `labels`, `loss_mask`, `position_ids`: [1, T_local], this rank's rows; the loss mask
-  is the dataset's, and 0 at the padding each document gets to a multiple of 2c;
+  is the dataset's, and 0 at the padding each document gets to a multiple of 2c; padding rows carry
+  their document's last position (never an index past a learned position table);
 - `cu_seqlens`: [1, n+1] global bounds of the true document lengths (FLOP accounting);
   `cu_seqlens_padded`: [1, n+1] global bounds of the padded documents (what attention and RoPE
   use, TE's THD-under-CP convention); `max_seqlen`: [1]; `local_cp_size`: [1], the group size c;
@@ -72,7 +73,7 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
                                 attention=attention if cp_size > 1 else "allgather")
     return {
         "tokens": row(local[:, 0]), "labels": row(local[:, 1]), "loss_mask": row(loss_mask),
-        "position_ids": row(shard.position_ids),
+        "position_ids": row(shard.model_position_ids),   # inside a learned position table
         "cu_seqlens": _prefix(lengths).to(device),
         "cu_seqlens_padded": _prefix(shard.padded_lengths).to(device),
         "max_seqlen": torch.tensor([max(shard.padded_lengths)], dtype=torch.int32, device=device),

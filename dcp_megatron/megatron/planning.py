@@ -1,8 +1,8 @@
 """The cost model of a Megatron run and one StepPlan per global batch.
 
 Every rank builds the same cost model from the same flags and plans the same global batch, so
-all ranks hold the same plan without communicating (DESIGN.md section 2); `--dcp-check-plans`
-proves it with an all-reduced hash.
+all ranks hold the same plan without communicating (DESIGN.md section 2); one all-reduced hash per
+step proves it (on by default; `--dcp-no-check-plans` turns it off).
 """
 from __future__ import annotations
 
@@ -66,19 +66,27 @@ def plan_global_batch(config: DcpConfig, sequences, cost: CostModel) -> StepPlan
     return make_plan(config.policy, list(sequences), cost, max_seq_len=config.seq_length)
 
 
+def plan_digest(plan: StepPlan) -> int:
+    """56 bits of the SHA-256 of the plan's canonical JSON (fits an int64 with its negation)."""
+    return int.from_bytes(hashlib.sha256(plan.dumps().encode()).digest()[:7], "little")
+
+
 def check_same_plan(plan: StepPlan, *, iteration: int, group, device) -> None:
-    """Debug check (collective over the domain): every rank planned the same step."""
+    """Every rank planned the same step (collective over `group`, the default group's timeout for None).
+
+    On by default: ranks running different plans post mismatched collectives, which hang until the timeout or
+    silently mix up data. One all-reduce (MAX) of (digest, -digest) yields the largest and smallest digest."""
     import torch
     import torch.distributed as dist
 
-    digest = int.from_bytes(hashlib.sha256(plan.dumps().encode()).digest()[:7], "little")
-    low = torch.tensor([digest], dtype=torch.int64, device=device)
-    high = low.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    if int(low) != int(high):
-        raise RuntimeError(f"iteration {iteration}: ranks computed different plans (hash {digest:x} here); "
-                           "planning must be deterministic")
+    digest = plan_digest(plan)
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, low = int(both[0]), -int(both[1])
+    if low != high:
+        raise RuntimeError(f"iteration {iteration}: ranks computed different plans (hash {digest:x} here, "
+                           f"{low:x}..{high:x} across ranks); planning must be deterministic: same flags, "
+                           f"--dcp-profile and code on every rank")
 
 
 def check_longest_fits(config: DcpConfig, cost: CostModel) -> None:

@@ -36,10 +36,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 import torch
 
+from dcp_megatron.megatron.batch_schedule import next_step_num_microbatches
 from dcp_megatron.megatron.dcp_args import DcpConfig
 from dcp_megatron.megatron.forward_step import DcpForwardStep
 from dcp_megatron.megatron.global_batch import (DocumentIndex, Documents, broadcast_documents,
                                                 exchange_documents, gather_lengths, split_samples)
+from dcp_megatron.megatron.microbatch_trace import MicrobatchTrace
 from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, rank_batches
 from dcp_megatron.megatron.plan_dump import PlanDumper
 from dcp_megatron.megatron.plan_log import plan_summary
@@ -60,6 +62,7 @@ class _ReadAhead:
     local: Documents
     index: DocumentIndex
     read_ahead: bool = True   # read during the previous step (False: read when this step started)
+    num_microbatches: int = 0   # Megatron's micro-batch count the share was read with (samples per DP rank)
 
 
 class DcpForwardBackward:
@@ -131,7 +134,8 @@ class DcpForwardBackward:
         local, index, planned = self._this_steps_plan(iteration, data_iterator, num_microbatches)
         plan = planned.plan
         if self._planner is not None and (self.config.train_iters is None or iteration < self.config.train_iters):
-            self._plan_next_step(iteration + 1, data_iterator, num_microbatches)
+            # the next step's own count: --step-batch-size-schedule may change it at that step
+            self._plan_next_step(iteration + 1, data_iterator, next_step_num_microbatches(num_microbatches))
         if self.config.check_plans:
             # over the world: every domain (TP peers, stages) must run this same plan
             check_same_plan(plan, iteration=iteration, group=None, device=device)
@@ -146,6 +150,10 @@ class DcpForwardBackward:
                               cuda_events=self.has_gpu)
         # With PP, stages send activations of each micro-batch's own length: shapes go with them.
         config.variable_seq_lengths = config.variable_seq_lengths or self.model_shape.pp > 1
+        trace = None
+        if self.config.dump_plans:   # what each micro-batch ran with, next to the plans (microbatch_trace.py)
+            trace = MicrobatchTrace(self.config.dump_plans, rank=torch.distributed.get_rank())
+            trace.attach(model_chunks, config, iteration=iteration)
         try:
             losses_reduced = self.inner(forward_step_func=step, data_iterator=iter(()), model=model,
                                         num_microbatches=len(batches), seq_length=seq_length,
@@ -153,6 +161,8 @@ class DcpForwardBackward:
         finally:
             restore_recompute(model_chunks, config, saved[0])
             config.variable_seq_lengths = saved[1]
+            if trace is not None:
+                trace.detach()
         if step.num_run != len(batches):
             raise AssertionError(f"the schedule ran {step.num_run} of this rank's {len(batches)} DCP micro-batches")
         measured_s = time.perf_counter() - started
@@ -191,6 +201,9 @@ class DcpForwardBackward:
         read at its start pulled its share first (read it again from the replay)."""
         ahead, self._read_ahead = self._read_ahead, None
         if ahead is not None and ahead.iteration == iteration:
+            if ahead.num_microbatches != num_microbatches:
+                raise AssertionError(f"iteration {iteration}: read ahead with {ahead.num_microbatches} micro-batches "
+                                     f"per data-parallel rank, Megatron runs {num_microbatches}")
             self._current = ahead
             return ahead.local, ahead.index, self._planner.result(iteration)
         if ahead is not None:
@@ -203,7 +216,8 @@ class DcpForwardBackward:
             if local is None:
                 raise StopIteration
             index = self._gather_index(local)
-            self._current = _ReadAhead(iteration=iteration, local=local, index=index, read_ahead=False)
+            self._current = _ReadAhead(iteration=iteration, local=local, index=index, read_ahead=False,
+                                       num_microbatches=num_microbatches)
         return local, index, plan_synchronously(iteration, self._plan, index.sequences(), self._cost)
 
     def _plan_next_step(self, iteration: int, data_iterator, num_microbatches: int) -> None:
@@ -212,7 +226,8 @@ class DcpForwardBackward:
         if local is None:  # the data ends here: the next step reads (and fails) as Megatron's would
             return
         index = self._gather_index(local)
-        self._read_ahead = _ReadAhead(iteration=iteration, local=local, index=index)
+        self._read_ahead = _ReadAhead(iteration=iteration, local=local, index=index,
+                                      num_microbatches=num_microbatches)
         self._planner.submit(iteration, index.sequences(), self._cost)  # today's cost model, passed: no race
 
     def _gather_index(self, local: Documents) -> DocumentIndex:

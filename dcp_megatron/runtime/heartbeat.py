@@ -6,7 +6,10 @@ records the rank's step in the rendezvous store (the launcher's TCP store, which
 every `interval_s`. After a timeout the survivors read the counters twice, a few intervals apart:
 a rank whose counter stood still is stopped (SIGSTOP, a frozen host) or its process is gone; a rank
 still beating but at an earlier step is hung in its own code. Counters, not clocks, so hosts need not
-agree on the time. Nothing here runs on the training path: the step is read by the beating thread.
+agree on the time. Nothing here runs on the training path: the step is read by the beating thread,
+which looks at it every `poll_s` (a few ms) and records a new step at once, so a rank stopped right
+after finishing a step is reported at that step, not at the step of its last periodic beat (with a beat
+every 2 s and sub-second steps that lagged 1-3 steps behind).
 """
 from __future__ import annotations
 
@@ -42,12 +45,15 @@ def connect_store(timeout_s: float = 30.0):
 
 
 class Heartbeat:
-    def __init__(self, store, *, rank: int, world_size: int, step_of: Callable[[], int], interval_s: float = 2.0):
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be positive, got {interval_s}")
+    def __init__(self, store, *, rank: int, world_size: int, step_of: Callable[[], int], interval_s: float = 2.0,
+                 poll_s: float = 0.01):
+        if interval_s <= 0 or poll_s <= 0:
+            raise ValueError(f"interval_s and poll_s must be positive, got {interval_s} and {poll_s}")
         self.store, self.rank, self.world_size, self.interval_s = store, rank, world_size, interval_s
+        self.poll_s = min(poll_s, interval_s)
         self.step_of = step_of   # the step this rank is in (e.g. the loop's iteration counter)
         self._beats = 0
+        self._step = None        # the step the last beat recorded
         self._lock = threading.Lock()   # the store client is used from the beating thread and the caller
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dcp-heartbeat", daemon=True)
@@ -64,17 +70,23 @@ class Heartbeat:
     def _key(self, rank: int) -> str:
         return f"{_PREFIX}/{self._generation}/{rank}"
 
-    def _beat(self) -> None:
+    def _beat(self, step: int | None = None) -> None:
         self._beats += 1
+        self._step = int(self.step_of()) if step is None else step
         with self._lock:
-            self.store.set(self._key(self.rank), f"{self._beats} {int(self.step_of())}")
+            self.store.set(self._key(self.rank), f"{self._beats} {self._step}")
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        last_beat = time.monotonic()
+        while not self._stop.wait(self.poll_s):
+            step = int(self.step_of())
+            if step == self._step and time.monotonic() - last_beat < self.interval_s:
+                continue
             try:
-                self._beat()
+                self._beat(step)   # a new step is recorded at once; otherwise one beat per interval
             except Exception:   # the store is gone: the job is ending; nothing to report to
                 return
+            last_beat = time.monotonic()
 
     def _read(self) -> dict[int, tuple[int, int]]:
         keys = [self._key(r) for r in range(self.world_size)]

@@ -49,6 +49,16 @@ class LocalShard:
     def num_docs(self) -> int:
         return len(self.doc_lengths)
 
+    @property
+    def model_position_ids(self) -> torch.Tensor:
+        """Positions for the model's input rows: `position_ids` with each padding row at its document's last
+        true position. Padding a document to a multiple of 2c can run past the longest allowed document
+        (1024 -> 1026 at c = 3), and a learned position table (Megatron's default) has only
+        --max-position-embeddings rows. Padding rows are out of the loss and come last in causal order, so no
+        real token sees them: their position is free, and this one is always inside the table."""
+        last = torch.tensor(self.doc_lengths, dtype=torch.int64)[self.doc_ids] - 1
+        return torch.minimum(self.position_ids, last)
+
     def take(self, x: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """This rank's rows of x [sum(doc_lengths), ...] -> [T_local, ...]; padding rows = fill.
 

@@ -87,6 +87,8 @@ class DcpConfig:
     refine: bool = True              # correct the cost model from measured times (planner/refine.py)
     cp_attention: tuple[str, ...] = ("allgather",)   # CP attention flavours per micro-batch (+ "ulysses")
     row_multiple: int = 1            # each micro-batch's local rows padded to a multiple (FP8 GEMM shapes)
+    fp8: bool = False                # linear GEMMs in FP8 (the cost model's FP8 rate and weight copies)
+    te_attention: bool = False       # Transformer Engine's attention (on GPU: its p2p CP ring)
 
     def __post_init__(self) -> None:
         if self.policy not in DCP_POLICIES:
@@ -123,7 +125,8 @@ def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
                      train_iters=getattr(args, "train_iters", None),
                      refine=not getattr(args, "dcp_no_refine", False),
                      cp_attention=parse_comma_list(getattr(args, "dcp_cp_attention", None)) or ("allgather",),
-                     row_multiple=fp8_row_multiple(args))
+                     row_multiple=fp8_row_multiple(args), fp8=getattr(args, "fp8", None) is not None,
+                     te_attention=getattr(args, "transformer_impl", None) == "transformer_engine")
 
 
 def parse_comma_list(value: str | None) -> tuple[str, ...] | None:

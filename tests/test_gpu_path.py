@@ -60,7 +60,7 @@ def test_safe_fp8_recipes_pass_and_set_the_row_alignment():
         check_gpu_path(_args(fp8="hybrid", fp8_recipe=recipe, **extra), H200)
     check_gpu_path(_args(fp8="hybrid", fp8_recipe="mxfp8"),
                    DeviceFacts(has_gpu=True, has_transformer_engine=True, capability=(10, 0), cuda_version=(13, 0)))
-    check_gpu_path(_args(dcp=False, fp8="hybrid"), CPU)   # without --dcp: Megatron's business
+    check_gpu_path(_args(dcp=False, fp8="hybrid"), CPU)   # without --dcp: Megatron's business (a warning)
     assert fp8_row_multiple(_args()) == 1
     assert fp8_row_multiple(_args(fp8="hybrid")) == 16
     assert fp8_row_multiple(_args(fp8="hybrid", tensor_model_parallel_size=4, sequence_parallel=True)) == 64
@@ -70,6 +70,13 @@ def test_safe_fp8_recipes_pass_and_set_the_row_alignment():
 def test_fp8_on_this_cpu_is_refused_through_validate_dcp_args():
     with pytest.raises(DcpUsageError, match="needs Transformer Engine on a GPU"):
         validate_dcp_args(_args(fp8="hybrid", fp8_recipe="tensorwise"))
+
+
+def test_fp8_without_dcp_on_cpu_is_not_refused_but_said(capsys):
+    check_gpu_path(_args(dcp=False, fp8="hybrid"), CPU)
+    assert "--fp8-format hybrid has no effect without Transformer Engine on a GPU" in capsys.readouterr().out
+    check_gpu_path(_args(dcp=False, fp8="hybrid"), H200)
+    assert capsys.readouterr().out == ""
 
 
 def test_gradient_accumulation_fusion_is_turned_off_without_apex_and_said(capsys):

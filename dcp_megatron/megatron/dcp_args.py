@@ -183,9 +183,9 @@ def refuse_conflicting_flags(args: argparse.Namespace) -> None:
 def validate_dcp_args(args: argparse.Namespace) -> None:
     """After Megatron's validation (data-parallel size known): every check, and --dcp's per-token loss."""
     refuse_conflicting_flags(args)
+    check_gpu_path(args)   # FP8 recipes, apex's fusion kernel, the row alignment (gpu_checks.py)
     if not getattr(args, "dcp", False):
         return
-    check_gpu_path(args)   # FP8 recipes, apex's fusion kernel, the row alignment (gpu_checks.py)
     if args.dcp_profile is not None and not os.path.isfile(args.dcp_profile):
         raise DcpUsageError(f"--dcp-profile {args.dcp_profile}: no such file")
     if args.dcp_cp_attention is not None and "ulysses" in args.dcp_cp_attention:

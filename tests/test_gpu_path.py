@@ -136,6 +136,9 @@ def test_row_alignment_pads_with_a_masked_filler_document(lengths, cp_size, pad_
         # the filler is a document of its own (attends only to itself), identical on every rank of the group
         assert torch.equal(after["cu_seqlens_padded"][:, :-1], before["cu_seqlens_padded"]) or rows == n
         assert torch.equal(after["cu_seqlens_padded"], aligned[0]["cu_seqlens_padded"])
+        # what TE's p2p ring needs of THD under CP: every (padded) document a multiple of 2 x CP size
+        assert all(int(n) % (2 * cp_size) == 0 for n in after["cu_seqlens_padded"].diff(dim=1).view(-1))
+        assert int(after["cu_seqlens_padded"][0, -1]) == cp_size * rows
     assert aligned_filler_rows(32, row_multiple=16) == 0 and aligned_filler_rows(6, row_multiple=1) == 0
 
 

@@ -29,7 +29,8 @@ def test_dry_run_lists_every_step_and_refuses_bad_arguments_and_a_machine_withou
     steps = {s["name"]: s for s in report["steps"]}
     for name in ("train_bf16", "train_fp8"):
         argv = steps[name]["argv"]
-        assert argv[argv.index("--transformer-impl") + 1] == "transformer_engine" and "--bf16" in argv and "--dcp" in argv
+        assert argv[argv.index("--transformer-impl") + 1] == "transformer_engine"
+        assert "--bf16" in argv and "--dcp" in argv
         assert ("--fp8-format" in argv) == (name == "train_fp8")
     assert steps["profile_fp8"]["profile"] == str(tmp_path / "profiles" / "h200_fp8.json")
     assert "dcp_megatron.profile" in steps["profile_bf16"]["argv"]
@@ -58,9 +59,10 @@ def test_training_flags_are_ones_megatron_and_dcp_parse():
     steps = {s["name"]: s for s in gpu_check.build_steps(out="/tmp/o", profiles="/tmp/p", python="python")}
     for name in ("train_fp8", "profile_fp8"):
         argv = steps[name]["argv"]
-        start = argv.index("--") if "--" in argv else next(i for i, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))
+        script = next(i for i, a in enumerate(argv) if a.endswith("pretrain_gpt.py")) if "--" not in argv else None
+        start = argv.index("--") if script is None else script
         args = _parse_with_argv(parse_args, add_dcp_arguments, argv[start + 1:])
-        assert args.fp8 == "hybrid" and args.fp8_recipe == "tensorwise" and args.transformer_impl == "transformer_engine"
+        assert (args.fp8, args.fp8_recipe, args.transformer_impl) == ("hybrid", "tensorwise", "transformer_engine")
         assert args.dcp and (name == "profile_fp8" or args.dcp_recompute == "none,full")
 
 
@@ -86,7 +88,8 @@ def test_the_budget_makes_long_documents_recompute_and_short_ones_not():
         budget = gpu_check.recompute_switching_budget_gb(model, fp8=fp8)
         shape = ModelShape(num_layers=model["num_layers"], hidden_size=model["hidden_size"],
                            num_heads=model["num_heads"], num_kv_heads=model["num_kv_heads"],
-                           head_dim=model["hidden_size"] // model["num_heads"], ffn_hidden_size=model["ffn_hidden_size"],
+                           head_dim=model["hidden_size"] // model["num_heads"],
+                           ffn_hidden_size=model["ffn_hidden_size"],
                            vocab_size=32128, gated_mlp=True)
         cluster = dataclasses.replace(cluster_preset("h200", domain_size=1), mem_bytes_per_gpu=int(budget * GiB))
         cost = CostModel(shape, cluster, gpu=GpuCosts(fp8=fp8, cp_ring=True, communicators=True))

@@ -117,7 +117,8 @@ def _docs(lengths, seed=0):
 
 
 @pytest.mark.parametrize("lengths, cp_size, pad_multiple, row_multiple", [
-    ((5, 12), 1, 1, 16), ((7,), 2, 1, 16), ((3, 9, 30), 3, 1, 16), ((5, 11), 2, 2, 32), ((16,), 1, 1, 16), ((), 1, 1, 16)])
+    ((5, 12), 1, 1, 16), ((7,), 2, 1, 16), ((3, 9, 30), 3, 1, 16), ((5, 11), 2, 2, 32), ((16,), 1, 1, 16),
+    ((), 1, 1, 16)])
 def test_row_alignment_pads_with_a_masked_filler_document(lengths, cp_size, pad_multiple, row_multiple):
     docs = _docs(lengths)
     plain = [build_batch(docs, cp_size=cp_size, cp_rank=r, group=None, recompute=NO_RECOMPUTE, wave_index=0,
@@ -295,3 +296,27 @@ def test_deepspeed_starts_with_a_stale_shm_comm_build_lock(tmp_path):
                          text=True, timeout=300)
     assert run.returncode == 0 and "initialized 1" in run.stdout, run.stderr[-3000:]
     assert "deepspeed_shm_comm" not in run.stdout + run.stderr   # not built, not waited for
+
+
+@pytest.mark.slow
+def test_row_alignment_and_the_apex_switch_end_to_end_leave_the_loss_trace_and_grad_norms_unchanged():
+    """Megatron's loop, 1 rank: --dcp against --dcp --dcp-row-alignment 16 without --no-gradient-accumulation-fusion
+    (apex's kernel is missing here, so --dcp turns the fusion off instead of failing at model build)."""
+    from tests.dist_utils import free_port
+    from tests.megatron_runs import (CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, REPO, parse_output, run_env,
+                                     torchrun_command)
+
+    def train(cpu_flags, extra):
+        command = torchrun_command(OUR_SCRIPT, [*LLAMA_TINY, *cpu_flags, "--train-iters", "4", "--dcp", *extra],
+                                   nproc=1, launcher=False, port=free_port())
+        proc = subprocess.run(command, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600)
+        return parse_output(proc.returncode, proc.stdout + proc.stderr)
+
+    plain = train(CPU_FLAGS, []).check()
+    aligned = train([f for f in CPU_FLAGS if f != "--no-gradient-accumulation-fusion"],
+                    ["--dcp-row-alignment", "16"]).check()
+    assert "fused_weight_gradient_mlp_cuda is not installed" in aligned.output
+    assert sorted(aligned.losses) == sorted(plain.losses) == [1, 2, 3, 4]
+    for step in plain.losses:
+        assert aligned.losses[step] == pytest.approx(plain.losses[step], rel=1e-5)
+        assert aligned.grad_norms[step] == pytest.approx(plain.grad_norms[step], rel=1e-4)

@@ -55,7 +55,8 @@ def model_flags(model: dict, *, train_iters: int) -> list[str]:
         "--untie-embeddings-and-output-weights", "--use-distributed-optimizer", "--calculate-per-token-loss",
         "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
         "--clip-grad", "1.0", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(model["vocab"]),
-        "--split", "98,1,1", "--eval-iters", "1", "--eval-interval", "1000", "--dataloader-inter-document-masking", "--attention-dropout", "0",
+        "--split", "98,1,1", "--eval-iters", "1", "--eval-interval", "1000", "--dataloader-inter-document-masking",
+        "--attention-dropout", "0",
         "--hidden-dropout", "0", "--log-interval", "1", "--seed", "1234", "--bf16",
         "--transformer-impl", "transformer_engine", "--distributed-timeout-minutes", "5", "--dcp",
     ]
@@ -177,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
         if not result["passed"]:
             result["log_tail"] = text[-2000:]
         report["steps"][step["name"]] = result
-        print(f"gpu_check: {step['name']}: {'PASS' if result['passed'] else 'FAIL'} ({result['seconds']} s)", flush=True)
+        verdict = "PASS" if result["passed"] else "FAIL"
+        print(f"gpu_check: {step['name']}: {verdict} ({result['seconds']} s)", flush=True)
     report["merged_profile"] = merge_profiles(args.profiles)
     report["seconds"] = round(time.monotonic() - started, 1)
     report["passed"] = all(r.get("passed") or r.get("skipped") for r in report["steps"].values())

@@ -2,8 +2,8 @@
 
 1. Transformer Engine's DotProductAttention on packed THD documents (bf16, causal, CP 1), laid out as DCP lays
    them out (runtime.sharding: every document padded to a multiple of 2; the padded bounds as cu_seqlens, as
-   pretrain_gpt.py passes them), against our reference attention (runtime.cp_attention.packed_causal_attention) in fp32 on the
-   same inputs: output and the gradients of q, k, v on the documents' rows, each error taken relative to the
+   pretrain_gpt.py passes them), against our reference attention
+   (runtime.cp_attention.packed_causal_attention) in fp32 on the same inputs: output and the gradients of q, k, v on the documents' rows, each error taken relative to the
    reference's largest magnitude.
 2. The device memory one NCCL communicator takes: free memory before and after a 1-rank group's first
    all-reduce (a lower bound of the planner's per-communicator reserve; multi-rank groups need more GPUs).

@@ -129,10 +129,10 @@ def refuse_bf16_optimizer(config: dict, *, stage: int) -> None:
     bf16 = bool((config.get("bf16") or {}).get("enabled"))
     accumulate = str((config.get("data_types") or {}).get("grad_accum_dtype", "")).lower()
     if bf16 and accumulate in ("fp32", "float32", "float") and stage in (0, 1):
-        raise DcpUsageError(
-            f'"bf16" with "data_types": {{"grad_accum_dtype": "{accumulate}"}} under ZeRO stage {stage} runs DeepSpeed\'s '
-            "BF16_Optimizer, which cannot defer the gradient reduction of a rank's unequal micro-batch count; use "
-            'ZeRO stage 2, or remove "grad_accum_dtype" (bf16 accumulation)')
+        runs = ("runs DeepSpeed's BF16_Optimizer, which cannot defer the gradient reduction of a rank's unequal "
+                "micro-batch count" if stage == 1 else "is a dtype mix DeepSpeed does not run without ZeRO")
+        raise DcpUsageError(f'"bf16" with "data_types": {{"grad_accum_dtype": "{accumulate}"}} under ZeRO stage '
+                            f'{stage} {runs}; use ZeRO stage 2, or remove "grad_accum_dtype" (bf16 accumulation)')
 
 
 def torch_adam_params(optimizer: dict, *, has_gpu: bool) -> dict:

@@ -165,7 +165,8 @@ class GroupPool:
 
     def _evict_unused(self, *, keep: set[Block]) -> None:
         """Destroy the least recently used odd blocks beyond the cap (never one this step uses)."""
-        for block in [b for b in self._odd_blocks if b not in keep][:max(len(self._odd_blocks) - self._max_odd_blocks, 0)]:
+        excess = max(len(self._odd_blocks) - self._max_odd_blocks, 0)
+        for block in [b for b in self._odd_blocks if b not in keep][:excess]:
             group = self._member_groups.pop(block, None)
             if group is not None:
                 dist.destroy_process_group(group)   # local: frees this rank's communicator and its buffers

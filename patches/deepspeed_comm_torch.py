@@ -40,3 +40,31 @@ def dcp_patches(*, timeout: timedelta) -> tuple[Patch, ...]:
             distribution="deepspeed",
         ),
     )
+
+
+# --- The shared-memory collectives op (CPU) -------------------------------------------------------------------
+# DeepSpeed 0.19.8's `TorchBackend.__init__` calls `build_shm_op()`, which on the CPU accelerator JIT-compiles
+# the `deepspeed_shm_comm` C++ op in every process at first use (~1-2 min). torch's build lock (FileBaton) waits
+# forever when a process was killed while compiling, so every later DeepSpeed run on that machine hung silently
+# (seen here); a half-built cache gives an ImportError instead. The op only speeds up DeepSpeed's own CPU
+# all-reduce; with `shm_comm_op = None` DeepSpeed uses torch.distributed (gloo), which is what our runs use.
+
+_SHM_TARGET = "deepspeed.comm.torch:build_shm_op"
+
+
+def _no_shm_op():
+    return None
+
+
+def shm_comm_patches() -> tuple[Patch, ...]:
+    """Apply before `deepspeed.init_distributed` (that is where the op is built)."""
+    return (
+        Patch(
+            target=_SHM_TARGET,
+            replacement=_no_shm_op,
+            reason="DeepSpeed JIT-compiles its deepspeed_shm_comm op in every process at init; a stale torch build "
+                   "lock left by a killed process hangs every later run silently. Training does not need the op.",
+            versions=DEEPSPEED_VERSIONS,
+            distribution="deepspeed",
+        ),
+    )

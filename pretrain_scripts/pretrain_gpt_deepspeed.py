@@ -105,7 +105,7 @@ def check_args(args: argparse.Namespace) -> None:
 def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     """The DeepSpeed config the engine gets and the run's DcpConfig (policy "static" without --dcp)."""
     from dcp_megatron.deepspeed.config import (DEFAULT_CP_ATTENTION, check_schedule_length, dcp_config,
-                                               load_deepspeed_config, prepare_deepspeed_config)
+                                               load_deepspeed_config, prepare_deepspeed_config, torch_adam_params)
     from dcp_megatron.megatron.dcp_args import DcpConfig, parse_comma_list
     from dcp_megatron.megatron.run_paths import check_writable_dir
 
@@ -115,10 +115,7 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     if "optimizer" not in ds_config:
         raise DcpUsageError(f'--deepspeed-config {args.deepspeed_config}: add an "optimizer" block (e.g. '
                             '{"type": "AdamW", "params": {"lr": 3e-4}}); the script builds no optimizer of its own')
-    optimizer = ds_config["optimizer"]
-    if not has_gpu and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
-        # DeepSpeed's fused Adam needs compiled ops; torch's Adam(W) is the same algorithm.
-        optimizer.setdefault("params", {}).setdefault("torch_adam", True)
+    torch_adam_params(ds_config["optimizer"], has_gpu=has_gpu)   # no JIT-compiled Adam op (config.py)
     cli = {"policy": args.dcp_policy, "max_cp_size": args.dcp_max_cp_size, "memory_budget_gb": args.dcp_memory_budget_gb,
            "recompute": parse_comma_list(args.dcp_recompute), "profile": args.dcp_profile, "dump_plans": args.dcp_dump_plans,
            "check_plans": True if args.dcp_check_plans else None, "gpus_per_node": args.dcp_gpus_per_node,
@@ -260,12 +257,12 @@ def setup_training(args: argparse.Namespace) -> Training:
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if has_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    deepspeed.init_distributed(dist_backend="nccl" if has_gpu else "gloo", timeout=timeout)
-    if torch.distributed.get_world_size() != world_size:
-        raise RuntimeError(f"WORLD_SIZE says {world_size} ranks, the process group has "
-                           f"{torch.distributed.get_world_size()}")
-    registry = deepspeed_patch_registry(timeout=timeout).apply()
+    registry = deepspeed_patch_registry(timeout=timeout).apply()   # before init: it skips the shm op's build
     try:
+        deepspeed.init_distributed(dist_backend="nccl" if has_gpu else "gloo", timeout=timeout)
+        if torch.distributed.get_world_size() != world_size:
+            raise RuntimeError(f"WORLD_SIZE says {world_size} ranks, the process group has "
+                               f"{torch.distributed.get_world_size()}")
         # TP = PP = 1: Megatron's groups the model reads; DeepSpeed's data-parallel group is the world.
         parallel_state.initialize_model_parallel(1, 1, distributed_timeout_minutes=args.distributed_timeout_minutes)
         bf16 = bool((ds_config.get("bf16") or {}).get("enabled"))

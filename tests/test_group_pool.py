@@ -66,6 +66,14 @@ def _pool_worker(rank: int, world_size: int) -> dict:
     out["lazy_sums"] = {b: _block_sum(pool, *b) for b in [(1, 3), (0, 3), (1, 2)] if b[0] <= rank < b[0] + b[1]}
     out["not_member"] = _raises(lambda: pool.group(0, 1) if rank != 0 else pool.group(1, 1))
     out["outside"] = _raises(lambda: pool.group(2, 3))
+    # A cap on lazily created blocks: past it the least recently used one the step does not need is destroyed.
+    capped = GroupPool([[0, 1, 2, 3]], timeout=TIMEOUT, max_odd_blocks=1)
+    history = []
+    for blocks in ([(1, 2)], [(0, 3)], [(1, 2)], [(1, 2)]):
+        new = capped.ensure_groups(blocks)
+        history.append((new, sorted(capped.created_blocks), {b: _block_sum(capped, *b) for b in blocks
+                                                               if b[0] <= rank < b[0] + b[1]}))
+    out["capped"] = history
     # Two domains (DP x CP of two TP coordinates): contiguous and strided.
     for name, domains in (("contiguous", [[0, 1], [2, 3]]), ("strided", [[0, 2], [1, 3]])):
         pool2 = GroupPool(domains, timeout=TIMEOUT)
@@ -113,6 +121,19 @@ def test_lazy_blocks_created_once_with_the_right_members(pool_results):
         assert out["lazy_sums"] == {b: s for b, s in expected.items() if b[0] <= rank < b[0] + b[1]}
         assert "is not in block" in out["not_member"]
         assert "outside the domain" in out["outside"]
+
+
+def test_lazy_blocks_beyond_the_cap_are_destroyed_least_recently_used_first(pool_results):
+    startup = [(0, 2), (0, 4), (2, 2)]
+    for rank, out in enumerate(pool_results):
+        sums = [{b: s for b, s in step.items() if b[0] <= rank < b[0] + b[1]}
+                for step in ({(1, 2): 5.0}, {(0, 3): 6.0}, {(1, 2): 5.0}, {(1, 2): 5.0})]
+        assert out["capped"] == [
+            (1, sorted(startup + [(1, 2)]), sums[0]),
+            (1, sorted(startup + [(0, 3)]), sums[1]),    # (1, 2) destroyed: the cap is 1
+            (1, sorted(startup + [(1, 2)]), sums[2]),    # made again on its next use, (0, 3) destroyed
+            (0, sorted(startup + [(1, 2)]), sums[3]),    # in use: kept, nothing created
+        ]
 
 
 def test_several_domains(pool_results):

@@ -115,10 +115,36 @@ def prepare_deepspeed_config(ds_config: dict) -> dict:
     config.pop("train_batch_size", None)  # DeepSpeed derives it: world size x 1 x 1
     config["train_micro_batch_size_per_gpu"] = 1
     config["gradient_accumulation_steps"] = 1
+    refuse_bf16_optimizer(config, stage=stage)
     if config.get("managed_gradient_accumulation") is False:
         raise DcpUsageError('"managed_gradient_accumulation": false: the planned step coalesces each rank\'s '
                             "gradient reduction itself (engine_step.py); remove the key")
     return config
+
+
+def refuse_bf16_optimizer(config: dict, *, stage: int) -> None:
+    """bf16 with fp32 gradient accumulation under ZeRO-1 selects DeepSpeed's BF16_Optimizer (0.19.8,
+    engine._do_optimizer_sanity_check), whose `coalesce_grad_reduction` raises NotImplementedError; without
+    ZeRO that dtype mix is refused by DeepSpeed itself. Say so at start, with the settings that run."""
+    bf16 = bool((config.get("bf16") or {}).get("enabled"))
+    accumulate = str((config.get("data_types") or {}).get("grad_accum_dtype", "")).lower()
+    if bf16 and accumulate in ("fp32", "float32", "float") and stage in (0, 1):
+        runs = ("runs DeepSpeed's BF16_Optimizer, which cannot defer the gradient reduction of a rank's unequal "
+                "micro-batch count" if stage == 1 else "is a dtype mix DeepSpeed does not run without ZeRO")
+        raise DcpUsageError(f'"bf16" with "data_types": {{"grad_accum_dtype": "{accumulate}"}} under ZeRO stage '
+                            f'{stage} {runs}; use ZeRO stage 2, or remove "grad_accum_dtype" (bf16 accumulation)')
+
+
+def torch_adam_params(optimizer: dict, *, has_gpu: bool) -> dict:
+    """The optimizer block with torch's Adam(W) instead of DeepSpeed's fused Adam, which JIT-compiles its op
+    (nvcc on GPU, a C++ build on CPU); on GPU torch's fused kernel (`fused: true`, no compiler needed)."""
+    if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
+        return optimizer
+    params = optimizer.setdefault("params", {})
+    params.setdefault("torch_adam", True)
+    if has_gpu and params["torch_adam"] and "foreach" not in params:
+        params.setdefault("fused", True)
+    return optimizer
 
 
 def check_schedule_length(ds_config: dict, *, train_iters: int) -> None:

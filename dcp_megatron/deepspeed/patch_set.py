@@ -4,11 +4,12 @@
   `PackedCoreAttention` as the local spec's core attention);
 - transformer attention: RoPE of a packed micro-batch uses the micro-batch's CP group;
 - Transformer Engine (GPU with TE only): a CP stream for per-micro-batch CP groups;
-- DeepSpeed's comm backend: the groups it creates get the job's collective timeout;
+- DeepSpeed's comm backend: the groups it creates get the job's collective timeout, and its
+  `deepspeed_shm_comm` op is not built (a stale build lock hung every later run);
 - DeepSpeed's engine: a step abandoned inside `coalesce_grad_reduction` (a collective timed out) does not
   flush, which would wait one more timeout for the same stopped peer.
 Megatron's training loop is not used under DeepSpeed, so its patches (arguments, schedule, get_batch)
-are left out. Apply after `torch.cuda.set_device` (the TE stream is created on the current device).
+are left out. Apply before `deepspeed.init_distributed` (the shared-memory op is built there).
 """
 from __future__ import annotations
 
@@ -24,5 +25,6 @@ def deepspeed_patch_registry(*, timeout: timedelta, installed_version: str | Non
     """`timeout`: the job's collective timeout (what `deepspeed.init_distributed` was given)."""
     patches = cpu_compat_patches() if needs_cpu_compat() else ()
     patches += transformer_attention.dcp_patches() + extensions_transformer_engine.dcp_patches()
-    patches += deepspeed_comm_torch.dcp_patches(timeout=timeout) + deepspeed_runtime_engine.dcp_patches()
+    patches += deepspeed_comm_torch.dcp_patches(timeout=timeout) + deepspeed_comm_torch.shm_comm_patches()
+    patches += deepspeed_runtime_engine.dcp_patches()
     return PatchRegistry(patches, installed_version=installed_version)

@@ -13,6 +13,9 @@ import math
 import os
 from dataclasses import dataclass
 
+from dcp_megatron.megatron.fp8_checks import fp8_row_multiple
+from dcp_megatron.megatron.gpu_checks import check_gpu_path
+
 DCP_POLICIES = ("static", "static-balanced", "megatron-hybrid", "dcp")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 CP_ATTENTION_CHOICES = ("allgather", "ulysses")
@@ -46,6 +49,9 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--dcp-cp-attention", default=None,
                        help="comma list of CP attention flavours the planner may choose per micro-batch from "
                             "allgather,ulysses (ulysses: DeepSpeed script only; default there: both)")
+    group.add_argument("--dcp-row-alignment", type=int, default=None, metavar="N",
+                       help="pad every micro-batch's token rows on a rank to a multiple of N with a masked filler "
+                            "(default: 16 x TP-shards under --fp8-format, what TE's FP8 GEMMs need; else none)")
     group.add_argument("--dcp-check-plans", action="store_true",
                        help="all-reduce a hash of every plan to prove all ranks planned the same step (the default)")
     group.add_argument("--dcp-no-check-plans", action="store_true",
@@ -82,6 +88,9 @@ class DcpConfig:
     train_iters: int | None = None   # the last step: nothing to read ahead after it
     refine: bool = True              # correct the cost model from measured times (planner/refine.py)
     cp_attention: tuple[str, ...] = ("allgather",)   # CP attention flavours per micro-batch (+ "ulysses")
+    row_multiple: int = 1            # each micro-batch's local rows padded to a multiple (FP8 GEMM shapes)
+    fp8: bool = False                # linear GEMMs in FP8 (the cost model's FP8 rate and weight copies)
+    te_attention: bool = False       # Transformer Engine's attention (on GPU: its p2p CP ring)
 
     def __post_init__(self) -> None:
         if self.policy not in DCP_POLICIES:
@@ -101,6 +110,8 @@ class DcpConfig:
         if bad or not self.cp_attention:
             raise DcpUsageError(f"--dcp-cp-attention: unknown {bad or 'empty list'}; give a comma list from "
                                 f"{','.join(CP_ATTENTION_CHOICES)}")
+        if self.row_multiple < 1:
+            raise DcpUsageError(f"--dcp-row-alignment must be >= 1, got {self.row_multiple}")
         if self.seq_length < 1:
             raise DcpUsageError(f"--seq-length must be positive, got {self.seq_length}")
 
@@ -115,7 +126,9 @@ def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
                      plan_ahead=not getattr(args, "dcp_sync_planning", False),
                      train_iters=getattr(args, "train_iters", None),
                      refine=not getattr(args, "dcp_no_refine", False),
-                     cp_attention=parse_comma_list(getattr(args, "dcp_cp_attention", None)) or ("allgather",))
+                     cp_attention=parse_comma_list(getattr(args, "dcp_cp_attention", None)) or ("allgather",),
+                     row_multiple=fp8_row_multiple(args), fp8=getattr(args, "fp8", None) is not None,
+                     te_attention=getattr(args, "transformer_impl", None) == "transformer_engine")
 
 
 def parse_comma_list(value: str | None) -> tuple[str, ...] | None:
@@ -175,6 +188,7 @@ def refuse_conflicting_flags(args: argparse.Namespace) -> None:
 def validate_dcp_args(args: argparse.Namespace) -> None:
     """After Megatron's validation (data-parallel size known): every check, and --dcp's per-token loss."""
     refuse_conflicting_flags(args)
+    check_gpu_path(args)   # FP8 recipes, apex's fusion kernel, the row alignment (gpu_checks.py)
     if not getattr(args, "dcp", False):
         return
     if args.dcp_profile is not None and not os.path.isfile(args.dcp_profile):

@@ -15,10 +15,14 @@ packed THD into the 0.19 packed-sequence contract of Megatron-LM's `pretrain_gpt
   to `PackedSeqParams.cp_group` — the upstream seam for a per-micro-batch CP group.
 
 A rank the plan gives no micro-batch runs one filler: a masked 1-token document, so it still
-joins the step's gradient reduction.
+joins the step's gradient reduction. With `row_multiple` > 1 (FP8: TE's FP8 GEMMs need the token rows
+per TP shard divisible by 16, fp8_checks.py) a masked filler document is appended to a micro-batch whose
+local rows fall short of a multiple; it attends only to itself and carries no loss, so no loss or
+gradient changes.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,11 +53,13 @@ def _prefix(lengths) -> torch.Tensor:
 
 
 def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, group, recompute: Recompute,
-                wave_index: int, device, pad_multiple: int = 1, attention: str = "allgather") -> dict:
+                wave_index: int, device, pad_multiple: int = 1, attention: str = "allgather",
+                row_multiple: int = 1) -> dict:
     """One micro-batch dict from its documents' [L, 3] rows (token, label, loss mask).
 
     `pad_multiple`: every document's local rows become a multiple of it (the TP size under sequence
-    parallelism, which splits the rows evenly over the TP group)."""
+    parallelism, which splits the rows evenly over the TP group). `row_multiple`: the micro-batch's
+    local rows become a multiple of it, by a masked filler document at the end."""
     if documents:
         rows = torch.cat(documents)
         lengths = [int(d.shape[0]) for d in documents]
@@ -61,6 +67,12 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
         rows = torch.zeros(1, ROW_FIELDS, dtype=torch.int64)
         lengths = [1]
     shard = shard_microbatch(lengths, cp_size, cp_rank, pad_multiple=pad_multiple)
+    filler_rows = aligned_filler_rows(shard.num_local_tokens, row_multiple=row_multiple, pad_multiple=pad_multiple)
+    if filler_rows:
+        # every rank of the group adds the same filler (c x its local rows): cu_seqlens stay identical
+        rows = torch.cat([rows, torch.zeros(cp_size * filler_rows, ROW_FIELDS, dtype=rows.dtype)])
+        lengths = [*lengths, cp_size * filler_rows]
+        shard = shard_microbatch(lengths, cp_size, cp_rank, pad_multiple=pad_multiple)
     local = shard.take(rows)
     loss_mask = local[:, 2].to(torch.float32) * shard.valid_mask.to(torch.float32)
 
@@ -82,8 +94,21 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
     }
 
 
+def aligned_filler_rows(local_rows: int, *, row_multiple: int, pad_multiple: int = 1) -> int:
+    """Local rows of the filler document that make `local_rows` a multiple of `row_multiple` (0: none).
+
+    The filler is itself a document: its local rows are a multiple of 2 x pad_multiple (zig-zag halves,
+    sequence-parallel shards), so the multiple actually reached is lcm(row_multiple, 2 x pad_multiple)."""
+    if row_multiple < 1:
+        raise ValueError(f"row_multiple must be >= 1, got {row_multiple}")
+    if row_multiple == 1:
+        return 0
+    unit = math.lcm(row_multiple, 2 * pad_multiple)
+    return -local_rows % unit
+
+
 def rank_batches(plan: StepPlan, documents: dict[int, torch.Tensor], *, pool, device,
-                 pad_multiple: int = 1) -> list[dict]:
+                 pad_multiple: int = 1, row_multiple: int = 1) -> list[dict]:
     """This rank's micro-batch dicts in plan order (wave after wave); one filler if it has none."""
     rank = pool.domain_rank
     batches = []
@@ -94,8 +119,9 @@ def rank_batches(plan: StepPlan, documents: dict[int, torch.Tensor], *, pool, de
             batches.append(build_batch(docs, cp_size=group.size, cp_rank=rank - group.first_rank,
                                        group=process_group, recompute=microbatch.recompute,
                                        wave_index=wave_index, device=device, pad_multiple=pad_multiple,
-                                       attention=microbatch.attention))
+                                       attention=microbatch.attention, row_multiple=row_multiple))
     if not batches:
         batches.append(build_batch([], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE,
-                                   wave_index=0, device=device, pad_multiple=pad_multiple))
+                                   wave_index=0, device=device, pad_multiple=pad_multiple,
+                                   row_multiple=row_multiple))
     return batches

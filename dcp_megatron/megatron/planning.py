@@ -12,6 +12,7 @@ import hashlib
 from dcp_megatron.megatron.dcp_args import DcpConfig
 from dcp_megatron.planner.cluster import cluster_preset
 from dcp_megatron.planner.cost import CostModel, load_profile
+from dcp_megatron.planner.gpu_costs import GpuCosts
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.policies import make_plan
@@ -31,7 +32,8 @@ def model_shape_from_args(args, *, vocab_size: int | None = None) -> ModelShape:
 
 
 def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:
-    """Cluster preset "h200" on GPU, "cpu" without; --dcp-* flags and --dcp-profile override it."""
+    """Cluster preset "h200" on GPU, "cpu" without; --dcp-* flags and --dcp-profile override it. On GPU the
+    model also charges FP8 GEMMs and weight copies, TE's p2p CP ring and NCCL communicators (gpu_costs.py)."""
     cluster = cluster_preset("h200" if has_gpu else "cpu", domain_size=domain_size,
                              gpus_per_node=config.gpus_per_node)
     changes = {}
@@ -42,8 +44,9 @@ def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, 
     if changes:
         cluster = dataclasses.replace(cluster, **changes)
     profile = load_profile(config.profile) if config.profile else None
+    gpu = GpuCosts(fp8=config.fp8, cp_ring=has_gpu and config.te_attention, communicators=has_gpu)
     return CostModel(model, cluster, profile=profile, allowed_recompute=config.recompute,
-                     cp_attention=config.cp_attention)
+                     cp_attention=config.cp_attention, gpu=gpu)
 
 
 def checked_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:

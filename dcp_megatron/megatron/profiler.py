@@ -131,7 +131,7 @@ class _GridRunner:
     """Runs one grid point's micro-batch on this rank through Megatron's schedule; times and meters it."""
 
     def __init__(self, forward_step_func, model_chunks, *, pool, vocab_size: int, seq_length: int,
-                 pad_multiple: int, clock: Clock, device) -> None:
+                 pad_multiple: int, clock: Clock, device, row_multiple: int = 1) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.rerun_state_machine import get_rerun_state_machine
         from megatron.core.utils import get_model_config
@@ -143,6 +143,7 @@ class _GridRunner:
         self.config = get_model_config(model_chunks[0])
         self.pool, self.vocab_size, self.seq_length = pool, vocab_size, seq_length
         self.pad_multiple, self.clock, self.device = pad_multiple, clock, device
+        self.row_multiple = row_multiple   # FP8: rows aligned as in training (fp8_checks.fp8_row_multiple)
         self.timer = AttentionTimer(model_chunks, clock)
         self.meter = SavedBytesMeter(model_chunks)
 
@@ -151,7 +152,8 @@ class _GridRunner:
         first = rank - rank % cp
         return build_batch(_documents(point.lengths, self.vocab_size, seed), cp_size=cp, cp_rank=rank - first,
                            group=self.pool.group(first, cp) if cp > 1 else None, recompute=point.recompute,
-                           wave_index=0, device=self.device, pad_multiple=self.pad_multiple)
+                           wave_index=0, device=self.device, pad_multiple=self.pad_multiple,
+                           row_multiple=self.row_multiple)
 
     def _run_once(self, batch: dict, *, meter: bool) -> None:
         step = DcpForwardStep(self.forward_step_func, [batch], model_chunks=self.model_chunks, config=self.config)
@@ -218,7 +220,7 @@ def run_profile(forward_step_func, model_chunks, *, profile: ProfileConfig, dcp,
     grid = profile_grid(dcp.seq_length, cp_sizes, shape.num_layers, dcp.recompute)
     runner = _GridRunner(forward_step_func, model_chunks, pool=pool, vocab_size=shape.vocab_size,
                          seq_length=dcp.seq_length, pad_multiple=shape.tp if sequence_parallel else 1,
-                         clock=clock, device=device)
+                         clock=clock, device=device, row_multiple=dcp.row_multiple)
     if not runner.timer.found:
         raise ValueError("the profiler found no core attention in the model (GPTModel's decoder.layers[i]"
                          ".self_attention.core_attention); it profiles megatron-core GPT models")

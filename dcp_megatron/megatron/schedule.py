@@ -141,7 +141,8 @@ class DcpForwardBackward:
             check_same_plan(plan, iteration=iteration, group=None, device=device)
         pool.ensure_groups(plan_blocks(plan))
         documents = exchange_documents(plan, local, index, domain_rank=pool.domain_rank, group=pool.domain_group)
-        batches = rank_batches(plan, documents, pool=pool, device=device, pad_multiple=self._pad_multiple)
+        batches = rank_batches(plan, documents, pool=pool, device=device, pad_multiple=self._pad_multiple,
+                               row_multiple=self.config.row_multiple)
         planned_s = time.perf_counter() - started
 
         config = get_model_config(model_chunks[0])

@@ -34,6 +34,8 @@ class ClusterSpec:
     # Measured / modelled cost of recomputing a forward pass: 1.0 means recompute costs exactly
     # the forward FLOPs (1/3 of fwd+bwd); CPU runs measure more (allocation, Python overhead).
     recompute_cost_factor: float = 1.0
+    fp8_gemm_flops: float = 0.0            # achieved FP8 GEMM rate; 0: none known (FP8 runs are charged gemm_flops)
+    communicator_bytes: int = 0            # device memory one NCCL communicator holds (gpu_costs.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.domain_size, int) or self.domain_size <= 0:
@@ -57,6 +59,9 @@ class ClusterSpec:
         for name in ("microbatch_overhead_s", "collective_latency_s", "document_overhead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ClusterSpec.{name} must be >= 0 seconds, got {getattr(self, name)}")
+        if self.fp8_gemm_flops < 0 or self.communicator_bytes < 0:
+            raise ValueError(f"ClusterSpec.fp8_gemm_flops and communicator_bytes must be >= 0, got "
+                             f"{self.fp8_gemm_flops}, {self.communicator_bytes}")
         if self.max_cp_size < 0:
             raise ValueError(f"ClusterSpec.max_cp_size must be >= 0, got {self.max_cp_size}")
 
@@ -105,6 +110,12 @@ def _h200(domain_size: int = 8) -> ClusterSpec:
         inter_node_bw=400e9 / 8,             # 400 Gb/s InfiniBand per GPU = 50 GB/s
         microbatch_overhead_s=2e-3,          # kernel launches, optimizer-free per-mb work
         collective_latency_s=15e-6,          # one NCCL p2p/all-gather launch
+        # FP8 dense 1979 TFLOP/s datasheet (2x bf16); estimated at bf16's measured/datasheet ratio (790/989)
+        # and the same 75% end-to-end share: not measured yet (tools/gpu_check.sh measures it into a profile).
+        fp8_gemm_flops=0.75 * 0.8 * 1979e12,
+        # Estimate, not measured: NCCL_BUFFSIZE 4 MiB x (send + receive) x up to 16 p2p channels to the
+        # ring's two neighbours = 128 MiB per CP communicator (NVLS buffers are not set up for p2p-only use).
+        communicator_bytes=128 * 2 ** 20,
     )
 
 

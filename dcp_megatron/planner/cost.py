@@ -17,6 +17,7 @@ two moments 12 B sharded over the domain with the distributed optimizer; all /(t
 + activations per token per layer: 34·h/tp bytes (flash attention: no s² term; sequence
 parallel divides by tp); selective recompute drops the attention output (32·h); full recompute
 of k layers keeps 2·h for those layers plus one layer's working set (34·h) while recomputing
++ under FP8 / with NCCL communicators: gpu_costs.py (FP8 weight copies, per-communicator buffers)
 + fp32 logits of vocab/tp per token on the last stage. Activations and logits are per local
 token (padded tokens / c). With PP, stage 0 holds pp micro-batches in flight (1F1B); the
 bound used is max(pp·activations, activations + logits).
@@ -27,6 +28,7 @@ Profile JSON (`load_profile`) overrides the cluster constants; all keys optional
      "intra_node_bw": bytes/s, "inter_node_bw": bytes/s,
      "microbatch_overhead_s": s, "collective_latency_s": s, "document_overhead_s": s,
      "recompute_cost_factor": x (cost of a recomputed forward / its modelled FLOP share),
+     "fp8_gemm_flops": float FLOP/s (the linear layers' rate under FP8),
      "attention_times": [[length, cp_size, seconds], ...],
      "activation_bytes_per_hidden": {"none": x, "selective": x, "full": x},
      "output_bytes_per_vocab": x,
@@ -50,6 +52,7 @@ import numpy as np
 from dcp_megatron.planner.cluster import ClusterSpec
 from dcp_megatron.planner.cost_profile import (PROFILE_SCALARS, RECOMPUTE_KINDS, check_allowed_recompute,  # noqa: F401
                                                check_cp_attention, check_profile, load_profile)
+from dcp_megatron.planner.gpu_costs import GpuCosts
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 
@@ -64,7 +67,7 @@ class CostModel:
 
     def __init__(self, model: ModelShape, cluster: ClusterSpec, *, profile: dict | None = None,
                  allowed_recompute=RECOMPUTE_KINDS, time_scale: dict | None = None,
-                 cp_attention: tuple[str, ...] = ("allgather",)) -> None:
+                 cp_attention: tuple[str, ...] = ("allgather",), gpu: GpuCosts = GpuCosts()) -> None:
         if not isinstance(model, ModelShape):
             raise ValueError(f"CostModel needs a ModelShape, got {type(model).__name__}")
         if not isinstance(cluster, ClusterSpec):
@@ -75,6 +78,7 @@ class CostModel:
         self.cp_attention: tuple[str, ...] = check_cp_attention(cp_attention)
         self.prefer_ulysses = tuple(cp_attention) == ("ulysses",) or cp_attention == "ulysses"
         self._init_args = (model, cluster, profile)
+        self.gpu = gpu   # FP8 GEMMs, TE's p2p ring, NCCL communicators (gpu_costs.py)
         # Measured corrections (planner/refine.py): micro-batch seconds x factor per (cp size, recompute kind).
         self.time_scale: dict[tuple[int, str], float] = dict(time_scale or {})
         bad = {k: v for k, v in self.time_scale.items() if not (math.isfinite(v) and v > 0)}
@@ -100,7 +104,7 @@ class CostModel:
         m = model
         self.layers_per_stage = m.num_layers // m.pp
         split = m.tp * m.pp
-        self._linear_s_per_token = m.linear_flops_per_token / (split * cluster.gemm_flops)
+        self._linear_s_per_token = m.linear_flops_per_token / (split * gpu.gemm_rate(cluster))
         self._attn_flops_per_len2 = m.attn_flops_per_len2 / split
         self._rate_log_len = np.log([float(L) for L, _ in cluster.attn_rate_points])
         self._rate_values = np.array([float(r) for _, r in cluster.attn_rate_points])
@@ -117,7 +121,7 @@ class CostModel:
         self._latency_per_mb = cluster.collective_latency_s * self.layers_per_stage * CP_PASSES
         params = m.num_params / split
         opt = 12.0 / cluster.domain_size if cluster.distributed_optimizer else 12.0
-        self.static_bytes = int(params * (2.0 + 4.0 + opt))
+        self.static_bytes = int(params * (2.0 + 4.0 + opt)) + gpu.static_bytes(m, cluster)
         self._none_bytes_per_token = self._bytes_per_local_token(NO_RECOMPUTE)
         self._full_options = [Recompute("full", k) for k in range(1, self.layers_per_stage + 1)]
         allowed = self.allowed_recompute
@@ -135,7 +139,7 @@ class CostModel:
         """The same cost model with micro-batch times scaled per (cp size, recompute kind)."""
         model, cluster, profile = self._init_args
         return CostModel(model, cluster, profile=profile, allowed_recompute=self.allowed_recompute,
-                         time_scale=time_scale,
+                         time_scale=time_scale, gpu=self.gpu,
                          cp_attention=("ulysses",) if self.prefer_ulysses else self.cp_attention)
 
     def _scaled(self, t, cp_sizes, kind: str):
@@ -188,8 +192,9 @@ class CostModel:
         if cp_size > 1:
             bw = self.cluster.intra_node_bw if self.cluster.same_node(0, cp_size) else self.cluster.inter_node_bw
             received = CP_PASSES * self._kv_bytes_per_token * local * (cp_size - 1)
-            exposed = np.maximum(received / bw - attn, 0.0)
-            seconds += self._cp_comm_seconds(exposed, local, CP_PASSES, cp_size, bw) + self._latency_per_mb
+            exposed = np.maximum(received / bw - attn * self.gpu.overlapped_share(cp_size), 0.0)
+            seconds += (self._cp_comm_seconds(exposed, local, CP_PASSES, cp_size, bw)
+                        + self._latency_per_mb * self.gpu.collectives_per_pass(cp_size))
         overhead = self.cluster.microbatch_overhead_s
         if self.base_recompute is not NO_RECOMPUTE:
             return local, compute, attn, self._fastest_alone_seconds(local, compute, attn, cp_size) - overhead
@@ -250,8 +255,9 @@ class CostModel:
             bw = (self.cluster.intra_node_bw if self.cluster.same_node(first_rank, cp_size)
                   else self.cluster.inter_node_bw)
             received = passes * self._kv_bytes_per_token * local_tokens * (cp_size - 1)
-            exposed = max(received / bw - attn_s * passes / CP_PASSES, 0.0)
-            t += float(self._cp_comm_seconds(exposed, local_tokens, passes, cp_size, bw)) + self._latency_per_mb
+            exposed = max(received / bw - attn_s * passes / CP_PASSES * self.gpu.overlapped_share(cp_size), 0.0)
+            t += (float(self._cp_comm_seconds(exposed, local_tokens, passes, cp_size, bw))
+                  + self._latency_per_mb * self.gpu.collectives_per_pass(cp_size))
         return float(self._scaled(t, cp_size, recompute.kind))
 
     def times_from_sums(self, local_tokens: np.ndarray, compute_s: np.ndarray, attn_s: np.ndarray,
@@ -265,9 +271,9 @@ class CostModel:
             same_node = first_ranks // per_node == (first_ranks + cp_sizes - 1) // per_node
             bw = np.where(same_node, self.cluster.intra_node_bw, self.cluster.inter_node_bw)
             received = passes * self._kv_bytes_per_token * local_tokens * (cp_sizes - 1)
-            exposed = np.maximum(received / bw - attn_s * passes / CP_PASSES, 0.0)
+            exposed = np.maximum(received / bw - attn_s * passes / CP_PASSES * self.gpu.overlapped_share(cp_sizes), 0.0)
             comm = self._cp_comm_seconds(exposed, local_tokens, passes, cp_sizes, bw)
-            t = np.where(cp_sizes > 1, t + (comm + self._latency_per_mb), t)
+            t = np.where(cp_sizes > 1, t + (comm + self._latency_per_mb * self.gpu.collectives_per_pass(cp_sizes)), t)
         t = self._scaled(t, cp_sizes, recompute.kind)
         return np.where(local_tokens <= 0, self.cluster.microbatch_overhead_s, t)
 

@@ -5,7 +5,7 @@ import json
 import math
 
 PROFILE_SCALARS = ("gemm_flops", "intra_node_bw", "inter_node_bw", "microbatch_overhead_s",
-                    "collective_latency_s", "recompute_cost_factor", "document_overhead_s")
+                    "collective_latency_s", "recompute_cost_factor", "document_overhead_s", "fp8_gemm_flops")
 _ZERO_OK = ("microbatch_overhead_s", "collective_latency_s", "document_overhead_s")
 _PROFILE_KEYS = frozenset(PROFILE_SCALARS + ("attn_rate_points", "attention_times", "activation_bytes_per_hidden",
                                              "output_bytes_per_vocab", "meta"))

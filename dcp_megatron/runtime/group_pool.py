@@ -14,7 +14,11 @@ Other blocks (sizes 3, 5, 6, ... at any offset, which non-power-of-two domains n
 on first use: `ensure_groups(blocks)` creates the missing ones for every domain, in sorted order,
 with every rank of the world calling it with the same blocks. The executor calls it at the start
 of each step with the blocks of that step's plan; every rank computes the same plan, so all ranks
-agree without communicating, and a step whose blocks all exist costs nothing.
+agree without communicating, and a step whose blocks all exist costs nothing. At most `max_odd_blocks`
+of them are kept (each is an NCCL communicator with its own device buffers on GPU): past that, the
+least recently used ones the step does not need are destroyed, in the same order on every rank, so the
+number of communicators a rank holds is bounded and the planner reserves their memory
+(planner/gpu_costs.py) instead of a long run growing into an OOM.
 
 Why not `new_group(ranks, use_local_synchronization=True)` at the moment a group is needed: in
 torch 2.13 such a group's store prefix is a hash of its ranks AND of how many groups the calling
@@ -28,6 +32,8 @@ from datetime import timedelta
 from typing import Iterable, Sequence
 
 import torch.distributed as dist
+
+from dcp_megatron.planner.gpu_costs import MAX_ODD_COMMUNICATORS
 
 Block = tuple[int, int]  # (first domain rank, size)
 
@@ -51,7 +57,11 @@ class GroupPool:
     """Cached process groups over contiguous blocks of this rank's DCP domain."""
 
     def __init__(self, domains: Sequence[Sequence[int]], *, timeout: timedelta,
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, max_odd_blocks: int = MAX_ODD_COMMUNICATORS) -> None:
+        if max_odd_blocks < 1:
+            raise ValueError(f"max_odd_blocks must be >= 1, got {max_odd_blocks}")
+        self._max_odd_blocks = max_odd_blocks
+        self._odd_blocks: list[Block] = []   # created on first use, least recently used first
         if not dist.is_initialized():
             raise ValueError("GroupPool needs an initialised default process group (init_process_group first)")
         if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
@@ -148,7 +158,20 @@ class GroupPool:
                 wanted.add((int(first_rank), int(size)))
         missing = sorted(wanted - self._created, key=lambda b: (b[1], b[0]))
         self._create(missing)
+        used = sorted((b for b in wanted if b in self._odd_blocks or b in missing), key=lambda b: (b[1], b[0]))
+        self._odd_blocks = [b for b in self._odd_blocks if b not in wanted] + used
+        self._evict_unused(keep=wanted)
         return len(missing)
+
+    def _evict_unused(self, *, keep: set[Block]) -> None:
+        """Destroy the least recently used odd blocks beyond the cap (never one this step uses)."""
+        excess = max(len(self._odd_blocks) - self._max_odd_blocks, 0)
+        for block in [b for b in self._odd_blocks if b not in keep][:excess]:
+            group = self._member_groups.pop(block, None)
+            if group is not None:
+                dist.destroy_process_group(group)   # local: frees this rank's communicator and its buffers
+            self._created.discard(block)
+            self._odd_blocks.remove(block)
 
     # ---- internals -----------------------------------------------------------------------------
     def _check_block(self, first_rank: int, size: int) -> None:

@@ -305,7 +305,7 @@ def test_megatron_bad_input_stops_at_start(case, request, user_script, tmp_path,
     with pytest.raises(SystemExit) as exited:
         launch.main([user_script, *LLAMA_TINY, *CPU_FLAGS, "--train-iters", str(LONG_RUN), *extra])
     out = capsys.readouterr()
-    _assert_refused(exited.value.code, out.err, out.out, messages, prefix="dcp_megatron.launch: error: ")
+    _assert_refused(exited.value.code, out.err, out.out, messages, prefix="dcp: error: ")
     assert not torch.distributed.is_initialized(), "no process group may exist before a refused start"
     assert _snapshot(save) == before, "the run's checkpoint must stay as it was"
 
@@ -409,7 +409,7 @@ def test_bad_input_through_real_processes(tmp_path, user_script):
     a_file.write_text("not a directory")
     megatron = run_training(user_script, [*MEGATRON_DCP, "--save", str(a_file), "--save-interval", "2"], iters=3, launcher=True, timeout_s=300)
     assert megatron.returncode != 0 and "exitcode  : 2" in megatron.output, megatron.output[-3000:]
-    assert "dcp_megatron.launch: error: --save" in megatron.output and not megatron.losses
+    assert "dcp: error: --save" in megatron.output and not megatron.losses
     ds = run_deepspeed(_block(max_cp=2), [], directory=str(tmp_path), torchrun=False)
     assert ds.returncode == 2 and "unknown key(s) ['max_cp']" in ds.output, ds.output[-3000:]
     assert " iteration " not in ds.output and "Traceback" not in ds.output, ds.output[-3000:]

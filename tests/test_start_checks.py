@@ -204,12 +204,14 @@ def test_corpus_check_accepts_a_matching_pair_and_names_a_truncated_bin(tmp_path
 
 def test_save_lock_is_exclusive_while_its_holder_lives_and_stale_after(tmp_path):
     first = save_lock.SaveDirLock(str(tmp_path / "ckpt")).acquire()
-    try:
-        with pytest.raises(save_lock.SaveDirInUse, match=rf"held by another run \(host .*pid {os.getpid()}"):
-            save_lock.SaveDirLock(str(tmp_path / "ckpt")).acquire()   # this process is alive: refused
-    finally:
-        first.release()
-    assert not os.path.exists(first.path), "release removes the lock"
+    again = save_lock.SaveDirLock(str(tmp_path / "ckpt")).acquire()   # the holding process itself may
+    first.release()
+    assert os.path.exists(again.path), "a released lock that was taken over stays with its new holder"
+    again.release()
+    assert not os.path.exists(again.path), "release removes the lock"
+    _live_lock(tmp_path / "ckpt")   # held by the live parent process
+    with pytest.raises(save_lock.SaveDirInUse, match=rf"held by another run \(host .*pid {os.getppid()}"):
+        save_lock.SaveDirLock(str(tmp_path / "ckpt")).acquire()
     # A crashed run on this host: its pid is gone.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

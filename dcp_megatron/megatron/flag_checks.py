@@ -18,6 +18,8 @@ def data_parallel_size_of(args: argparse.Namespace) -> int | None:
     model_size = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
                   * args.context_parallel_size)
     world_size = getattr(args, "world_size", None)
+    if getattr(args, "tensor_parallel_num_weight_shards", None) not in (None, 1):
+        return None   # weight shards add an axis Megatron derives inside validate_args; its own check stands
     if not world_size or model_size < 1 or world_size % model_size:
         return None   # Megatron's own check names an indivisible world size
     return world_size // model_size

@@ -12,7 +12,8 @@ holds `<save>/.dcp-save.lock` (JSON: host, pid, the pid's start time, when the r
   refreshing it (a daemon thread touches it every REFRESH_S; stale after STALE_AFTER_S without a touch).
 - Taken with O_EXCL (one of two simultaneous starts wins); a stale lock is replaced by a rename and read back,
   so of two runs replacing one stale lock at once the one whose token is not there backs off.
-- Released when the process exits normally (atexit); a killed run leaves it, stale by the rules above.
+- Released when the process exits normally (atexit); a killed run leaves it, stale by the rules above. The
+  process holding it may take it again (start-up checks run twice in one process, e.g. in tests).
 """
 from __future__ import annotations
 
@@ -104,7 +105,8 @@ class SaveDirLock:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             other = _read_holder(self.path)
-            if not is_stale(self.path, other, host=self.holder.host, now=time.time()):
+            this_process = other is not None and (other.host, other.pid) == (self.holder.host, self.holder.pid)
+            if not this_process and not is_stale(self.path, other, host=self.holder.host, now=time.time()):
                 raise self._in_use(other) from None
             temporary = f"{self.path}.{self.holder.token}"
             with open(temporary, "w") as f:
@@ -112,7 +114,7 @@ class SaveDirLock:
             os.replace(temporary, self.path)
             if getattr(_read_holder(self.path), "token", None) != self.holder.token:
                 raise self._in_use(_read_holder(self.path)) from None
-            if other is not None:
+            if other is not None and not this_process:
                 print(f"dcp: {self.flag} {self.directory}: replacing the stale lock of a run that is gone "
                       f"({other.describe()})", flush=True)
         else:

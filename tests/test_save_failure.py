@@ -8,6 +8,7 @@ torchrun of our script with the injection prepended: iteration 1 saves, iteratio
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 
@@ -79,3 +80,27 @@ def test_a_full_disk_during_a_save_ends_the_run_saying_so_and_leaves_no_partial_
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     manifest = manifest_io.read_manifest(str(save / "iter_0000001"))
     manifest_io.verify(str(save / "iter_0000001"), manifest, rank=0, world_size=1)
+
+
+def test_a_full_disk_during_a_deepspeed_save_says_so_and_removes_the_partial_tag(tmp_path):
+    """DeepSpeed's engine raises the OSError itself: the script's loop prints SaveFailed's message as one line."""
+    from dcp_megatron.deepspeed import checkpoint
+
+    class FullDiskEngine:   # writes part of a tag's files, then the disk is full
+        def save_checkpoint(self, directory, *, tag, save_latest, client_state):
+            os.makedirs(os.path.join(directory, tag))
+            path = os.path.join(directory, tag, "mp_rank_00_model_states.pt")
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    save = tmp_path / "ckpt"
+    (save / "iter_0000001").mkdir(parents=True)
+    (save / "latest").write_text("iter_0000001")
+    with pytest.raises(checkpoint.SaveFailed) as failed:
+        checkpoint.save(FullDiskEngine(), str(save), iteration=2, data_state={}, ds_config={})
+    message = str(failed.value)
+    assert "No space left on device (errno 28) writing" in message and "iter_0000002/mp_rank_00" in message
+    assert "the latest checkpoint stays iter_0000001" in message and "\n" not in message
+    assert isinstance(failed.value, RuntimeError), "the script's loop reports RuntimeErrors in one line"
+    assert not (save / "iter_0000002").exists() and (save / "latest").read_text() == "iter_0000001"

@@ -87,6 +87,27 @@ def check_resume(load: str, ds_config: dict, *, override: bool, rank: int, world
               flush=True)
 
 
+class SaveFailed(RuntimeError):
+    """A save that could not be written (a full disk); the message says what, where, and what is kept."""
+
+
+def _failed_save_message(directory: str, tag: str, err: OSError) -> str:
+    """Remove the partial tag directory (`latest` never named it: it moves only after the manifest) and say why."""
+    import shutil
+
+    partial = os.path.join(directory, tag)
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        with open(os.path.join(directory, LATEST_FILE)) as f:
+            kept = f"the latest checkpoint stays {f.read().strip()}"
+    except OSError:
+        kept = "no earlier checkpoint exists"
+    where = f" writing {err.filename}" if err.filename else ""
+    return (f"saving the checkpoint to --save {directory} failed: {err.strerror or err} (errno {err.errno}){where}; "
+            f"removed the partial {partial}; {kept}. Free space (or give another --save), then resume with "
+            f"--load {directory}")
+
+
 def tag_of(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
@@ -97,9 +118,12 @@ def save(engine, directory: str, *, iteration: int, data_state: dict, ds_config:
     import torch.distributed as dist
 
     tag = tag_of(iteration)
-    engine.save_checkpoint(directory, tag=tag, save_latest=False,
-                           client_state={_CLIENT_KEY: {"iteration": iteration, "data": data_state}})
-    manifest_io.record(os.path.join(directory, tag), {"deepspeed": optimizer_settings(ds_config)})
+    try:
+        engine.save_checkpoint(directory, tag=tag, save_latest=False,
+                               client_state={_CLIENT_KEY: {"iteration": iteration, "data": data_state}})
+        manifest_io.record(os.path.join(directory, tag), {"deepspeed": optimizer_settings(ds_config)})
+    except OSError as err:
+        raise SaveFailed(_failed_save_message(directory, tag, err)) from err
     if dist.get_rank() == 0:
         manifest_io.write_atomically(os.path.join(directory, LATEST_FILE), tag)
     dist.barrier()

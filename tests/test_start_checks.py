@@ -1,9 +1,9 @@
 """Start-up refusals of issue 21 (one line, exit 2, before any process group) and the pieces behind them.
 
 In-process cases go through the same entry a user's command takes (the launcher's `main` running an unmodified
-Megatron script; the DeepSpeed script's `main`), as the fault matrix's bad-input cases do. One real launch: our
-own script under plain torchrun (no launcher) on a `--save` another live run holds: every rank refuses with the
-same one line (rank 1 waits for rank 0's verdict in torchrun's store) and exit status 2.
+Megatron script; the DeepSpeed script's `main`), as the fault matrix's bad-input cases do. The real-process
+check (our script by plain torchrun on a `--save` another live run holds: every rank refuses with the same one
+line, rank 1 on rank 0's verdict in torchrun's store) is in the fault matrix's `test_bad_input_through_real_processes`.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pytest
 from dcp_megatron.megatron.dcp_args import DcpUsageError
 from dcp_megatron.runtime import save_lock
 from tests.deepspeed_runs import TINY_MODEL, ds_config, load_ds_script
-from tests.megatron_runs import CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, run_training, strip_dcp_lines
+from tests.megatron_runs import CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, strip_dcp_lines
 from tests.test_fault_matrix import DS_DCP, LONG_RUN, MEGATRON_DCP, _assert_refused
 
 pytestmark = pytest.mark.timeout(900)
@@ -58,6 +58,11 @@ def _live_lock(directory) -> dict:
     with open(os.path.join(directory, save_lock.LOCK_FILE), "w") as f:
         json.dump(holder.__dict__, f)
     return holder.__dict__
+
+
+def _held(directory) -> str:
+    _live_lock(directory)
+    return str(directory)
 
 
 def _tracker(root, text: str) -> str:
@@ -103,8 +108,7 @@ MEGATRON_CASES = {
                                    ["--dcp-gpus-per-node 3 does not describe this job", "2 ranks"]),
     "profile_is_a_directory": (lambda r: [*MEGATRON_DCP, "--dcp-profile", str(r)], ["--dcp-profile", "is a directory"]),
     # checkpoints: a second run on one --save; a tracker naming an iteration that is not there
-    "save_held_by_live_run": (lambda r: [*MEGATRON_DCP, "--save", str(r / "ckpt"), "--save-interval", "2"]
-                              if _live_lock(r / "ckpt") else [],
+    "save_held_by_live_run": (lambda r: [*MEGATRON_DCP, "--save", _held(r / "ckpt"), "--save-interval", "2"],
                               ["--save", "is held by another run", f"pid {os.getppid()}", "2026-12-02T07:00:00Z"]),
     "tracker_names_missing_iteration": (lambda r: [*MEGATRON_DCP, "--load", _tracker(r, "9")],
                                         ["--load", "latest_checkpointed_iteration.txt names iter_0000009",
@@ -145,7 +149,7 @@ def test_megatron_start_check_refuses_in_one_line(case, user_script, tmp_path, m
 
 
 DS_CASES = {
-    "save_held_by_live_run": (lambda r: ["--dcp", "--save", str(r / "ckpt")] if _live_lock(r / "ckpt") else [],
+    "save_held_by_live_run": (lambda r: ["--dcp", "--save", _held(r / "ckpt")],
                               ["--save", "is held by another run", f"pid {os.getppid()}"]),
     "latest_names_missing_tag": (lambda r: [*DS_DCP, "--load", _ds_latest(r, "iter_0000009")],
                                  ["--load", "'latest' file names tag 'iter_0000009', which does not exist",
@@ -245,22 +249,3 @@ def test_only_rank_zero_takes_the_save_lock(tmp_path, monkeypatch):
     lock = save_lock.hold_save_dir(str(tmp_path / "a"), rank=0)
     assert (tmp_path / "a" / save_lock.LOCK_FILE).exists()
     lock.release()
-
-
-# ------------------------------------------------------------------------------------------- one launch
-
-def test_plain_torchrun_of_our_script_refuses_on_every_rank_in_one_line(tmp_path):
-    """No launcher: our script (the two dcp lines) by plain torchrun, 2 ranks, on a --save a live run holds."""
-    save = tmp_path / "ckpt"
-    _live_lock(save)
-    run = run_training(OUR_SCRIPT, [*MEGATRON_DCP, "--save", str(save), "--save-interval", "2"], iters=3,
-                       launcher=False, timeout_s=300)
-    assert run.returncode != 0 and "exitcode  : 2" in run.output, run.output[-3000:]
-    lines = [line for line in run.output.splitlines() if line.startswith("dcp: error: ")]
-    # Rank 1 refuses on rank 0's verdict; whichever exits first, torchrun stops the other (maybe before it prints).
-    assert 1 <= len(lines) <= 2 and len(set(lines)) == 1, run.output[-3000:]
-    assert "--save" in lines[0] and "is held by another run" in lines[0], lines
-    # The only traceback is torchrun's own summary of a failed worker, not a worker's DcpUsageError.
-    assert run.output.count("Traceback") == run.output.count("raise ChildFailedError("), run.output[-3000:]
-    assert "DcpUsageError" not in run.output and not run.losses, run.output[-3000:]
-    assert json.loads((save / save_lock.LOCK_FILE).read_text())["token"] == "another-run", "the holder keeps it"

@@ -3,7 +3,7 @@
 The full disk is injected: the torch_dist writer's per-item write (`_write_item`, below our writer patch) raises
 OSError(ENOSPC) as `write()` does on a full file system, after writing a few bytes, for the files of iteration 2
 (a real small file system needs a mount this machine's tests may not make). One real launch, 2 ranks, plain
-torchrun of our script with the injection prepended: iteration 1 saves, iteration 2's (the last) save fails.
+torchrun of our script with the injection prepended: iteration 1 saves, iteration 2's save fails.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_a_full_disk_during_a_save_ends_the_run_saying_so_and_leaves_no_partial_
     assert head in text
     script.write_text(text.replace(head, head + _FULL_DISK, 1))
     save = tmp_path / "ckpt"
-    run = run_training(str(script), [*MEGATRON_DCP, "--save", str(save), "--save-interval", "1"], iters=2,
+    run = run_training(str(script), [*MEGATRON_DCP, "--save", str(save), "--save-interval", "1"], iters=3,
                        launcher=False, timeout_s=600)
     assert run.returncode != 0 and sorted(run.losses) == [1, 2], run.output[-4000:]
     ours = [line for line in run.output.splitlines() if line.startswith("dcp: error: ")]

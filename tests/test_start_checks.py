@@ -87,6 +87,8 @@ MEGATRON_CASES = {
                                  ["--global-batch-size 7 is not divisible by --micro-batch-size 1 x data-parallel size 2"]),
     "eval_batch_indivisible": (lambda r: ["--eval-global-batch-size", "3"],
                                ["--eval-global-batch-size 3 is not divisible by --eval-micro-batch-size 1"]),
+    "warmup_not_below_decay": (lambda r: ["--lr-warmup-iters", str(LONG_RUN)],
+                               [f"--lr-warmup-iters {LONG_RUN} must be below --train-iters {LONG_RUN}"]),
     "seq_over_max_positions": (lambda r: ["--max-position-embeddings", "512"],
                                ["--seq-length 1024 is over --max-position-embeddings 512"]),
     # the corpus

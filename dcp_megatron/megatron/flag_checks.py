@@ -3,7 +3,8 @@
 megatron.training 0.19.2 stops on these with an `AssertionError` and no message (`--save` without
 `--save-interval`), or with one that names internal values rather than the flags to change (`global batch
 size not divisible by micro batch size times data parallel size`, raised only once process groups exist;
-`max_position_embeddings must be greater than ...`). Every run on megatron.training, with or without
+`max_position_embeddings must be greater than ...`; `--lr-warmup-iters` not below the decay iterations, found
+only when the optimizer's scheduler is built). Every run on megatron.training, with or without
 `--dcp`, gets one line naming the flags instead (patches/training_arguments.py calls this first).
 """
 from __future__ import annotations
@@ -36,6 +37,14 @@ def check_megatron_flags(args: argparse.Namespace) -> None:
         raise DcpUsageError(f"--seq-length {args.seq_length} is over --max-position-embeddings "
                             f"{args.max_position_embeddings}: raise --max-position-embeddings to at least "
                             f"{args.seq_length}, or shorten --seq-length")
+    # Iteration-based schedules only (sample-based runs give --lr-*-samples, checked by Megatron itself).
+    decay_iters = (getattr(args, "lr_decay_iters", None) or args.train_iters) if getattr(args, "train_iters", None) \
+        else None
+    warmup_iters = getattr(args, "lr_warmup_iters", 0) or 0
+    if decay_iters and getattr(args, "lr_warmup_fraction", None) is None and warmup_iters >= decay_iters:
+        decay_flag = "--lr-decay-iters" if getattr(args, "lr_decay_iters", None) else "--train-iters"
+        raise DcpUsageError(f"--lr-warmup-iters {warmup_iters} must be below {decay_flag} {decay_iters} (the "
+                            f"learning rate warms up, then decays): lower --lr-warmup-iters or raise {decay_flag}")
     data_parallel_size = data_parallel_size_of(args)
     if data_parallel_size is None or not args.micro_batch_size or args.micro_batch_size < 1:
         return

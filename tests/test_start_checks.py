@@ -251,3 +251,31 @@ def test_only_rank_zero_takes_the_save_lock(tmp_path, monkeypatch):
     lock = save_lock.hold_save_dir(str(tmp_path / "a"), rank=0)
     assert (tmp_path / "a" / save_lock.LOCK_FILE).exists()
     lock.release()
+
+
+def test_every_rank_follows_rank_zeros_verdict_through_torchruns_store(tmp_path, monkeypatch):
+    """Rank 0 alone reads and takes the lock; the other ranks get its verdict from the rendezvous store (here a real
+    TCPStore in this process, as torchrun's agent hosts one), so the whole job refuses, or starts, together."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tests.dist_utils import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("WORLD_SIZE", "2"),
+                        ("TORCHELASTIC_USE_AGENT_STORE", "True"), ("TORCHELASTIC_RESTART_COUNT", "0")):
+        monkeypatch.setenv(name, value)
+    held = _held(tmp_path / "held")
+    with pytest.raises(save_lock.SaveDirInUse) as on_rank0:
+        save_lock.hold_save_dir(held, rank=0)
+    with pytest.raises(save_lock.SaveDirInUse) as on_rank1:
+        save_lock.hold_save_dir(str(tmp_path / "anything"), rank=1)   # rank 1 does not look: it follows rank 0
+    assert str(on_rank1.value) == str(on_rank0.value) and "is held by another run" in str(on_rank1.value)
+    # A restarted job (torchrun's restart count) asks afresh: a free directory, taken by rank 0, accepted by rank 1.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    lock = save_lock.hold_save_dir(str(tmp_path / "free"), rank=0)
+    assert save_lock.hold_save_dir(str(tmp_path / "free"), rank=1) is None
+    lock.release()
+    del store

@@ -15,6 +15,7 @@ import runpy
 import sys
 
 from dcp_megatron.megatron.dcp_args import DcpUsageError
+from dcp_megatron.megatron.refusal import exit_refused
 from patches.registry import PatchVersionError
 
 
@@ -40,9 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     except DcpUsageError as err:
-        # A flag or input --dcp cannot honour: one clear line, no traceback.
-        print(f"dcp_megatron.launch: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        # A flag or input --dcp cannot honour: the same one line as a plain-torchrun run prints.
+        exit_refused(err)
     finally:
         registry.remove()
 

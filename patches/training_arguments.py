@@ -9,7 +9,10 @@
   (`validate_dcp_args`): a flag DCP cannot honour stops the run at start-up with the reason, before
   any model is built; `check_run_paths` (dcp_megatron/megatron/run_paths.py) does the same for a
   `--save`/`--tensorboard-dir`/`--dcp-dump-plans` that cannot be written and a `--load` with nothing to
-  resume from, which upstream finds only when it first saves, or only warns about.
+  resume from, which upstream finds only when it first saves, or only warns about; a second run on one
+  `--save` (a lock); before Megatron's checks, mistakes it meets with bare assertions, named by flag
+  (flag_checks.py); after them, the corpus (data_files.py: blend weights, .bin against .idx). A refusal
+  ends the process with one line and exit status 2 (refusal.py), whichever way the run was started.
 
 CPU shim (no GPU only): with TP or CP > 1, `validate_args` asks `get_device_arch_version()`
 (imported by name) for the GPU generation, which calls into CUDA and fails without a driver.
@@ -51,15 +54,23 @@ def _with_dcp_arguments(original):
 def _with_dcp_validation(original):
     @functools.wraps(original)
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's own signature
-        from dcp_megatron.megatron.dcp_args import check_plannable, refuse_conflicting_flags, validate_dcp_args
-
+        from dcp_megatron.megatron.data_files import check_data_files
+        from dcp_megatron.megatron.dcp_args import (DcpUsageError, check_plannable, refuse_conflicting_flags,
+                                                    validate_dcp_args)
+        from dcp_megatron.megatron.flag_checks import check_megatron_flags
+        from dcp_megatron.megatron.refusal import exit_refused
         from dcp_megatron.megatron.run_paths import check_run_paths
 
-        refuse_conflicting_flags(args)  # first: Megatron's own checks may fail on what we refuse
-        result = original(args, defaults)
-        validate_dcp_args(args)
-        check_plannable(args)   # the profile and the longest document, before any model is built
-        check_run_paths(args)  # every run: Megatron would find a bad --save only when it first saves
+        try:
+            refuse_conflicting_flags(args)  # first: Megatron's own checks may fail on what we refuse
+            check_megatron_flags(args)      # mistakes Megatron meets with bare assertions, named by flag
+            result = original(args, defaults)
+            validate_dcp_args(args)
+            check_plannable(args)   # the profile and the longest document, before any model is built
+            check_data_files(args)  # blend weights, every .bin against its .idx (upstream never compares them)
+            check_run_paths(args)  # every run: Megatron would find a bad --save only when it first saves
+        except DcpUsageError as err:
+            exit_refused(err)   # one line, exit 2, also under plain torchrun (no launcher frame to catch it)
         return result
 
     validate_args.dcp_original = original

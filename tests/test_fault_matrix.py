@@ -305,7 +305,7 @@ def test_megatron_bad_input_stops_at_start(case, request, user_script, tmp_path,
     with pytest.raises(SystemExit) as exited:
         launch.main([user_script, *LLAMA_TINY, *CPU_FLAGS, "--train-iters", str(LONG_RUN), *extra])
     out = capsys.readouterr()
-    _assert_refused(exited.value.code, out.err, out.out, messages, prefix="dcp_megatron.launch: error: ")
+    _assert_refused(exited.value.code, out.err, out.out, messages, prefix="dcp: error: ")
     assert not torch.distributed.is_initialized(), "no process group may exist before a refused start"
     assert _snapshot(save) == before, "the run's checkpoint must stay as it was"
 
@@ -402,14 +402,25 @@ def test_deepspeed_bad_input_stops_at_start(case, request, tmp_path, monkeypatch
     assert _snapshot(save) == before, "the run's checkpoint must stay as it was"
 
 
-def test_bad_input_through_real_processes(tmp_path, user_script):
-    """The same refusals from real processes: torchrun + the launcher (Megatron) and a plain DeepSpeed script
-    process: exit 2, one line, no traceback, nothing trained."""
-    a_file = tmp_path / "a_file"
-    a_file.write_text("not a directory")
-    megatron = run_training(user_script, [*MEGATRON_DCP, "--save", str(a_file), "--save-interval", "2"], iters=3, launcher=True, timeout_s=300)
+def test_bad_input_through_real_processes(tmp_path):
+    """The same refusals from real processes: our script by plain torchrun (no launcher: the two dcp lines) on a
+    --save another live run holds, 2 ranks, and a plain DeepSpeed script process: exit 2, one line, no worker
+    traceback, nothing trained."""
+    from tests.test_start_checks import _live_lock
+
+    save = tmp_path / "ckpt"
+    _live_lock(save)
+    megatron = run_training(OUR_SCRIPT, [*MEGATRON_DCP, "--save", str(save), "--save-interval", "2"], iters=3,
+                            launcher=False, timeout_s=300)
     assert megatron.returncode != 0 and "exitcode  : 2" in megatron.output, megatron.output[-3000:]
-    assert "dcp_megatron.launch: error: --save" in megatron.output and not megatron.losses
+    lines = [line for line in megatron.output.splitlines() if line.startswith("dcp: error: ")]
+    # Rank 1 refuses on rank 0's verdict; whichever exits first, torchrun stops the other (maybe before it prints).
+    assert 1 <= len(lines) <= 2 and len(set(lines)) == 1, megatron.output[-3000:]
+    assert "--save" in lines[0] and "is held by another run" in lines[0], lines
+    # The only traceback is torchrun's own summary of a failed worker, not a worker's DcpUsageError.
+    assert megatron.output.count("Traceback") == megatron.output.count("raise ChildFailedError("), megatron.output[-3000:]
+    assert "DcpUsageError" not in megatron.output and not megatron.losses, megatron.output[-3000:]
+    assert json.loads((save / ".dcp-save.lock").read_text())["token"] == "another-run", "the holder keeps its lock"
     ds = run_deepspeed(_block(max_cp=2), [], directory=str(tmp_path), torchrun=False)
     assert ds.returncode == 2 and "unknown key(s) ['max_cp']" in ds.output, ds.output[-3000:]
     assert " iteration " not in ds.output and "Traceback" not in ds.output, ds.output[-3000:]

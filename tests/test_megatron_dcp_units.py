@@ -275,4 +275,7 @@ def test_run_paths_are_checked_at_start_up(tmp_path):
     # --load = --save is Megatron's auto-resume: the first run has nothing to load yet
     check_run_paths(paths(load=str(tmp_path / "auto"), save=str(tmp_path / "auto")))
     (empty / TRACKER_FILE).write_text("5")
+    with pytest.raises(DcpUsageError, match="tracker .* names iter_0000005, which does not exist"):
+        check_run_paths(paths(load=str(empty)))   # Megatron would fail only after building the model
+    (empty / "iter_0000005").mkdir()
     check_run_paths(paths(load=str(empty)))

@@ -20,7 +20,7 @@ import glob
 import os
 
 from dcp_megatron.megatron.dcp_args import DcpUsageError
-from dcp_megatron.megatron.run_paths import check_resume_dir, check_writable_dir
+from dcp_megatron.megatron.run_paths import check_resume_dir, check_writable_dir, hold_save_dir_or_refuse
 from dcp_megatron.runtime import checkpoint_manifest as manifest_io
 
 LATEST_FILE = "latest"   # DeepSpeed's tag file
@@ -38,6 +38,8 @@ def check_checkpoint_paths(*, save: str | None, load: str | None, dump_plans: st
     if load:
         check_resume_dir(load, holds=holds_deepspeed_checkpoint,
                          expected=f"DeepSpeed checkpoint (no '{LATEST_FILE}' file and no <tag>/*model_states.pt)")
+    if save:
+        hold_save_dir_or_refuse(save)   # last: one run per checkpoint directory
 
 
 def optimizer_settings(ds_config: dict) -> dict:
@@ -55,7 +57,14 @@ def check_resume(load: str, ds_config: dict, *, override: bool, rank: int, world
     if not os.path.isfile(tag_file):
         return   # DeepSpeed names what it cannot find; check_checkpoint_paths made sure a checkpoint is there
     with open(tag_file) as f:
-        directory = os.path.join(load, f.read().strip())
+        tag = f.read().strip()
+    directory = os.path.join(load, tag)
+    if not tag or not os.path.isdir(directory):
+        # DeepSpeed would fail on it only after building the engine (an assertion or FileNotFoundError).
+        saved = sorted(os.path.basename(os.path.dirname(p)) for p in glob.glob(os.path.join(load, "*", "*model_states.pt")))
+        raise DcpUsageError(f"--load {load}: its '{LATEST_FILE}' file names tag {tag!r}, which does not exist; write a "
+                            f"saved tag into it ({', '.join(sorted(set(saved))[-3:]) or 'none is saved there'}) or "
+                            f"fix --load")
     try:
         manifest = manifest_io.read_and_verify(directory, rank=rank, world_size=world_size)
     except manifest_io.CheckpointError as err:
@@ -78,6 +87,27 @@ def check_resume(load: str, ds_config: dict, *, override: bool, rank: int, world
               flush=True)
 
 
+class SaveFailed(RuntimeError):
+    """A save that could not be written (a full disk); the message says what, where, and what is kept."""
+
+
+def _failed_save_message(directory: str, tag: str, err: OSError) -> str:
+    """Remove the partial tag directory (`latest` never named it: it moves only after the manifest) and say why."""
+    import shutil
+
+    partial = os.path.join(directory, tag)
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        with open(os.path.join(directory, LATEST_FILE)) as f:
+            kept = f"the latest checkpoint stays {f.read().strip()}"
+    except OSError:
+        kept = "no earlier checkpoint exists"
+    where = f" writing {err.filename}" if err.filename else ""
+    return (f"saving the checkpoint to --save {directory} failed: {err.strerror or err} (errno {err.errno}){where}; "
+            f"removed the partial {partial}; {kept}. Free space (or give another --save), then resume with "
+            f"--load {directory}")
+
+
 def tag_of(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
@@ -88,9 +118,12 @@ def save(engine, directory: str, *, iteration: int, data_state: dict, ds_config:
     import torch.distributed as dist
 
     tag = tag_of(iteration)
-    engine.save_checkpoint(directory, tag=tag, save_latest=False,
-                           client_state={_CLIENT_KEY: {"iteration": iteration, "data": data_state}})
-    manifest_io.record(os.path.join(directory, tag), {"deepspeed": optimizer_settings(ds_config)})
+    try:
+        engine.save_checkpoint(directory, tag=tag, save_latest=False,
+                               client_state={_CLIENT_KEY: {"iteration": iteration, "data": data_state}})
+        manifest_io.record(os.path.join(directory, tag), {"deepspeed": optimizer_settings(ds_config)})
+    except OSError as err:
+        raise SaveFailed(_failed_save_message(directory, tag, err)) from err
     if dist.get_rank() == 0:
         manifest_io.write_atomically(os.path.join(directory, LATEST_FILE), tag)
     dist.barrier()

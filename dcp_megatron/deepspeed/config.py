@@ -22,7 +22,8 @@ import copy
 import json
 import os
 
-from dcp_megatron.megatron.dcp_args import RECOMPUTE_CHOICES, DcpConfig, DcpUsageError, local_world_size
+from dcp_megatron.megatron.dcp_args import (RECOMPUTE_CHOICES, DcpConfig, DcpUsageError, check_gpus_per_node,
+                                            local_world_size)
 
 SUPPORTED_ZERO_STAGES = (0, 1, 2)
 
@@ -177,6 +178,8 @@ def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int,
         settings["cp_attention"] = default_cp_attention
     if settings.get("gpus_per_node") is None:
         settings["gpus_per_node"] = local_world_size()
+    check_gpus_per_node(settings["gpus_per_node"], flag="--dcp-gpus-per-node (or \"dcp\" gpus_per_node)")
     if settings.get("profile") and not os.path.isfile(settings["profile"]):
-        raise DcpUsageError(f"dcp profile {settings['profile']}: no such file")
+        kind = "is a directory; give the profile JSON file" if os.path.isdir(settings["profile"]) else "no such file"
+        raise DcpUsageError(f"dcp profile {settings['profile']}: {kind}")
     return DcpConfig(seq_length=seq_length, train_iters=train_iters, log_interval=log_interval, **settings)

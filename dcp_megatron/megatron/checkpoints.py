@@ -114,8 +114,14 @@ def check_resume(args: argparse.Namespace) -> None:
     """Verify the checkpoint to resume and its schedule flags (see the module docstring)."""
     load = getattr(args, "load", None)
     directory = checkpoint_to_load(load, getattr(args, "ckpt_step", None)) if load and os.path.isdir(load) else None
-    if directory is None or not os.path.isdir(directory):
+    if directory is None:
         return
+    if not os.path.isdir(directory):
+        # Megatron would fail on it only after building the model (an assertion or FileNotFoundError).
+        named_by = (f"--ckpt-step {args.ckpt_step}" if getattr(args, "ckpt_step", None)
+                    else f"its tracker {os.path.join(load, TRACKER_FILE)}")
+        raise DcpUsageError(f"--load {load}: {named_by} names {os.path.basename(directory)}, which does not exist; "
+                            f"point the tracker at a saved iteration ({_saved_iterations(load)}) or fix --load")
     try:
         manifest = manifest_io.read_and_verify(directory, rank=getattr(args, "rank", 0),
                                                world_size=getattr(args, "world_size", 1))
@@ -134,6 +140,11 @@ def check_resume(args: argparse.Namespace) -> None:
         _check_schedule(args, saved, directory)
     if getattr(args, "rank", 0) == 0:
         print(f"dcp: {directory} verified against its checksum manifest ({len(manifest['files'])} files)", flush=True)
+
+
+def _saved_iterations(load: str) -> str:
+    saved = sorted(name for name in os.listdir(load) if name.startswith("iter_"))
+    return "saved: " + ", ".join(saved[-3:]) if saved else "none is saved there"
 
 
 def _check_schedule(args: argparse.Namespace, saved: dict, directory: str) -> None:

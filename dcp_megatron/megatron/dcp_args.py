@@ -121,7 +121,8 @@ def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
     return DcpConfig(policy=args.dcp_policy or "dcp", max_cp_size=args.dcp_max_cp_size,
                      memory_budget_gb=args.dcp_memory_budget_gb, recompute=recompute, profile=args.dcp_profile,
                      dump_plans=args.dcp_dump_plans, check_plans=not getattr(args, "dcp_no_check_plans", False),
-                     gpus_per_node=args.dcp_gpus_per_node or local_world_size(),
+                     gpus_per_node=(local_world_size() if args.dcp_gpus_per_node is None
+                                    else args.dcp_gpus_per_node),
                      seq_length=args.seq_length, log_interval=args.log_interval,
                      plan_ahead=not getattr(args, "dcp_sync_planning", False),
                      train_iters=getattr(args, "train_iters", None),
@@ -139,6 +140,22 @@ def parse_comma_list(value: str | None) -> tuple[str, ...] | None:
 def local_world_size() -> int | None:
     value = os.environ.get("LOCAL_WORLD_SIZE")
     return int(value) if value and value.isdigit() and int(value) > 0 else None
+
+
+def check_gpus_per_node(gpus_per_node: int | None, *, flag: str = "--dcp-gpus-per-node") -> None:
+    """Ranks per node must describe this job: >= 1, torchrun's LOCAL_WORLD_SIZE where torchrun says it, else a
+    divisor of the world size (the planner prices a CP group inside a node at NVLink bandwidth)."""
+    if gpus_per_node is None:
+        return
+    if gpus_per_node < 1:
+        raise DcpUsageError(f"{flag} must be >= 1 (ranks per node), got {gpus_per_node}")
+    local_size, world_size = local_world_size(), int(os.environ.get("WORLD_SIZE", "0") or 0)
+    if local_size is not None and gpus_per_node != local_size:
+        raise DcpUsageError(f"{flag} {gpus_per_node} does not describe this job: torchrun runs {local_size} ranks "
+                            f"per node (LOCAL_WORLD_SIZE); give {local_size}, or leave the flag out")
+    if local_size is None and world_size > 0 and world_size % gpus_per_node:
+        raise DcpUsageError(f"{flag} {gpus_per_node} does not describe this job: the world of {world_size} ranks "
+                            f"is not a whole number of nodes of {gpus_per_node}")
 
 
 def refuse_conflicting_flags(args: argparse.Namespace) -> None:
@@ -192,7 +209,9 @@ def validate_dcp_args(args: argparse.Namespace) -> None:
     if not getattr(args, "dcp", False):
         return
     if args.dcp_profile is not None and not os.path.isfile(args.dcp_profile):
-        raise DcpUsageError(f"--dcp-profile {args.dcp_profile}: no such file")
+        raise DcpUsageError(f"--dcp-profile {args.dcp_profile}: "
+                            f"{'is a directory; give the profile JSON file' if os.path.isdir(args.dcp_profile) else 'no such file'}")
+    check_gpus_per_node(args.dcp_gpus_per_node)
     if args.dcp_cp_attention is not None and "ulysses" in args.dcp_cp_attention:
         raise DcpUsageError("--dcp-cp-attention ulysses: the Ulysses CP flavour runs under DeepSpeed "
                             "(pretrain_scripts/pretrain_gpt_deepspeed.py) only; Megatron-LM's get_batch hands "

@@ -10,7 +10,9 @@ no checkpoint only draws a warning before training starts from scratch. Through 
   checkpoint (its tracker file or an `iter_*` directory). `--load` equal to `--save` is Megatron's
   auto-resume pattern: its first run has nothing to load yet, so it is left to Megatron;
 - the checkpoint either resolves to is verified against its checksum manifest and its schedule flags
-  (dcp_megatron.megatron.checkpoints.py).
+  (dcp_megatron.megatron.checkpoints.py);
+- `--save`: this run holds it (a lock naming the run), so a second run on it is refused
+  (dcp_megatron/runtime/save_lock.py).
 """
 from __future__ import annotations
 
@@ -55,6 +57,18 @@ def check_run_paths(args: argparse.Namespace) -> None:
     from dcp_megatron.megatron.checkpoints import check_resume  # it reads TRACKER_FILE from here
 
     check_resume(args)   # the checkpoint it resolves to: checksums and schedule flags
+    if save:
+        hold_save_dir_or_refuse(save)   # last: a refusal above must not leave a lock behind
+
+
+def hold_save_dir_or_refuse(save: str, flag: str = "--save") -> None:
+    """This run holds `save` for its checkpoints (rank 0 takes the lock; runtime/save_lock.py)."""
+    from dcp_megatron.runtime.save_lock import SaveDirInUse, hold_save_dir
+
+    try:
+        hold_save_dir(save, flag=flag)
+    except SaveDirInUse as err:
+        raise DcpUsageError(str(err)) from None
 
 
 def check_resume_dir(load: str, *, holds, expected: str) -> None:

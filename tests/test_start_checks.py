@@ -1,0 +1,281 @@
+"""Start-up refusals of issue 21 (one line, exit 2, before any process group) and the pieces behind them.
+
+In-process cases go through the same entry a user's command takes (the launcher's `main` running an unmodified
+Megatron script; the DeepSpeed script's `main`), as the fault matrix's bad-input cases do. The real-process
+check (our script by plain torchrun on a `--save` another live run holds: every rank refuses with the same one
+line, rank 1 on rank 0's verdict in torchrun's store) is in the fault matrix's `test_bad_input_through_real_processes`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dcp_megatron.megatron.dcp_args import DcpUsageError
+from dcp_megatron.runtime import save_lock
+from tests.deepspeed_runs import TINY_MODEL, ds_config, load_ds_script
+from tests.megatron_runs import CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, strip_dcp_lines
+from tests.test_fault_matrix import DS_DCP, LONG_RUN, MEGATRON_DCP, _assert_refused
+
+pytestmark = pytest.mark.timeout(900)
+
+
+# ------------------------------------------------------------------------------------------------- inputs
+
+def _corpus(prefix, lengths: list[int]) -> str:
+    """A megatron-core indexed dataset at `prefix` (one document per length; none for an empty list)."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=DType.optimal_dtype(256))
+    rng = np.random.default_rng(len(lengths))
+    for length in lengths:
+        builder.add_document(rng.integers(0, 256, length).astype(np.uint8), [length])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def _mixed_pair(root) -> str:
+    """A .bin from one corpus beside the .idx of another (the case upstream trains on silently)."""
+    a, b = _corpus(root / "a", [300, 500]), _corpus(root / "b", [400, 200, 100])
+    shutil.copy(f"{a}.idx", root / "mixed.idx")
+    shutil.copy(f"{b}.bin", root / "mixed.bin")
+    return str(root / "mixed")
+
+
+def _live_lock(directory) -> dict:
+    """A lock in `directory` held by a live process on this host (this test's parent) that is not this run."""
+    os.makedirs(directory, exist_ok=True)
+    holder = save_lock.LockHolder(host=socket.gethostname(), pid=os.getppid(),
+                                  pid_start=save_lock._pid_start(os.getppid()), started="2026-12-02T07:00:00Z",
+                                  token="another-run")
+    with open(os.path.join(directory, save_lock.LOCK_FILE), "w") as f:
+        json.dump(holder.__dict__, f)
+    return holder.__dict__
+
+
+def _held(directory) -> str:
+    _live_lock(directory)
+    return str(directory)
+
+
+def _tracker(root, text: str) -> str:
+    load = root / "ckpt"
+    (load / "iter_0000002").mkdir(parents=True)
+    (load / "latest_checkpointed_iteration.txt").write_text(text)
+    return str(load)
+
+
+def _ds_latest(root, tag: str) -> str:
+    load = root / "ds_ckpt"
+    (load / "iter_0000002").mkdir(parents=True)
+    (load / "iter_0000002" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (load / "latest").write_text(tag)
+    return str(load)
+
+
+MEGATRON_CASES = {
+    # Megatron's bare assertions, named by flag (also without --dcp)
+    "save_without_interval": (lambda r: ["--save", str(r / "ckpt")], ["--save", "needs --save-interval"]),
+    "global_batch_indivisible": (lambda r: ["--global-batch-size", "7"],
+                                 ["--global-batch-size 7 is not divisible by --micro-batch-size 1 x data-parallel size 2"]),
+    "eval_batch_indivisible": (lambda r: ["--eval-global-batch-size", "3"],
+                               ["--eval-global-batch-size 3 is not divisible by --eval-micro-batch-size 1"]),
+    "warmup_not_below_decay": (lambda r: ["--lr-warmup-iters", str(LONG_RUN)],
+                               [f"--lr-warmup-iters {LONG_RUN} must be below --train-iters {LONG_RUN}"]),
+    "seq_over_max_positions": (lambda r: ["--max-position-embeddings", "512"],
+                               ["--seq-length 1024 is over --max-position-embeddings 512"]),
+    # the corpus
+    "blend_weight_zero": (lambda r: ["--data-path", "0", _corpus(r / "a", [300]), "1", _corpus(r / "b", [300])],
+                          ["--data-path: blend weight 0", "must be a positive number"]),
+    "blend_weight_negative": (lambda r: ["--data-path", "1", _corpus(r / "a", [300]), "-0.5", _corpus(r / "b", [300])],
+                              ["--data-path: blend weight -0.5"]),
+    "bin_of_another_corpus": (lambda r: ["--data-path", _mixed_pair(r)], ["mixed.bin holds", "mixed.idx describes",
+                                                                          "do not belong together"]),
+    "bin_of_another_corpus_in_blend": (lambda r: ["--data-path", "0.5", _corpus(r / "a", [300]), "0.5", _mixed_pair(r)],
+                                       ["--data-path: ", "mixed.bin", "mixed.idx"]),
+    "train_split_mismatched": (lambda r: ["--train-data-path", _mixed_pair(r), "--valid-data-path", _corpus(r / "v", [300]),
+                                          "--test-data-path", _corpus(r / "t", [300])], ["--train-data-path: ", "mixed.bin"]),
+    "empty_corpus": (lambda r: ["--data-path", _corpus(r / "empty", [])], ["empty corpus", "lists no documents"]),
+    "idx_missing": (lambda r: ["--data-path", str(r / "nothing")], ["--data-path: ", "nothing.idx: no such file"]),
+    # --dcp flags that cannot describe the job
+    "gpus_per_node_zero": (lambda r: [*MEGATRON_DCP, "--dcp-gpus-per-node", "0"], ["--dcp-gpus-per-node must be >= 1"]),
+    "gpus_per_node_not_dividing": (lambda r: [*MEGATRON_DCP, "--dcp-gpus-per-node", "3"],
+                                   ["--dcp-gpus-per-node 3 does not describe this job", "2 ranks"]),
+    "profile_is_a_directory": (lambda r: [*MEGATRON_DCP, "--dcp-profile", str(r)], ["--dcp-profile", "is a directory"]),
+    # checkpoints: a second run on one --save; a tracker naming an iteration that is not there
+    "save_held_by_live_run": (lambda r: [*MEGATRON_DCP, "--save", _held(r / "ckpt"), "--save-interval", "2"],
+                              ["--save", "is held by another run", f"pid {os.getppid()}", "2026-12-02T07:00:00Z"]),
+    "tracker_names_missing_iteration": (lambda r: [*MEGATRON_DCP, "--load", _tracker(r, "9")],
+                                        ["--load", "latest_checkpointed_iteration.txt names iter_0000009",
+                                         "does not exist", "iter_0000002"]),
+    "ckpt_step_missing": (lambda r: [*MEGATRON_DCP, "--load", _tracker(r, "2"), "--ckpt-step", "5"],
+                          ["--ckpt-step 5 names iter_0000005"]),
+}
+
+
+@pytest.fixture(scope="module")
+def user_script(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("user") / "user_pretrain_gpt.py")
+    strip_dcp_lines(OUR_SCRIPT, path)
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(MEGATRON_CASES))
+def test_megatron_start_check_refuses_in_one_line(case, user_script, tmp_path, monkeypatch, capsys):
+    import torch
+
+    from dcp_megatron import launch
+
+    build, messages = MEGATRON_CASES[case]
+    extra = build(tmp_path)
+    # A run on files reads them instead of Megatron's mock data.
+    base = [f for f in LLAMA_TINY if not (f == "--mock-data" and any(a.endswith("data-path") for a in extra))]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(SystemExit) as exited:
+        launch.main([user_script, *base, *CPU_FLAGS, "--train-iters", str(LONG_RUN), *extra])
+    out = capsys.readouterr()
+    _assert_refused(exited.value.code, out.err, out.out, messages, prefix="dcp: error: ")
+    assert not torch.distributed.is_initialized(), "no process group may exist before a refused start"
+
+
+DS_CASES = {
+    "save_held_by_live_run": (lambda r: ["--dcp", "--save", _held(r / "ckpt")],
+                              ["--save", "is held by another run", f"pid {os.getppid()}"]),
+    "latest_names_missing_tag": (lambda r: [*DS_DCP, "--load", _ds_latest(r, "iter_0000009")],
+                                 ["--load", "'latest' file names tag 'iter_0000009', which does not exist",
+                                  "iter_0000002"]),
+    "gpus_per_node_zero": (lambda r: ["--dcp", "--dcp-gpus-per-node", "0"], ["--dcp-gpus-per-node", "must be >= 1"]),
+    "profile_is_a_directory": (lambda r: ["--dcp", "--dcp-profile", str(r)], ["dcp profile", "is a directory"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DS_CASES))
+def test_deepspeed_start_check_refuses_in_one_line(case, tmp_path, monkeypatch, capsys):
+    import torch
+
+    build, messages = DS_CASES[case]
+    flags = build(tmp_path)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(ds_config(stage=1, total_steps=LONG_RUN)))
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    code = load_ds_script().main([*TINY_MODEL, "--deepspeed-config", str(config), "--train-iters", str(LONG_RUN),
+                                  *flags])
+    out = capsys.readouterr()
+    _assert_refused(code, out.err, out.out, messages, prefix="error: ")
+    assert not torch.distributed.is_initialized(), "no process group may exist before a refused start"
+
+
+# ----------------------------------------------------------------------------------------- the pieces
+
+def test_gpus_per_node_must_match_torchruns_ranks_per_node(monkeypatch):
+    from dcp_megatron.megatron.dcp_args import check_gpus_per_node
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(DcpUsageError, match="3 does not describe this job: torchrun runs 2 ranks per node"):
+        check_gpus_per_node(3)
+    with pytest.raises(DcpUsageError, match="4 does not describe"):
+        check_gpus_per_node(4)   # divides the world, but torchrun says 2 per node
+    check_gpus_per_node(2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    check_gpus_per_node(4)
+    with pytest.raises(DcpUsageError, match="not a whole number of nodes of 3"):
+        check_gpus_per_node(3)
+
+
+def test_corpus_check_accepts_a_matching_pair_and_names_a_truncated_bin(tmp_path):
+    from dcp_megatron.megatron.data_files import check_indexed_pair
+
+    prefix = _corpus(tmp_path / "c", [300, 500, 70])
+    check_indexed_pair(prefix, "--data-path")
+    whole = os.path.getsize(f"{prefix}.bin")
+    with open(f"{prefix}.bin", "r+b") as f:
+        f.truncate(whole - 1)   # one byte short
+    with pytest.raises(DcpUsageError, match=rf"c.bin holds {whole - 1} bytes but .*c.idx describes {whole} "):
+        check_indexed_pair(prefix, "--data-path")
+
+
+def test_save_lock_is_exclusive_while_its_holder_lives_and_stale_after(tmp_path):
+    first = save_lock.SaveDirLock(str(tmp_path / "ckpt")).acquire()
+    again = save_lock.SaveDirLock(str(tmp_path / "ckpt")).acquire()   # the holding process itself may
+    first.release()
+    assert os.path.exists(again.path), "a released lock that was taken over stays with its new holder"
+    again.release()
+    assert not os.path.exists(again.path), "release removes the lock"
+    _live_lock(tmp_path / "ckpt")   # held by the live parent process
+    with pytest.raises(save_lock.SaveDirInUse, match=rf"held by another run \(host .*pid {os.getppid()}"):
+        save_lock.SaveDirLock(str(tmp_path / "ckpt")).acquire()
+    # A crashed run on this host: its pid is gone.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    holder = dict(_live_lock(tmp_path / "ckpt"), pid=dead.pid, pid_start=None)
+    (tmp_path / "ckpt" / save_lock.LOCK_FILE).write_text(json.dumps(holder))
+    resumed = save_lock.SaveDirLock(str(tmp_path / "ckpt")).acquire()
+    assert json.loads(open(resumed.path).read())["token"] == resumed.holder.token
+    resumed.release()
+    # A live pid that is another process now (its start time differs): stale too.
+    _live_lock(tmp_path / "ckpt")
+    holder = dict(json.loads((tmp_path / "ckpt" / save_lock.LOCK_FILE).read_text()), pid_start="1")
+    (tmp_path / "ckpt" / save_lock.LOCK_FILE).write_text(json.dumps(holder))
+    save_lock.SaveDirLock(str(tmp_path / "ckpt")).acquire().release()
+
+
+def test_save_lock_of_another_host_is_stale_only_once_it_stops_being_refreshed(tmp_path):
+    path = tmp_path / save_lock.LOCK_FILE
+    holder = save_lock.LockHolder(host="other-node", pid=1, pid_start=None, started="t", token="x")
+    path.write_text(json.dumps(holder.__dict__))
+    with pytest.raises(save_lock.SaveDirInUse, match="host other-node, pid 1"):
+        save_lock.SaveDirLock(str(tmp_path)).acquire()
+    old = time.time() - save_lock.STALE_AFTER_S - 1
+    os.utime(path, (old, old))
+    save_lock.SaveDirLock(str(tmp_path)).acquire().release()
+
+
+def test_only_rank_zero_takes_the_save_lock(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert save_lock.hold_save_dir(str(tmp_path / "a"), rank=1) is None
+    assert not (tmp_path / "a" / save_lock.LOCK_FILE).exists()
+    lock = save_lock.hold_save_dir(str(tmp_path / "a"), rank=0)
+    assert (tmp_path / "a" / save_lock.LOCK_FILE).exists()
+    lock.release()
+
+
+def test_every_rank_follows_rank_zeros_verdict_through_torchruns_store(tmp_path, monkeypatch):
+    """Rank 0 alone reads and takes the lock; the other ranks get its verdict from the rendezvous store (here a real
+    TCPStore in this process, as torchrun's agent hosts one), so the whole job refuses, or starts, together."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tests.dist_utils import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("WORLD_SIZE", "2"),
+                        ("TORCHELASTIC_USE_AGENT_STORE", "True"), ("TORCHELASTIC_RESTART_COUNT", "0")):
+        monkeypatch.setenv(name, value)
+    held = _held(tmp_path / "held")
+    with pytest.raises(save_lock.SaveDirInUse) as on_rank0:
+        save_lock.hold_save_dir(held, rank=0)
+    with pytest.raises(save_lock.SaveDirInUse) as on_rank1:
+        save_lock.hold_save_dir(str(tmp_path / "anything"), rank=1)   # rank 1 does not look: it follows rank 0
+    assert str(on_rank1.value) == str(on_rank0.value) and "is held by another run" in str(on_rank1.value)
+    # A restarted job (torchrun's restart count) asks afresh: a free directory, taken by rank 0, accepted by rank 1.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    lock = save_lock.hold_save_dir(str(tmp_path / "free"), rank=0)
+    assert save_lock.hold_save_dir(str(tmp_path / "free"), rank=1) is None
+    lock.release()
+    del store

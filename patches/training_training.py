@@ -67,6 +67,8 @@ def _with_timeout_report(original):
             return original(*args, **kwargs)
         import torch
 
+        from dcp_megatron.megatron.dcp_args import DcpUsageError
+        from dcp_megatron.megatron.refusal import exit_refused
         from dcp_megatron.runtime.heartbeat import Heartbeat, connect_store, is_collective_timeout, timeout_message
 
         if getattr(run_args, "dcp_profile_out", None):
@@ -80,6 +82,10 @@ def _with_timeout_report(original):
             step_of=lambda: getattr(run_args, "curr_iteration", 0) + 1).start()
         try:
             return original(*args, **kwargs)
+        except DcpUsageError as err:
+            # A check that needs the built tokenizer (the first step's plannability) refuses on every rank
+            # alike: one line and exit 2, as at start-up, not a traceback per rank under plain torchrun.
+            exit_refused(err)
         except RuntimeError as err:
             if not is_collective_timeout(err):
                 raise

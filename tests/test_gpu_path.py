@@ -99,11 +99,11 @@ def test_fp8_with_dcp_stops_at_start_on_cpu_with_one_line(tmp_path, monkeypatch,
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
     with pytest.raises(SystemExit) as exited:
-        launch.main([OUR_SCRIPT, *LLAMA_TINY, *CPU_FLAGS, "--train-iters", "2", "--dcp",
+        launch.main([OUR_SCRIPT, *LLAMA_TINY, *CPU_FLAGS, "--train-iters", "4", "--dcp",
                      "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"])
     err = capsys.readouterr().err
     assert exited.value.code == 2, err[-2000:]
-    lines = [line for line in err.splitlines() if line.startswith("dcp_megatron.launch: error: ")]
+    lines = [line for line in err.splitlines() if line.startswith("dcp: error: ")]
     assert len(lines) == 1 and "--fp8-format hybrid needs Transformer Engine on a GPU" in lines[0], err[-2000:]
     assert "Traceback" not in err and not torch.distributed.is_initialized()
 

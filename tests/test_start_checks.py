@@ -279,3 +279,30 @@ def test_every_rank_follows_rank_zeros_verdict_through_torchruns_store(tmp_path,
     assert save_lock.hold_save_dir(str(tmp_path / "free"), rank=1) is None
     lock.release()
     del store
+
+
+def test_a_refusal_at_the_first_step_ends_in_one_line_too(monkeypatch, capsys):
+    """A check that needs the built tokenizer raises DcpUsageError inside Megatron's train(): the patched
+    train() ends the process with one line and exit 2 (a plain-torchrun script has no frame that would)."""
+    import types
+
+    import megatron.training
+    import torch
+
+    from dcp_megatron.megatron.dcp_args import DcpUsageError
+    from patches import training_training
+
+    run_args = types.SimpleNamespace(dcp=True, curr_iteration=0, distributed_timeout_minutes=1.0)
+    monkeypatch.setattr(megatron.training, "get_args", lambda: run_args)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
+    monkeypatch.setattr("dcp_megatron.runtime.heartbeat.connect_store", lambda: None)
+
+    def first_step_refuses(*args, **kwargs):
+        raise DcpUsageError("--seq-length 4096 fits no CP group under --dcp-memory-budget-gb 0.001")
+
+    with pytest.raises(SystemExit) as exited:
+        training_training._with_timeout_report(first_step_refuses)(lambda: None, [])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dcp: error: --seq-length 4096 fits no CP group under --dcp-memory-budget-gb 0.001"]

@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass
 
-DCP_POLICIES = ("static", "static-balanced", "megatron-hybrid", "dcp")
+DCP_POLICIES = ("static", "static-balanced", "megatron-hybrid", "megatron-dynamic", "dcp")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 CP_ATTENTION_CHOICES = ("allgather", "ulysses")
 

@@ -12,7 +12,8 @@ setup(
         "megatron": ["megatron-core==0.19.2"],
         "deepspeed": ["deepspeed==0.19.8"],
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "matplotlib>=3.7", "highspy>=1.7"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "matplotlib>=3.7", "highspy>=1.7",
+                 "tensorboard>=2.14"],   # reads back the DCP scalars a --dcp run writes
     },
     entry_points={"console_scripts": ["dcp-simulate=dcp_megatron.simulate:main",
                                      "dcp-profile=dcp_megatron.profile:main"]},

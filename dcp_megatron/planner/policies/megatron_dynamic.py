@@ -50,13 +50,14 @@ def dynamic_cp_sizes(domain_size: int, limit: int) -> list[int]:
     return [s for s in sizes if s <= limit]
 
 
-def plan_megatron_dynamic(ids, lengths, cost, *, max_seq_len: int, packing=None,
-                          must_beat: float | None = None) -> tuple[Wave, ...] | None:
+def plan_megatron_dynamic(ids, lengths, cost, *, max_seq_len: int, packing=None, must_beat: float | None = None,
+                          token_cap: int | None = None) -> tuple[Wave, ...] | None:
     """The plan's waves; None when `must_beat` is given and the plan would not be faster
-    (or this scheduler cannot hold the batch, so it is no contender)."""
+    (or this scheduler cannot hold the batch, so it is no contender). `token_cap` overrides the
+    per-rank token cap (default: the static layout's capacity; tools/ablate_peer.py varies it)."""
     cluster = cost.cluster
     D = cluster.domain_size
-    cap = (packing[0] if packing else static_layout(cost, max_seq_len)).capacity_local_tokens
+    cap = token_cap or (packing[0] if packing else static_layout(cost, max_seq_len)).capacity_local_tokens
     sizes = dynamic_cp_sizes(D, cluster.cp_size_limit)
     try:
         waves_of_groups = schedule_groups(lengths.tolist(), sizes, D, cap)

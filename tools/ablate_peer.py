@@ -2,6 +2,7 @@
 """Where dcp's gain over Megatron dev's dynamic CP (`megatron-dynamic`) comes from, by the cost model.
 
   PYTHONPATH=. .venv/bin/python tools/ablate_peer.py [--steps 8] [--lengths builtin:wikipedia,builtin:prolong]
+                                                     [--model llama3-70b --tp 8]
 
 On the simulator's batches (Llama-3-8B, H200 preset, 4M tokens per step), for a power-of-two domain
 (32 ranks) and a non-power-of-two one (24), the mean modelled step time of:
@@ -54,15 +55,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="builtin:wikipedia,builtin:prolong")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--domains", default="32,24")
+    parser.add_argument("--domains", default="32,24", help="DP x CP domain sizes (GPUs = domain * tp)")
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--tp", type=int, default=1)
     args = parser.parse_args(argv)
+    print(f"{args.model}, tp {args.tp}, H200 preset (modelled)")
     print("| lengths | domain | " + " | ".join(COLUMNS) + " | dcp / md |")
     print("|---|---|" + "---|" * (len(COLUMNS) + 1))
     for lengths in args.lengths.split(","):
         for domain in (int(d) for d in args.domains.split(",")):
-            config = SimulationConfig(lengths=lengths, gpus=domain, steps=args.steps)
-            cost = CostModel(model_preset(config.model), cluster_preset(config.cluster, domain_size=domain,
-                                                                        gpus_per_node=config.gpus_per_node))
+            config = SimulationConfig(lengths=lengths, gpus=domain * args.tp, steps=args.steps, model=args.model,
+                                      tp=args.tp)
+            cost = CostModel(model_preset(config.model, tp=args.tp),
+                             cluster_preset(config.cluster, domain_size=domain, gpus_per_node=config.domain_ranks_per_node))
             batches, max_seq_len = cut_batches(config)
             totals = dict.fromkeys(COLUMNS, 0.0)
             for batch in batches:

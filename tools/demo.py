@@ -13,8 +13,14 @@
    and recompute) and with `--dcp --dcp-policy static` (Megatron's static layout: CP 2 for every
    document and the one recompute setting a full-length document needs, run by the same runtime), both
    with 18 MiB of modelled memory per rank (--dcp-memory-budget-gb 0.02).
+   The two runs are measured under the same conditions: both stay alive and alternate in blocks
+   of --block steps (one paused while the other trains the same steps, tools/demo_interleave.py),
+   so a change in the machine's load hits both; a step whose time spans a pause is left out.
    Iteration lines stream while the runs go; both print the same loss column.
-3. Prints both runs' tokens/s, the measured ratio and the ratio the cost model predicted.
+3. Prints both runs' tokens/s over the steps measured cleanly in both, the measured ratio with its
+   spread over the blocks, and the cost model's ratio twice: as configured (refinement off; the
+   dcp/predicted_unrefined_s scalar of each run's TensorBoard events) and refined online from the
+   measured times (which follows the measurement, so it is no independent prediction).
 4. For the same documents, prints what the simulator predicts for DCP vs static on 8, 32 and 64
    H200s (Llama-3-8B; modelled, not measured) and draws the ratios to demo_out/h200_model.png.
 """

@@ -35,7 +35,7 @@ from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.simulate_report import PolicyRun, format_table, summarize
 
-DEFAULT_POLICIES = ("static", "static-balanced", "megatron-hybrid", "dcp")
+DEFAULT_POLICIES = ("static", "static-balanced", "megatron-hybrid", "megatron-dynamic", "dcp")
 BUILTIN_PREFIX = "builtin:"
 
 
@@ -137,22 +137,6 @@ def cut_batches(config: SimulationConfig) -> tuple[list[GlobalBatch], int]:
     return batches, max(b.max_length for b in batches)
 
 
-def _rescored(plan: StepPlan, cost) -> StepPlan:
-    """The plan with every micro-batch's time and memory re-estimated by `cost`."""
-    waves = []
-    for wave in plan.waves:
-        groups = []
-        for group in wave.groups:
-            mbs = tuple(dataclasses.replace(
-                mb, est_time_s=cost.microbatch_time(mb.lengths, group.size, first_rank=group.first_rank,
-                                                    recompute=mb.recompute),
-                est_mem_bytes=cost.microbatch_memory(mb.lengths, group.size, recompute=mb.recompute))
-                for mb in group.microbatches)
-            groups.append(dataclasses.replace(group, microbatches=mbs))
-        waves.append(dataclasses.replace(wave, groups=tuple(groups)))
-    return dataclasses.replace(plan, waves=tuple(waves))
-
-
 def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
              keep_step: int | None = None) -> tuple[SimulationResult, dict[str, StepPlan]]:
     """Plan, validate and score every batch with every policy.
@@ -162,6 +146,7 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
     from dcp_megatron.planner.bounds import lower_bound
     from dcp_megatron.planner.cost import CostModel, load_profile
     from dcp_megatron.planner.policies import POLICIES, make_plan
+    from dcp_megatron.planner.rescore import rescored
     from dcp_megatron.planner.timeline import plan_makespan
     from dcp_megatron.planner.validate import PlanError, validate
 
@@ -196,7 +181,7 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
                 os.makedirs(os.path.join(dump_dir, name), exist_ok=True)
                 with open(os.path.join(dump_dir, name, f"step_{batch.step}.json"), "w") as f:
                     f.write(plan.dumps())
-            scored = _rescored(plan, cost)
+            scored = rescored(plan, cost)
             runs[name].add_step(step_time_s=plan_makespan(scored), lower_bound_s=bound,
                                 num_tokens=batch.num_tokens, plan_s=plan_s, plan=scored)
             if batch.step == keep_step:

@@ -187,7 +187,10 @@ def runs(tmp_path_factory):
         "root": root, "plans": plans, "save": save, "dcp_z1": dcp_z1,
         # ZeRO-2 with Ulysses on every CP micro-batch whose heads split (the cost model never prefers it on
         # 2 CPU ranks with GQA: the all-gather moves fewer bytes and hides them)
-        "dcp_z2": run_deepspeed(ds_config(stage=2), ["--dcp", *BUDGET, "--dcp-cp-attention", "ulysses",
+        # (also DeepSpeed's TensorBoard monitor: the dcp/* scalars go through it)
+        "dcp_z2": run_deepspeed(ds_config(stage=2, tensorboard={"enabled": True, "output_path": str(root / "ds_tb"),
+                                                                "job_name": "dcp"}),
+                                ["--dcp", *BUDGET, "--dcp-cp-attention", "ulysses",
                                                      "--dcp-dump-plans", str(root / "plans_z2")], directory=str(root)),
         "static": run_deepspeed(ds_config(stage=1), [], directory=str(root)),
         "one_rank": run_deepspeed(ds_config(stage=0), [], nproc=1, directory=str(root), torchrun=False),
@@ -237,3 +240,23 @@ def test_resume_continues_the_trace(runs):
     full = runs["dcp_z1"].losses
     for iteration, loss in resumed.losses.items():
         assert abs(loss - full[iteration]) <= 1e-5 * abs(full[iteration]), (iteration, loss, full[iteration])
+
+
+def test_deepspeed_monitor_holds_the_dcp_scalars(runs):
+    """DeepSpeed's TensorBoard monitor (its config's "tensorboard" section) receives the dcp/* scalars of
+    every step; the predicted step time is the dumped plan's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs["dcp_z2"].check()
+    events = EventAccumulator(str(runs["root"] / "ds_tb" / "dcp"), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    plans = read_plan_dumps(runs["root"] / "plans_z2")
+    for tag in ("dcp/predicted_step_s", "dcp/measured_step_s", "dcp/microbatches_per_rank_max", "dcp/tokens_padded",
+                "dcp/recompute_share", "dcp/planning_s", "dcp/predicted_unrefined_s"):
+        assert tag in tags, (tag, tags)
+        assert [e.step for e in events.Scalars(tag)] == list(range(1, 11)), tag
+    predicted = [e.value for e in events.Scalars("dcp/predicted_step_s")]
+    assert predicted == pytest.approx([p.est_step_time_s for p in plans], rel=1e-6)
+    counts = [max(p.num_microbatches(r) for r in range(p.domain_size)) for p in plans]
+    assert [e.value for e in events.Scalars("dcp/microbatches_per_rank_max")] == counts

@@ -98,7 +98,8 @@ _RUNS = {
     # files can be compared (measured corrections would make them depend on this machine's timing).
     "dcp_launcher": lambda root, script: run_training(
         script, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--dcp-dump-plans", str(root / "plans"), "--dcp-check-plans",
-                 "--dcp-no-refine", *_wgrads(root, "dcp")], iters=ITERS, base=RESUME_BASE),
+                 "--dcp-no-refine", "--tensorboard-dir", str(root / "tb"), *_wgrads(root, "dcp")],
+        iters=ITERS, base=RESUME_BASE),
     # Way 3 (and 2: the script carries the two lines): our script run directly, stopped at 5 and resumed from
     # Megatron's checkpoint. These two plan each step when it starts (--dcp-sync-planning); all others plan one
     # step ahead.
@@ -188,6 +189,49 @@ def test_every_microbatch_ran_with_the_recompute_and_group_its_plan_named(runs, 
             assert seen == microbatches_planned(plan, rank), (rank, step)
             kinds |= {recompute for _, recompute in seen}
     assert "none" in kinds and len(kinds) >= 2, f"the plans never switched recompute between micro-batches: {kinds}"
+
+
+def test_tensorboard_event_files_hold_the_dcp_scalars_of_every_step(runs, work):
+    """--tensorboard-dir: Megatron's own writer (last rank) holds the dcp/* scalars of every step, equal to
+    what the dumped plans say (recomputed here from the plans, not by the code under test)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root, _ = work
+    runs("dcp_launcher")
+    events = EventAccumulator(str(root / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    assert "lm loss" in scalars, "Megatron's own tags are in the same event files"
+    plans = read_plan_dumps(root / "plans")
+    steps = list(range(1, ITERS + 1))
+    for tag in ("dcp/cp_size_min", "dcp/cp_size_max", "dcp/microbatches_per_rank_min", "dcp/microbatches_per_rank_max",
+                "dcp/recompute_share", "dcp/predicted_step_s", "dcp/predicted_unrefined_s", "dcp/measured_step_s",
+                "dcp/prediction_error", "dcp/planning_s", "dcp/exposed_planning_s", "dcp/lower_bound_ratio",
+                "dcp/tokens", "dcp/tokens_padded", "dcp/fallback"):
+        assert sorted(scalars.get(tag, {})) == steps, tag
+    for step, plan in zip(steps, plans):
+        def at(tag):
+            return scalars[tag][step]
+        sizes = [g.size for w in plan.waves for g in w.groups for mb in g.microbatches for _ in mb.sequences]
+        counts = [plan.num_microbatches(r) for r in range(plan.domain_size)]
+        mbs = [mb for w in plan.waves for g in w.groups for mb in g.microbatches if mb.sequences]
+        pads = [-(-n // (2 * g.size)) * 2 * g.size - n for w in plan.waves for g in w.groups
+                for mb in g.microbatches for n in mb.lengths]
+        assert (at("dcp/cp_size_min"), at("dcp/cp_size_max")) == (min(sizes), max(sizes))
+        for size in set(sizes):
+            assert at(f"dcp/sequences_cp{size}") == sizes.count(size)
+        assert (at("dcp/microbatches_per_rank_min"), at("dcp/microbatches_per_rank_max")) == (min(counts), max(counts))
+        assert at("dcp/recompute_share") == pytest.approx(sum(mb.recompute.kind != "none" for mb in mbs) / len(mbs))
+        assert at("dcp/tokens") == sum(n for mb in mbs for n in mb.lengths) and at("dcp/tokens_padded") == sum(pads)
+        assert at("dcp/predicted_step_s") == pytest.approx(plan.est_step_time_s, rel=1e-6)
+        assert at("dcp/predicted_unrefined_s") == at("dcp/predicted_step_s")       # --dcp-no-refine
+        assert at("dcp/lower_bound_ratio") == pytest.approx(plan.est_step_time_s / plan.lower_bound_s, rel=1e-6)
+        measured = at("dcp/measured_step_s")
+        assert measured > 0 and at("dcp/prediction_error") == pytest.approx(
+            abs(plan.est_step_time_s - measured) / measured, rel=1e-5)
+        assert 0 <= at("dcp/exposed_planning_s") and 0 < at("dcp/planning_s")
+    assert any(scalars["dcp/tokens_padded"].values()), "some document was padded for CP 2"
+    assert len(set(scalars["dcp/cp_size_min"].values()) | set(scalars["dcp/cp_size_max"].values())) == 2
 
 
 def test_two_agents_ran_dcp_plans_with_cp_groups_across_nodes(runs):

@@ -126,7 +126,7 @@ def test_dcp_pipeline_mixes_sizes_in_a_wave_one_microbatch_per_group(domain_size
         plan = make_plan("dcp", batch, cost, max_seq_len=24000)
         validate(plan, batch, cost.cluster, cost)
         assert plan.est_step_time_s <= plan_makespan(own) * (1 + 1e-12)
-        for policy in ("static", "static-balanced", "megatron-hybrid"):
+        for policy in ("static", "static-balanced", "megatron-hybrid", "megatron-dynamic"):
             other = make_plan(policy, batch, cost, max_seq_len=24000)
             assert plan.est_step_time_s <= other.est_step_time_s * (1 + 1e-12)
     assert mixed_waves > 0

@@ -10,7 +10,7 @@ from dcp_megatron.simulate import SimulationConfig, cut_batches, main
 from dcp_megatron.simulate_report import PolicyRun, format_table, summarize
 from tests.tool_helpers import load_tool
 
-POLICIES = ("static", "static-balanced", "megatron-hybrid", "dcp")
+POLICIES = ("static", "static-balanced", "megatron-hybrid", "megatron-dynamic", "dcp")
 METRIC_KEYS = {"mean_step_s", "tokens_per_s", "speedup_vs_static", "speedup_vs_best_baseline", "lb_ratio_p50",
                "lb_ratio_p95", "peak_mem_frac", "plan_ms_p50", "plan_ms_p99"}
 SMALL = ["--model", "llama3-8b", "--cluster", "h200", "--gpus", "8", "--gpus-per-node", "4",
@@ -134,3 +134,14 @@ def test_bad_lengths_inputs(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(SMALL)                                   # --lengths is required
     assert exit_info.value.code == 2
+
+
+def test_megatron_dynamic_against_dcp(tmp_path, capsys):
+    """`--policies megatron-dynamic,dcp`: the peer runs through the simulator and dcp never loses to it."""
+    assert main(["--lengths", "builtin:prolong", *SMALL, "--policies", "megatron-dynamic,dcp",
+                 "--json", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())["policies"]
+    assert set(report) == {"megatron-dynamic", "dcp"}
+    assert report["dcp"]["mean_step_s"] <= report["megatron-dynamic"]["mean_step_s"]
+    assert report["megatron-dynamic"]["lb_ratio_p50"] >= 1.0 - 1e-9
+    assert "| megatron-dynamic" in capsys.readouterr().out

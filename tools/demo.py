@@ -13,8 +13,14 @@
    and recompute) and with `--dcp --dcp-policy static` (Megatron's static layout: CP 2 for every
    document and the one recompute setting a full-length document needs, run by the same runtime), both
    with 18 MiB of modelled memory per rank (--dcp-memory-budget-gb 0.02).
+   The two runs are measured under the same conditions: both stay alive and alternate in blocks
+   of --block steps (one paused while the other trains the same steps, tools/demo_interleave.py),
+   so a change in the machine's load hits both; a step whose time spans a pause is left out.
    Iteration lines stream while the runs go; both print the same loss column.
-3. Prints both runs' tokens/s, the measured ratio and the ratio the cost model predicted.
+3. Prints both runs' tokens/s over the steps measured cleanly in both, the measured ratio with its
+   spread over the blocks, and the cost model's ratio twice: as configured (refinement off; the
+   dcp/predicted_unrefined_s scalar of each run's TensorBoard events) and refined online from the
+   measured times (which follows the measurement, so it is no independent prediction).
 4. For the same documents, prints what the simulator predicts for DCP vs static on 8, 32 and 64
    H200s (Llama-3-8B; modelled, not measured) and draws the ratios to demo_out/h200_model.png.
 """
@@ -24,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -64,49 +71,62 @@ def model_flags(args: argparse.Namespace) -> list[str]:
             "--micro-batch-size", "1", "--global-batch-size", str(args.global_batch_size)]
 
 
-def train(label: str, prefix: str, args: argparse.Namespace, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), os.path.join(ROOT, "pretrain_scripts", "pretrain_gpt.py"),
-           *model_flags(args), "--data-path", prefix, "--split", "100,0,0", "--tokenizer-type", "NullTokenizer",
-           "--vocab-size", "257", "--dataloader-inter-document-masking", "--calculate-per-token-loss",
-           "--train-iters", str(args.steps), "--eval-iters", "0", "--eval-interval", str(args.steps), "--lr", "3e-3", "--lr-warmup-iters", "3",
-           "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--seed", "1234",
-           "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1", *CPU_FLAGS, *extra]
+def command(prefix: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+            str(_free_port()), os.path.join(ROOT, "pretrain_scripts", "pretrain_gpt.py"),
+            *model_flags(args), "--data-path", prefix, "--split", "100,0,0", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "257", "--dataloader-inter-document-masking", "--calculate-per-token-loss",
+            "--train-iters", str(args.steps), "--eval-iters", "0", "--eval-interval", str(args.steps), "--lr", "3e-3",
+            "--lr-warmup-iters", "3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--clip-grad", "1.0",
+            "--seed", "1234", "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1", *CPU_FLAGS,
+            *extra]
+
+
+def _iteration(line: str):
+    done = MEGATRON_LINE.search(line)
+    return (int(done[1]), float(done[3]), float(done[4])) if done else None
+
+
+def _plan(line: str):
+    plan = DCP_LINE.search(line)
+    return (int(plan[1]), float(plan[7]), f"waves {plan[3]} {plan[4]} mb/rank {plan[5]} recompute {plan[6]}") \
+        if plan else None
+
+
+def _show(label: str, it: int, step) -> None:
+    predicted = f"{step.predicted_ms:6.1f}" if step.predicted_ms is not None else "     -"
+    print(f"  [{label:6s}] step {it:3d}  loss {step.loss:.6f}  {step.ms:7.1f} ms (predicted {predicted})  {step.plan}",
+          flush=True)
+
+
+def train_interleaved(prefix: str, args: argparse.Namespace, budget: list[str], tb_root: str):
+    """Both runs, alternating blocks of --block steps (tools/demo_interleave.py)."""
+    from demo_interleave import PausedRun, alternate
+
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT,
                CUDA_DEVICE_MAX_CONNECTIONS="1")
-    print(f"\n== {label}: {' '.join(extra)}", flush=True)
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    steps: dict[int, dict] = {}
-    tail: list[str] = []
-    for line in proc.stdout:
-        tail = (tail + [line])[-60:]
-        plan = DCP_LINE.search(line)
-        if plan:
-            it = int(plan[1])
-            steps.setdefault(it, {}).update(predicted_ms=float(plan[7]), plan=(
-                f"waves {plan[3]} {plan[4]} mb/rank {plan[5]} recompute {plan[6]}"))
-        done = MEGATRON_LINE.search(line)
-        if done:
-            it = int(done[1])
-            step = steps.setdefault(it, {})
-            step.update(ms=float(done[3]), loss=float(done[4]))
-            print(f"  [{label}] step {it:3d}/{done[2]}  loss {step['loss']:.6f}  {step['ms']:7.1f} ms "
-                  f"(predicted {step.get('predicted_ms', 0):6.1f})  {step.get('plan', '')}", flush=True)
-    if proc.wait() != 0:
-        sys.stdout.write("".join(tail))
-        raise SystemExit(f"demo: the {label} run failed (exit {proc.returncode})")
-    # The first steps include warm-up (allocator, group creation): leave them out of the rate.
-    timed = [steps[i] for i in sorted(steps) if i > args.warmup_steps and "ms" in steps[i]]
-    tokens = len(timed) * args.global_batch_size * args.seq_length
-    return {"tokens_per_s": tokens / (sum(s["ms"] for s in timed) / 1000),
-            "predicted_tokens_per_s": tokens / (sum(s["predicted_ms"] for s in timed) / 1000),
-            "losses": [steps[i]["loss"] for i in sorted(steps) if "loss" in steps[i]],
-            "wall_s": time.perf_counter() - started}
+    runs = []
+    for label, extra in (("dcp", ["--dcp", *budget]), ("static", ["--dcp", "--dcp-policy", "static", *budget])):
+        extra = [*extra, "--tensorboard-dir", os.path.join(tb_root, label)]
+        print(f"== {label}: {' '.join(extra)}", flush=True)
+        runs.append(PausedRun(label=label, cmd=command(prefix, args, extra), env=env, cwd=ROOT,
+                              parse_iteration=_iteration, parse_plan=_plan, on_step=_show))
+    alternate(runs, total_steps=args.steps, block=args.block)
+    return runs
+
+
+def unrefined_predictions(tb_dir: str) -> dict[int, float]:
+    """dcp/predicted_unrefined_s per step (ms) from the run's TensorBoard events: the plan scored by the
+    cost model as configured, beside the refined prediction the log line prints."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tb_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    return {e.step: 1000 * e.value for e in events.Scalars("dcp/predicted_unrefined_s")}
 
 
 def modelled_h200(lengths_file: str, out_dir: str) -> list[tuple[int, float, float]]:
-    """DCP vs static (and vs the best baseline) on 8/32/64 H200s, Llama-3-8B, by the simulator."""
+    """DCP vs static, vs megatron-dynamic and vs the best baseline on 8/32/64 H200s, Llama-3-8B, by the simulator."""
     rows = []
     for gpus in (8, 32, 64):
         out = os.path.join(out_dir, f"sim_{gpus}.json")
@@ -117,8 +137,9 @@ def modelled_h200(lengths_file: str, out_dir: str) -> list[tuple[int, float, flo
         if proc.returncode != 0:
             raise SystemExit(f"demo: the simulator failed:\n{proc.stdout}{proc.stderr}")
         report = json.load(open(out))
-        dcp = report["policies"]["dcp"]
-        rows.append((gpus, float(dcp["speedup_vs_static"]), float(dcp["speedup_vs_best_baseline"])))
+        dcp, peer = report["policies"]["dcp"], report["policies"]["megatron-dynamic"]
+        rows.append((gpus, float(dcp["speedup_vs_static"]), float(dcp["speedup_vs_best_baseline"]),
+                     float(dcp["speedup_vs_static"]) / float(peer["speedup_vs_static"])))
     return rows
 
 
@@ -147,6 +168,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup-steps", type=int, default=3, help="steps left out of tokens/s")
+    parser.add_argument("--block", type=int, default=3, help="steps each run trains before the other's turn")
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--global-batch-size", type=int, default=4, help="samples of --seq-length per step")
     parser.add_argument("--max-files", type=int, default=60, help="standard-library modules to read")
@@ -157,6 +179,7 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", default=None, metavar="PROFILE.json",
                         help="plan both runs with this measured profile (tools/profile.py on the demo's model flags)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # so the paused runs are ended too (finally)
     if args.profile is not None and not os.path.isfile(args.profile):
         parser.error(f"--profile {args.profile}: no such file")
     sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -168,27 +191,46 @@ def main(argv=None) -> int:
         budget = ["--dcp-memory-budget-gb", str(args.memory_budget_gb)]
         if args.profile is not None:
             budget += ["--dcp-profile", os.path.abspath(args.profile)]
-        dcp = train("dcp", prefix, args, ["--dcp", *budget])
-        static = train("static", prefix, args, ["--dcp", "--dcp-policy", "static", *budget])
+        load_before = os.getloadavg()
+        dcp, static = train_interleaved(prefix, args, budget, os.path.join(tmp, "tb"))
+        load_after = os.getloadavg()
+        unrefined = {run.label: unrefined_predictions(os.path.join(tmp, "tb", run.label)) for run in (dcp, static)}
         lengths_file = os.path.join(args.out, "demo_document_lengths.txt")
         from dcp_megatron.megatron.indexed_documents import IndexedDocuments
         with open(lengths_file, "w") as f:
             f.write("\n".join(str(n) for n in IndexedDocuments(prefix).lengths()) + "\n")
+    from demo_interleave import block_ratios
+
     # Same batches, exact gradients: equal up to float summation order (7 significant digits printed).
-    same = len(dcp["losses"]) == len(static["losses"]) and all(
-        abs(a - b) <= 1e-5 * abs(b) for a, b in zip(dcp["losses"], static["losses"]))
-    print("\n== result (2 CPU ranks, megatron.training's loop, identical global batches, tokens/s without the "
-          f"first {args.warmup_steps} steps)")
+    losses = {run.label: [run.steps[i].loss for i in sorted(run.steps)] for run in (dcp, static)}
+    same = len(losses["dcp"]) == len(losses["static"]) == args.steps and all(
+        abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses["dcp"], losses["static"]))
+    ratio, per_block = block_ratios(dcp, static, skip=args.warmup_steps, block=args.block)
+    common = sorted(set(dcp.clean_steps()) & set(static.clean_steps()))
+    common = [i for i in common if i > args.warmup_steps]
+    tokens = len(common) * args.global_batch_size * args.seq_length
+
+    def total_ms(run, key):
+        return sum(getattr(run.steps[i], key) for i in common)
+
+    refined = total_ms(static, "predicted_ms") / total_ms(dcp, "predicted_ms")
+    configured = sum(unrefined["static"][i] for i in common) / sum(unrefined["dcp"][i] for i in common)
+    ordered = sorted(per_block)
+    print(f"\n== result (2 CPU ranks, megatron.training's loop, identical global batches; the two runs alternate in "
+          f"blocks of {args.block} steps; {len(common)} steps measured cleanly in both, after the first "
+          f"{args.warmup_steps}; load average {load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end)")
     for label, run in (("DCP   ", dcp), ("static", static)):
-        print(f"  {label} {run['tokens_per_s']:9.0f} tokens/s measured, {run['predicted_tokens_per_s']:9.0f} "
-              f"predicted by the cost model   (run {run['wall_s']:.0f} s)")
-    print(f"  DCP / static = {dcp['tokens_per_s'] / static['tokens_per_s']:.2f}x measured, "
-          f"{dcp['predicted_tokens_per_s'] / static['predicted_tokens_per_s']:.2f}x predicted; loss columns "
-          f"{'equal (within 1e-5)' if same else 'DIFFER'}")
+        print(f"  {label} {tokens / (total_ms(run, 'ms') / 1000):9.0f} tokens/s measured")
+    print(f"  DCP / static = {ratio:.2f}x measured (per block: median {ordered[len(ordered) // 2]:.2f}x, "
+          f"min {ordered[0]:.2f}x, max {ordered[-1]:.2f}x over {len(ordered)} blocks)")
+    print(f"  predicted by the cost model: {configured:.2f}x as configured (refinement off), {refined:.2f}x refined "
+          f"online from measured times")
+    print(f"  loss columns {'equal (within 1e-5)' if same else 'DIFFER'}")
     rows = modelled_h200(lengths_file, args.out)
     print("\n== modelled (cost model, not measured): the same documents, Llama-3-8B, 16,384 tokens per GPU per step")
-    for gpus, vs_static, vs_best in rows:
-        print(f"  {gpus:3d} x H200: DCP vs static {vs_static:.2f}x, vs best baseline {vs_best:.2f}x")
+    for gpus, vs_static, vs_best, vs_peer in rows:
+        print(f"  {gpus:3d} x H200: DCP vs static {vs_static:.2f}x, vs Megatron dev's dynamic CP (megatron-dynamic) "
+              f"{vs_peer:.2f}x, vs best baseline {vs_best:.2f}x")
     png = os.path.join(args.out, "h200_model.png")
     plot(rows, png)
     print(f"  plot: {png}")

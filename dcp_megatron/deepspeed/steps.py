@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dcp_megatron.data.assembly import document_rows
 from dcp_megatron.deepspeed.engine_step import StepOutcome, run_planned_step
+from dcp_megatron.deepspeed.scalar_writers import write_step_to_monitor
 from dcp_megatron.megatron.dcp_args import DcpConfig
 from dcp_megatron.megatron.global_batch import documents_needed
 from dcp_megatron.megatron.microbatches import rank_batches
@@ -103,6 +104,8 @@ class DcpSteps:
         self._steps_run += 1
         if self._dumper is not None:
             self._dumper.write(batch.step + 1, plan)
+        write_step_to_monitor(getattr(engine, "monitor", None), plan, step=batch.step + 1, measured_s=outcome.seconds,
+                              planned=planned, base_cost=self._base_cost, refining=self._correction is not None)
         self.last_plan, self.last_planning = plan, planned
         return outcome
 

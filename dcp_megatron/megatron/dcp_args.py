@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dcp_megatron.megatron.fp8_checks import fp8_row_multiple
 from dcp_megatron.megatron.gpu_checks import check_gpu_path
 
-DCP_POLICIES = ("static", "static-balanced", "megatron-hybrid", "dcp")
+DCP_POLICIES = ("static", "static-balanced", "megatron-hybrid", "megatron-dynamic", "dcp")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 CP_ATTENTION_CHOICES = ("allgather", "ulysses")
 

@@ -47,6 +47,7 @@ from dcp_megatron.megatron.plan_dump import PlanDumper
 from dcp_megatron.megatron.plan_log import plan_summary
 from dcp_megatron.megatron.planning import build_cost_model, check_longest_fits, check_same_plan, plan_global_batch
 from dcp_megatron.megatron.recompute import restore_recompute, snapshot_recompute
+from dcp_megatron.megatron.scalar_writers import megatron_writers_present, write_step
 from dcp_megatron.planner.ahead import PlanAhead, PlannedStep, plan_synchronously
 from dcp_megatron.planner.refine import TimeCorrection, relative_error
 from dcp_megatron.planner.model import ModelShape
@@ -111,6 +112,7 @@ class DcpForwardBackward:
             self._dumper = PlanDumper(self.config.dump_plans)
         if self.config.plan_ahead:
             self._planner = PlanAhead(self._plan)
+        self._writes_scalars = megatron_writers_present()   # --tensorboard-dir / --wandb-project, last rank
 
     def _plan(self, sequences, cost):
         return plan_global_batch(self.config, sequences, cost)
@@ -175,6 +177,10 @@ class DcpForwardBackward:
         self._steps_run += 1
         if self._dumper is not None:
             self._dumper.write(iteration, plan)
+        if self._writes_scalars:
+            write_step(plan, iteration=iteration, measured_s=measured_s, planning_s=planned.plan_s,
+                       exposed_planning_s=planned.exposed_s, base_cost=self._base_cost,
+                       refining=self._correction is not None, pad_multiple=self._pad_multiple)
         if self.is_logging_rank:
             if iteration % self.config.log_interval == 0:
                 print(f" dcp iteration {iteration:8d} | {plan_summary(plan)} | predicted (ms): "

@@ -16,6 +16,7 @@ from dcp_megatron.planner.policies.common import candidate_sizes, check_batch, m
 from dcp_megatron.planner.policies.cp_flavour import choose_cp_attention
 from dcp_megatron.planner.policies.dcp import plan_dcp
 from dcp_megatron.planner.policies.hybrid import plan_megatron_hybrid
+from dcp_megatron.planner.policies.megatron_dynamic import plan_megatron_dynamic
 from dcp_megatron.planner.policies.static import plan_static, plan_static_balanced, static_packing
 from dcp_megatron.planner.timeline import plan_makespan
 
@@ -23,6 +24,7 @@ BASELINES: dict[str, Callable] = {
     "static": plan_static,
     "static-balanced": plan_static_balanced,
     "megatron-hybrid": plan_megatron_hybrid,
+    "megatron-dynamic": plan_megatron_dynamic,
 }
 POLICIES: tuple[str, ...] = tuple(BASELINES) + ("dcp",)
 

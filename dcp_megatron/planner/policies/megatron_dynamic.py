@@ -1,0 +1,230 @@
+"""`megatron-dynamic`: Megatron-LM `dev`'s dynamic-CP scheduler (`--dynamic-context-parallel`,
+`--sequence-packing-scheduler default_dynamic_cp`), re-implemented from its published algorithm
+(megatron/core/datasets/data_schedule_utils.py, `next_hdp_group_packing_aware`, read 2026-12-02).
+
+One call builds one micro-batch that spans the whole DP×CP domain (a wave here); the leftovers
+start the next one, until every sequence is placed. Within a micro-batch:
+- allowed CP sizes: powers of two that divide the domain D, and D itself (its pre-built
+  communicators); a sequence's smallest size is the first whose padded per-rank share fits the
+  per-rank token cap (Megatron's `--max-seqlen-per-dp-cp-rank`; here the static layout's
+  capacity, as for `megatron-hybrid`);
+- sequences longest first; the first opens a group of its smallest size; each later one goes to
+  the placement (join a group of size c whose packed tokens per rank still fit, or open a group
+  of size c on free ranks, for every allowed c >= its smallest) that gives the lowest busiest-rank
+  workload, workload = L²/c summed per rank; placements whose busiest rank would exceed
+  1.05 · (longest length) · (token cap) are not taken and the sequence waits for the next
+  micro-batch; ties keep the first found (smaller c, existing group before a new one);
+- free ranks are then filled by growing the first group of the smallest size to the next allowed
+  size; when that cannot fill the domain, the micro-batch is rebuilt as one group of all D ranks
+  packed in order with what fits (the rest waits);
+- no recompute choice: one global setting, the least with which the fullest micro-batch fits.
+Groups are laid out largest first from rank 0, so every group sits on an aligned block (the
+position does not change a group's work). Every rank runs one micro-batch per wave (PP-friendly).
+Not modelled: the VPP alignment split (`microbatch_group_size_per_vp_stage`) and
+`--min-dynamic-context-parallel-size` above 1. When the cluster caps CP below D (max_cp_size),
+the full-domain fallback is not allowed and the unfilled ranks idle.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from dcp_megatron.planner.plan import Group, MicroBatch, StepPlan, Wave
+from dcp_megatron.planner.policies.common import microbatch_from_sums
+from dcp_megatron.planner.policies.static import static_layout
+from dcp_megatron.planner.timeline import plan_makespan
+
+WORKLOAD_SLACK = 0.05   # Megatron's allowance over the busiest-rank workload bound
+
+
+def dynamic_cp_sizes(domain_size: int, limit: int) -> list[int]:
+    """Megatron dev's runtime CP sizes: powers of two dividing D, and D; here at most `limit`."""
+    sizes, c = [], 1
+    while c <= domain_size:
+        if domain_size % c == 0:
+            sizes.append(c)
+        c *= 2
+    if sizes[-1] != domain_size:
+        sizes.append(domain_size)
+    return [s for s in sizes if s <= limit]
+
+
+def plan_megatron_dynamic(ids, lengths, cost, *, max_seq_len: int, packing=None, must_beat: float | None = None,
+                          token_cap: int | None = None) -> tuple[Wave, ...] | None:
+    """The plan's waves; None when `must_beat` is given and the plan would not be faster
+    (or this scheduler cannot hold the batch, so it is no contender). `token_cap` overrides the
+    per-rank token cap (default: the static layout's capacity; tools/ablate_peer.py varies it)."""
+    cluster = cost.cluster
+    D = cluster.domain_size
+    cap = token_cap or (packing[0] if packing else static_layout(cost, max_seq_len)).capacity_local_tokens
+    sizes = dynamic_cp_sizes(D, cluster.cp_size_limit)
+    try:
+        waves_of_groups = schedule_groups(lengths.tolist(), sizes, D, cap)
+    except ValueError:
+        if must_beat is not None:
+            return None
+        raise
+    waves = _to_waves(waves_of_groups, ids, lengths, cost, D)
+    if must_beat is not None and plan_makespan(StepPlan(domain_size=D, waves=waves)) >= must_beat * (1 + 1e-9):
+        return None
+    return waves
+
+
+def schedule_groups(lengths: list[int], sizes: list[int], D: int, cap: int) -> list[list[tuple[int, list[int]]]]:
+    """Per micro-batch, its groups as (CP size, sequence indices), largest size first; see the
+    module docstring. Pure index arithmetic on lengths (testable by hand)."""
+    arr = np.asarray(lengths, dtype=np.int64)
+    share = [(2 * -(-arr // (2 * s))).tolist() for s in sizes]     # padded tokens per rank, per size
+    fits = np.stack([np.asarray(row) <= cap for row in share])
+    if not fits[-1].all():
+        j = int(np.flatnonzero(~fits[-1])[0])
+        raise ValueError(f"megatron-dynamic: a sequence of {lengths[j]} tokens fits no CP size up to {sizes[-1]} "
+                         f"at {cap} tokens per rank")
+    table = _Tables(sizes=sizes, share=share, smallest=fits.argmax(axis=0).tolist(), square=(arr * arr).tolist(), length=lengths)
+    remaining = sorted(range(len(lengths)), key=lambda i: -lengths[i])   # stable: ties keep batch order
+    out = []
+    while remaining:
+        groups, remaining = _one_microbatch(remaining, table, D, cap)
+        groups.sort(key=lambda g: -g[0])                                  # stable: creation order within a size
+        out.append(groups)
+    return out
+
+
+class _Tables(NamedTuple):
+    sizes: list[int]
+    share: list[list[int]]      # [size index][sequence]
+    smallest: list[int]         # index of each sequence's smallest size
+    square: list[int]           # L² of each sequence
+    length: list[int]
+
+
+def _one_microbatch(order, t: _Tables, D: int, cap: int):
+    sizes, share, square = t.sizes, t.share, t.square
+    first = order[0]
+    k0 = t.smallest[first]
+    bound = t.length[first] * cap * (1 + WORKLOAD_SLACK)
+    size, members, packed, work = [k0], [[first]], [share[k0][first]], [square[first] / sizes[k0]]
+    of_size = [[] for _ in sizes]                     # group ids per size index, creation order
+    of_size[k0].append(0)
+    room = [0] * len(sizes)                           # upper bound of free tokens per rank, per size
+    room[k0] = cap - packed[0]
+    used, busiest = sizes[k0], work[0]
+    leftovers = []
+
+    def placeable(i: int) -> bool:
+        """Whether any placement of sequence i fits; with the state fixed this only turns from
+        False to True along `order` (shorter sequences fit wherever longer ones do)."""
+        for k in range(t.smallest[i], len(sizes)):
+            s, need = sizes[k], share[k][i]
+            w = square[i] / s
+            if (D - used >= s and w <= bound) or any(need <= cap - packed[g] and work[g] + w <= bound
+                                                      for g in of_size[k]):
+                return True
+        return False
+
+    p, n = 1, len(order)
+    while p < n:
+        i = order[p]
+        p += 1
+        best = None                                   # (busiest after, group or None, size index)
+        for k in range(t.smallest[i], len(sizes)):
+            s, need = sizes[k], share[k][i]
+            w = square[i] / s
+            if need <= room[k]:
+                most = 0                              # tightens room[k] when the scan completes
+                for g in of_size[k]:
+                    free = cap - packed[g]
+                    if need <= free:
+                        after = work[g] + w
+                        after = busiest if after < busiest else after
+                        if after <= bound and (best is None or after < best[0]):
+                            best = (after, g, k)
+                            if after == busiest:      # nothing found later can be lower
+                                break
+                    most = free if free > most else most
+                else:
+                    room[k] = most
+            if best is not None and best[0] == busiest:
+                break
+            if D - used >= s:
+                after = busiest if w < busiest else w
+                if after <= bound and (best is None or after < best[0]):
+                    best = (after, None, k)
+                    if after == busiest:
+                        break
+        if best is None:
+            leftovers.append(i)
+            # Skip the run of sequences that cannot be placed either (galloping search).
+            step, lo, hi = 1, p, p
+            while hi < n and not placeable(order[hi]):
+                lo, hi, step = hi + 1, hi + step, 2 * step
+            hi = min(hi, n)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if placeable(order[mid]):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            leftovers.extend(order[p:lo])
+            p = lo
+            continue
+        busiest, g, k = best
+        if g is None:
+            size.append(k), members.append([]), packed.append(0), work.append(0.0)
+            g, used = len(size) - 1, used + sizes[k]
+            of_size[k].append(g)
+        members[g].append(i)
+        packed[g] += share[k][i]
+        work[g] += square[i] / sizes[k]
+        room[k] = max(room[k], cap - packed[g])
+    size = [sizes[k] for k in size]
+    while used < D:                                   # grow the first smallest group to the next size
+        smallest = min(size)
+        bigger = [s for s in sizes if s > smallest]
+        if not bigger or used + bigger[0] - smallest > D:
+            break
+        g = size.index(smallest)
+        size[g], used = bigger[0], used + bigger[0] - smallest
+    if used < D and sizes[-1] == D:                   # rebuild as one full-domain group
+        chosen, rest, left = [], [], cap
+        for i in order:
+            if share[-1][i] <= left:
+                chosen.append(i)
+                left -= share[-1][i]
+            else:
+                rest.append(i)
+        return [(D, chosen)], rest
+    return list(zip(size, members)), leftovers
+
+
+def _to_waves(waves_of_groups, ids, lengths, cost, D: int) -> tuple[Wave, ...]:
+    seqs = list(zip(ids.tolist(), lengths.tolist()))
+    sums = []                                         # per wave, per group: (local, compute, attn)
+    for groups in waves_of_groups:
+        sums.append([tuple(float(x.sum()) for x in cost.doc_terms(lengths[members], s)) for s, members in groups])
+    fullest = max(t[0] for w in sums for t in w)
+    recompute = next((r for r in cost.recompute_options()
+                      if cost.memory_from_tokens(fullest, r) <= cost.cluster.mem_budget_bytes), None)
+    if recompute is None:
+        raise ValueError(f"megatron-dynamic: a micro-batch of {int(fullest)} tokens per rank fits no allowed "
+                         f"recompute {list(cost.allowed_recompute)}; allow more recompute, a larger max CP "
+                         f"size or more memory per rank")
+    waves = []
+    for groups, group_sums in zip(waves_of_groups, sums):
+        out, first = [], 0
+        for (s, members), (loc, comp, attn) in zip(groups, group_sums):
+            mb = microbatch_from_sums(cost, tuple(seqs[j] for j in members), loc, comp, attn, s, first, recompute)
+            out.append(Group(first, s, (mb,)))
+            first += s
+        out.extend(_idle(rank, cost) for rank in range(first, D))
+        waves.append(Wave(tuple(out)))
+    return tuple(waves)
+
+
+def _idle(rank: int, cost) -> Group:
+    """A rank no group uses: nothing to run with PP = 1, an empty micro-batch with PP > 1."""
+    if cost.model.pp == 1:
+        return Group(rank, 1, ())
+    return Group(rank, 1, (MicroBatch((), est_time_s=cost.cluster.microbatch_overhead_s,
+                                      est_mem_bytes=cost.static_bytes),))

@@ -1,0 +1,67 @@
+"""A DCP step's facts as named scalars, for the engines' own writers.
+
+The Megatron path writes them through Megatron's TensorBoard / W&B writers
+(`megatron/scalar_writers.py`), the DeepSpeed path through the engine's monitor
+(`deepspeed/scalar_writers.py`). Every tag starts with `dcp/`. Plan facts are the same on every
+rank; measured times are the writing rank's own.
+
+| tag | what |
+|---|---|
+| dcp/cp_size_min, dcp/cp_size_max | smallest and largest CP group that ran a document |
+| dcp/sequences_cp{c} | documents that ran on CP groups of size c |
+| dcp/microbatches_per_rank_min, _max | micro-batches per domain rank |
+| dcp/recompute_share | share of non-empty micro-batches that recompute (any policy but none) |
+| dcp/predicted_step_s | the plan's step time (the cost model in use: refined when refinement is on) |
+| dcp/predicted_unrefined_s | the same plan scored by the cost model as configured (refinement off) |
+| dcp/measured_step_s | this rank's forward-backward wall time, planning and exchange included |
+| dcp/prediction_error | abs(predicted - measured) / measured |
+| dcp/planning_s, dcp/exposed_planning_s | planning time, and the part the step waited for |
+| dcp/lower_bound_ratio | predicted step time / the batch's lower bound |
+| dcp/tokens, dcp/tokens_padded | the step's document tokens, and pad tokens added for CP (2c) / SP splits |
+| dcp/fallback | 1 when dcp chose a baseline's plan |
+"""
+from __future__ import annotations
+
+from dcp_megatron.planner.plan import StepPlan
+from dcp_megatron.runtime.sharding import padded_length
+
+TAG_PREFIX = "dcp/"
+
+
+def plan_scalars(plan: StepPlan, *, pad_multiple: int = 1) -> dict[str, float]:
+    """The plan's own facts (no measurement): identical on every rank."""
+    counts = [plan.num_microbatches(rank) for rank in range(plan.domain_size)]
+    per_size: dict[int, int] = {}
+    tokens = padded = run = recomputing = 0
+    for wave in plan.waves:
+        for group in wave.groups:
+            for mb in group.microbatches:
+                if not mb.sequences:
+                    continue
+                run += 1
+                recomputing += mb.recompute.kind != "none"
+                for _, length in mb.sequences:
+                    per_size[group.size] = per_size.get(group.size, 0) + 1
+                    tokens += length
+                    padded += padded_length(length, group.size, pad_multiple) - length
+    out = {"cp_size_min": min(per_size, default=0), "cp_size_max": max(per_size, default=0),
+           "microbatches_per_rank_min": min(counts), "microbatches_per_rank_max": max(counts),
+           "recompute_share": recomputing / run if run else 0.0,
+           "predicted_step_s": plan.est_step_time_s,
+           "lower_bound_ratio": plan.est_step_time_s / plan.lower_bound_s if plan.lower_bound_s > 0 else 0.0,
+           "tokens": tokens, "tokens_padded": padded, "fallback": float("fallback" in plan.extra)}
+    out.update({f"sequences_cp{size}": n for size, n in sorted(per_size.items())})
+    return {TAG_PREFIX + k: float(v) for k, v in out.items()}
+
+
+def step_scalars(plan: StepPlan, *, measured_s: float, planning_s: float, exposed_planning_s: float,
+                 predicted_unrefined_s: float, pad_multiple: int = 1) -> dict[str, float]:
+    """`plan_scalars` plus the step's measured and planning times."""
+    out = plan_scalars(plan, pad_multiple=pad_multiple)
+    out.update({TAG_PREFIX + "predicted_unrefined_s": float(predicted_unrefined_s),
+                TAG_PREFIX + "measured_step_s": float(measured_s),
+                TAG_PREFIX + "prediction_error": abs(plan.est_step_time_s - measured_s) / measured_s
+                if measured_s > 0 else 0.0,
+                TAG_PREFIX + "planning_s": float(planning_s),
+                TAG_PREFIX + "exposed_planning_s": float(exposed_planning_s)})
+    return out

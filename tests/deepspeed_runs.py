@@ -19,10 +19,14 @@ from tests.megatron_runs import REPO, RunResult, parse_output, run_env, torchrun
 
 DS_SCRIPT = os.path.join(REPO, "pretrain_scripts", "pretrain_gpt_deepspeed.py")
 
+# Megatron's flags (the Megatron runs' tiny Llama, tests/megatron_runs.py), minus what the DeepSpeed JSON owns
+# (optimizer, schedule, clipping, ZeRO) and evaluation; no CPU flags: the script defaults them without a GPU.
 TINY_MODEL = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 --ffn-hidden-size 128 "
-    "--seq-length 1024 --vocab-size 256 --swiglu --normalization RMSNorm --disable-bias-linear "
-    "--untie-embeddings-and-output-weights --mock-data --mock-documents 2000 --tokens-per-step 4096 "
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+    "--ffn-hidden-size 128 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 1 "
+    "--global-batch-size 4 --position-embedding-type rope --swiglu --normalization RMSNorm --disable-bias-linear "
+    "--untie-embeddings-and-output-weights --mock-data --tokenizer-type NullTokenizer --vocab-size 256 "
+    "--split 98,1,1 --dataloader-inter-document-masking --attention-dropout 0 --hidden-dropout 0 --log-interval 1 "
     "--distributed-timeout-minutes 3 --seed 1234"
 ).split()
 

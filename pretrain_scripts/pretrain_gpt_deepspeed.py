@@ -224,7 +224,7 @@ def log_step(training: Training, outcome, *, iteration: int, train_iters: int, c
     from dcp_megatron.megatron.plan_log import plan_summary
 
     engine, steps = training.engine, training.steps
-    norm = f" grad norm: {outcome.grad_norm:.3f} |" if outcome.grad_norm is not None else ""
+    norm = f" grad norm: {outcome.grad_norm:.6f} |" if outcome.grad_norm is not None else ""
     lr = engine.get_lr()[0] if engine.get_lr() else float("nan")
     print(f" iteration {iteration:8d}/{train_iters:8d} | consumed tokens: {consumed:12d} | "
           f"lm loss: {outcome.loss:.6E} |{norm} learning rate: {lr:.6E} | step time (ms): "

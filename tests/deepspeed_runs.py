@@ -31,6 +31,28 @@ TINY_MODEL = (
 ).split()
 
 
+def blend_flags(directory: str) -> list[str]:
+    """Megatron's data flags for the two corpora `write_blend` writes: a weighted --data-path blend and a --split."""
+    return ["--data-path", "0.7", os.path.join(directory, "corpus_a"), "0.3", os.path.join(directory, "corpus_b"),
+            "--split", "90,5,5"]
+
+
+def write_blend(directory: str) -> list[str]:
+    """Two megatron-core .bin/.idx corpora of long-tailed documents (token ids < 256); returns `blend_flags`."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(7)
+    for name, num_documents in (("corpus_a", 300), ("corpus_b", 200)):
+        prefix = os.path.join(directory, name)
+        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+        for length in np.clip(rng.lognormal(5.0, 1.2, num_documents).astype(int), 2, 3000):
+            builder.add_document(torch.from_numpy(rng.integers(0, 255, length).astype(np.uint16)), [int(length)])
+        builder.finalize(prefix + ".idx")
+    return blend_flags(directory)
+
+
 def ds_config(*, stage: int, optimizer: dict | None = None, total_steps: int = 10, **extra) -> dict:
     """A DeepSpeed JSON as users write them: ZeRO stage, clipping, AdamW and a warm-up cosine schedule."""
     config = {

@@ -86,7 +86,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise DcpUsageError(f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
     if args.save_interval is not None and not args.save:
         raise DcpUsageError("--save-interval needs --save DIR")
+    check_data_paths(args)
     return args
+
+
+def check_data_paths(args: argparse.Namespace) -> None:
+    """At start, before any process group: one data source, and every --data-path prefix has its .bin and .idx."""
+    has_paths = any(getattr(args, name, None) for name in ("data_path", "train_data_path", "data_args_path",
+                                                            "per_split_data_args_path"))
+    if bool(args.mock_data) == has_paths:
+        raise DcpUsageError("give exactly one of --data-path [WEIGHT] PREFIX ... (or per-split paths) and --mock-data")
+    prefixes = [token for token in args.data_path or [] if not _is_number(token)]
+    for prefix in prefixes:
+        missing = [suffix for suffix in (".bin", ".idx") if not os.path.isfile(prefix + suffix)]
+        if missing:
+            raise DcpUsageError(f"--data-path {prefix}: no {' and no '.join(prefix + s for s in missing)}")
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
 
 
 def _unwrapped_validate(arguments):

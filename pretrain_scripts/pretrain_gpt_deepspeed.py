@@ -40,13 +40,10 @@ from dcp_megatron.megatron.dcp_args import DcpUsageError  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """Megatron's flags and checks plus --deepspeed-config (dcp_megatron/deepspeed/arguments.py), then ours."""
+    """Megatron's flags and checks plus --deepspeed-config and ours (dcp_megatron/deepspeed/arguments.py)."""
     from dcp_megatron.deepspeed.arguments import parse_args as parse_megatron_args
-    from dcp_megatron.deepspeed.checkpoint import check_checkpoint_paths
 
-    args = parse_megatron_args(argv)
-    check_checkpoint_paths(save=args.save, load=args.load, dump_plans=args.dcp_dump_plans)
-    return args
+    return parse_megatron_args(argv)
 
 
 def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):

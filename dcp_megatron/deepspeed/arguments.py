@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     refuse_unrun_flags(argv, args)
     args.rank = int(os.environ.get("RANK", 0))
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
+    check_before_megatron(args)   # what Megatron's bare asserts would report without naming the flag
     args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
     if not torch.cuda.is_available():
         applied = apply_cpu_defaults(args, argv=argv)
@@ -80,27 +81,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _unwrapped_validate(arguments)(args, {"tokenizer_type": "NullTokenizer"})
     except AssertionError as err:   # Megatron's checks are bare asserts: name them as a usage error
         raise DcpUsageError(f"Megatron's argument check failed: {err or 'see the traceback above'}") from None
+    return args
+
+
+def check_before_megatron(args: argparse.Namespace) -> None:
+    """Start-up checks that name their flag, before Megatron's validate_args (TP = PP = CP = 1 already checked,
+    so the data-parallel size is the world size)."""
+    from dcp_megatron.deepspeed.checkpoint import check_checkpoint_paths
+
     if args.train_iters is None or args.train_iters < 1:
         raise DcpUsageError("give --train-iters N (N >= 1): the DeepSpeed script counts its run in steps")
     if not (args.distributed_timeout_minutes > 0):
         raise DcpUsageError(f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
+    if args.global_batch_size is not None and args.global_batch_size % (args.micro_batch_size * args.world_size):
+        raise DcpUsageError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+                            f"{args.micro_batch_size} x {args.world_size} data-parallel ranks")
     if args.save_interval is not None and not args.save:
         raise DcpUsageError("--save-interval needs --save DIR")
     check_data_paths(args)
-    return args
+    check_checkpoint_paths(save=args.save, load=args.load, dump_plans=args.dcp_dump_plans)
 
 
 def check_data_paths(args: argparse.Namespace) -> None:
     """At start, before any process group: one data source, and every --data-path prefix has its .bin and .idx."""
+    for prefix in [token for token in args.data_path or [] if not _is_number(token)]:
+        missing = [prefix + suffix for suffix in (".bin", ".idx") if not os.path.isfile(prefix + suffix)]
+        if missing:
+            raise DcpUsageError(f"--data-path {prefix}: no {' and no '.join(missing)}")
     has_paths = any(getattr(args, name, None) for name in ("data_path", "train_data_path", "data_args_path",
                                                             "per_split_data_args_path"))
     if bool(args.mock_data) == has_paths:
         raise DcpUsageError("give exactly one of --data-path [WEIGHT] PREFIX ... (or per-split paths) and --mock-data")
-    prefixes = [token for token in args.data_path or [] if not _is_number(token)]
-    for prefix in prefixes:
-        missing = [suffix for suffix in (".bin", ".idx") if not os.path.isfile(prefix + suffix)]
-        if missing:
-            raise DcpUsageError(f"--data-path {prefix}: no {' and no '.join(prefix + s for s in missing)}")
 
 
 def _is_number(token: str) -> bool:

@@ -66,7 +66,7 @@ def ds_config(*, stage: int, optimizer: dict | None = None, total_steps: int = 1
 
 
 def run_deepspeed(config: dict, extra: list[str], *, nproc: int = 2, iters: int = 10, directory: str | None = None,
-                  timeout_s: float = 600, torchrun: bool = True, model: list[str] | None = None) -> RunResult:
+                  timeout_s: float = 900, torchrun: bool = True, model: list[str] | None = None) -> RunResult:
     """`torchrun=False` runs the script as a plain process: start-up checks happen before any process group,
     and its own exit code (2 for a usage error) comes back instead of torchrun's."""
     directory = directory or tempfile.mkdtemp(prefix="dcp-ds-")

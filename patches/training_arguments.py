@@ -4,8 +4,10 @@
   it, our argument group is added (dcp_megatron/megatron/dcp_args.py). A script's own
   `extra_args_provider` is untouched, so zero lines change in the user's script. Megatron's
   `--distributed-timeout-minutes` also takes fractions of a minute (upstream: whole minutes only).
-- `validate_args` runs Megatron's checks between ours: flag conflicts first (`refuse_conflicting_flags`,
-  so e.g. `--context-parallel-size 2` is refused before Megatron sets CP up), the rest after
+- `validate_args` runs Megatron's checks between ours: without a GPU, the CPU flags first unless the
+  user gave them (dcp_megatron/megatron/cpu_defaults.py: Megatron's GPU defaults die at init on CPU);
+  then flag conflicts (`refuse_conflicting_flags`, so e.g. `--context-parallel-size 2` is refused
+  before Megatron sets CP up), the rest after
   (`validate_dcp_args`): a flag DCP cannot honour stops the run at start-up with the reason, before
   any model is built; `check_run_paths` (dcp_megatron/megatron/run_paths.py) does the same for a
   `--save`/`--tensorboard-dir`/`--dcp-dump-plans` that cannot be written and a `--load` with nothing to
@@ -62,6 +64,7 @@ def _with_dcp_validation(original):
         from dcp_megatron.megatron.run_paths import check_run_paths
 
         try:
+            _cpu_defaults(args)  # before Megatron's checks, which would take the GPU defaults
             refuse_conflicting_flags(args)  # first: Megatron's own checks may fail on what we refuse
             check_megatron_flags(args)      # mistakes Megatron meets with bare assertions, named by flag
             result = original(args, defaults)
@@ -75,6 +78,21 @@ def _with_dcp_validation(original):
 
     validate_args.dcp_original = original
     return validate_args
+
+
+def _cpu_defaults(args) -> None:
+    """No GPU: the CPU flags (gloo, local spec, fusions off) unless the user gave them (Megatron parsed sys.argv)."""
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from dcp_megatron.megatron.cpu_defaults import apply_cpu_defaults, cpu_defaults_notice
+
+    applied = apply_cpu_defaults(args, argv=sys.argv[1:])
+    if applied and getattr(args, "rank", 0) == 0:
+        print(cpu_defaults_notice(applied), flush=True)
 
 
 # The GPU generation validate_args sees on CPU: Hopper (H200).
@@ -102,7 +120,7 @@ def dcp_patches() -> tuple[Patch, ...]:
               versions=MEGATRON_CORE_VERSIONS),
         Patch(target=f"{_MODULE}:validate_args",
               replacement=_with_dcp_validation(_unwrapped(module.validate_args)),
-              reason="refuses flags --dcp cannot honour, unwritable output paths and a --load with nothing to "
-                     "resume, at start-up; --dcp implies a per-token loss.",
+              reason="no GPU: the CPU flags unless given; refuses flags --dcp cannot honour, unwritable output "
+                     "paths and a --load with nothing to resume, at start-up; --dcp implies a per-token loss.",
               versions=MEGATRON_CORE_VERSIONS),
     )

@@ -19,12 +19,38 @@ from tests.megatron_runs import REPO, RunResult, parse_output, run_env, torchrun
 
 DS_SCRIPT = os.path.join(REPO, "pretrain_scripts", "pretrain_gpt_deepspeed.py")
 
+# Megatron's flags (the Megatron runs' tiny Llama, tests/megatron_runs.py), minus what the DeepSpeed JSON owns
+# (optimizer, schedule, clipping, ZeRO) and evaluation; no CPU flags: the script defaults them without a GPU.
 TINY_MODEL = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 --ffn-hidden-size 128 "
-    "--seq-length 1024 --vocab-size 256 --swiglu --normalization RMSNorm --disable-bias-linear "
-    "--untie-embeddings-and-output-weights --mock-data --mock-documents 2000 --tokens-per-step 4096 "
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+    "--ffn-hidden-size 128 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 1 "
+    "--global-batch-size 4 --position-embedding-type rope --swiglu --normalization RMSNorm --disable-bias-linear "
+    "--untie-embeddings-and-output-weights --mock-data --tokenizer-type NullTokenizer --vocab-size 256 "
+    "--split 98,1,1 --dataloader-inter-document-masking --attention-dropout 0 --hidden-dropout 0 --log-interval 1 "
     "--distributed-timeout-minutes 3 --seed 1234"
 ).split()
+
+
+def blend_flags(directory: str) -> list[str]:
+    """Megatron's data flags for the two corpora `write_blend` writes: a weighted --data-path blend and a --split."""
+    return ["--data-path", "0.7", os.path.join(directory, "corpus_a"), "0.3", os.path.join(directory, "corpus_b"),
+            "--split", "90,5,5"]
+
+
+def write_blend(directory: str) -> list[str]:
+    """Two megatron-core .bin/.idx corpora of long-tailed documents (token ids < 256); returns `blend_flags`."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(7)
+    for name, num_documents in (("corpus_a", 300), ("corpus_b", 200)):
+        prefix = os.path.join(directory, name)
+        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+        for length in np.clip(rng.lognormal(5.0, 1.2, num_documents).astype(int), 2, 3000):
+            builder.add_document(torch.from_numpy(rng.integers(0, 255, length).astype(np.uint16)), [int(length)])
+        builder.finalize(prefix + ".idx")
+    return blend_flags(directory)
 
 
 def ds_config(*, stage: int, optimizer: dict | None = None, total_steps: int = 10, **extra) -> dict:
@@ -40,7 +66,7 @@ def ds_config(*, stage: int, optimizer: dict | None = None, total_steps: int = 1
 
 
 def run_deepspeed(config: dict, extra: list[str], *, nproc: int = 2, iters: int = 10, directory: str | None = None,
-                  timeout_s: float = 600, torchrun: bool = True, model: list[str] | None = None) -> RunResult:
+                  timeout_s: float = 900, torchrun: bool = True, model: list[str] | None = None) -> RunResult:
     """`torchrun=False` runs the script as a plain process: start-up checks happen before any process group,
     and its own exit code (2 for a usage error) comes back instead of torchrun's."""
     directory = directory or tempfile.mkdtemp(prefix="dcp-ds-")

@@ -3,10 +3,14 @@
 - gradient parity (one 2-rank launch, many cases): after each of two steps, the update a DeepSpeed
   engine applied (SGD, so update = lr x gradient) equals lr x the gradient of one device on the
   whole global batch, for ZeRO 0 and 2 with planned steps (mixed CP sizes, unequal micro-batch
-  counts) and for ZeRO 2 with Ulysses CP attention; every process group (DeepSpeed's own included) has the
-  run's --distributed-timeout-minutes; a ZeRO step whose block raised does not flush its reduction;
-- the real script (pretrain_scripts/pretrain_gpt_deepspeed.py, torchrun, 10 steps): `--dcp` under
-  ZeRO-1 and ZeRO-2 (with Ulysses CP attention), the static layout and a 1-rank run give the same loss trace; the plans dumped
+  counts) and for ZeRO 2 with Ulysses CP attention, and on Megatron's blended GPT datasets (two .bin/.idx
+  corpora, `--data-path 0.7 A 0.3 B --split 90,5,5`) with and without `--dcp` (the same losses, and one
+  device's); every process group (DeepSpeed's own included) has the run's --distributed-timeout-minutes;
+  a ZeRO step whose block raised does not flush its reduction;
+- the real script (pretrain_scripts/pretrain_gpt_deepspeed.py, torchrun, 10 steps, Megatron's flags:
+  --global-batch-size, --micro-batch-size, --tokenizer-type, --split, --mock-data; no CPU flags, which it
+  defaults and names in one line): `--dcp` under ZeRO-1 and ZeRO-2 (with Ulysses CP attention), the static
+  layout and a 1-rank run give the same loss trace and grad norms; the plans dumped
   by `--dcp-dump-plans` mix CP sizes and give ranks different micro-batch counts; a resume from
   DeepSpeed's checkpoint continues the trace. (Bad settings and faults: tests/test_fault_matrix.py.)
 """
@@ -18,32 +22,31 @@ import shutil
 
 import pytest
 
-from tests.deepspeed_runs import TINY_MODEL, ds_config, load_ds_script, run_deepspeed
+from tests.deepspeed_runs import TINY_MODEL, blend_flags, ds_config, load_ds_script, run_deepspeed, write_blend
 from tests.dist_utils import group_timeout_s, group_timeouts_s, max_rel_err, run_distributed
 from tests.megatron_runs import read_plan_dumps
 
-BUDGET = ["--dcp-memory-budget-gb", "0.0035"]   # tight enough that long documents need CP 2 or recompute
+BUDGET = ["--dcp-memory-budget-gb", "0.004"]   # tight enough that long documents need CP 2 or recompute
 SGD_LR = 1e3   # large: the update lr x g dwarfs the weights, so (before - after) / lr is g to fp32 rounding
 
 
-def _reference_gradients(script, args, model_config, state, batch, source) -> dict:
-    """One device, the whole global batch, per-token loss: the gradient DCP must reproduce."""
+def _reference_gradients(script, args, state, documents) -> dict:
+    """One device, the whole global batch (every rank's share), per-token loss: the gradient DCP must reproduce."""
     import torch
 
-    from dcp_megatron.data.assembly import document_rows
     from dcp_megatron.megatron.microbatches import build_batch
     from dcp_megatron.planner.plan import NO_RECOMPUTE
 
     model, _ = script.build_model(args, has_gpu=False, bf16=False)
     model.load_state_dict(state)
-    total = torch.zeros(())
-    for sid, length in batch.sequences:
-        micro = build_batch([document_rows(source, batch, sid, length)], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE, wave_index=0,
+    total, num_tokens = torch.zeros(()), int(documents.rows[:, 2].sum())
+    for rows in documents.split():
+        micro = build_batch([rows], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE, wave_index=0,
                             device=torch.device("cpu"))
         loss_sum, _ = script.forward_loss(model, micro)
         total = total + loss_sum
-    (total / batch.num_tokens).backward()
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    (total / num_tokens).backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}, float(total) / num_tokens
 
 
 def _abandoned_scope_case(engine) -> dict:
@@ -81,12 +84,16 @@ def _parity_worker(rank, world_size, directory):
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))  # what torchrun sets
-    from dcp_megatron.data.batches import GlobalBatchStream
+    from dcp_megatron.deepspeed.samples import SampleShares
 
     script = load_ds_script()
     results = []
-    # ZeRO-1 with planned steps and the static layout run in the loss-trace and resume runs below.
-    for stage, policy in ((0, "dcp"), (2, "dcp"), (2, "ulysses")):
+    blend = write_blend(directory) if rank == 0 else None
+    torch.distributed.barrier()
+    blend = blend or blend_flags(directory)
+    # ZeRO-1 with planned steps and the static layout run in the loss-trace and resume runs below; the blend
+    # cases read Megatron's GPT datasets (two .bin/.idx corpora, weighted, --split) with and without --dcp.
+    for stage, policy in ((0, "dcp"), (2, "dcp"), (2, "ulysses"), (1, "blend_dcp"), (1, "blend_static")):
         path = os.path.join(directory, f"sgd_z{stage}_{policy}.json")
         if rank == 0:
             config = ds_config(stage=stage, gradient_clipping=0.0, zero_allow_untested_optimizer=True,
@@ -96,19 +103,21 @@ def _parity_worker(rank, world_size, directory):
                 json.dump(config, f)
         torch.distributed.barrier()
         flags = TINY_MODEL + ["--deepspeed-config", path, "--train-iters", "2"]
-        flags += ["--dcp", *BUDGET, "--dcp-sync-planning"] if policy != "static" else []
+        if policy.startswith("blend"):
+            flags = [f for f in flags if f != "--mock-data"] + blend
+        flags += ["--dcp", *BUDGET, "--dcp-sync-planning"] if not policy.endswith("static") else []
         flags += ["--dcp-cp-attention", "ulysses"] if policy == "ulysses" else []
         args = script.parse_args(flags)
         training = script.setup_training(args)
         engine = training.engine
-        references = GlobalBatchStream(training.steps.source, tokens_per_step=args.tokens_per_step,
-                                       max_seq_len=args.seq_length, seed=args.seed)
+        # The whole global batch, as one data-parallel rank would read it: every rank's share, in order.
+        references = SampleShares(training.steps.shares.dataset, global_batch_size=args.global_batch_size,
+                                  micro_batch_size=args.micro_batch_size, data_parallel_rank=0, data_parallel_size=1)
         # Two steps: with lr 1e3 a third would start from weights so large that attention saturates and fp32
         # summation order (CP attention merges blocks) decides the gradient, for any layout.
         for step in range(2):
             before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
-            expected = _reference_gradients(script, args, engine.module.config, before, references.next_batch(),
-                                            training.steps.source)
+            expected, expected_loss = _reference_gradients(script, args, before, references.next_share())
             outcome = training.steps.train_step(engine)
             plan = training.steps.last_plan
             errors = [max_rel_err((before[name] - p.detach()) / SGD_LR, expected[name])
@@ -116,6 +125,7 @@ def _parity_worker(rank, world_size, directory):
             scale = max(float(g.abs().max()) for g in expected.values())
             assert 0 < scale < float("inf"), f"degenerate reference gradient (max |g| = {scale})"
             results.append({"stage": stage, "policy": policy, "step": step, "max_rel_err": max(errors),
+                            "loss": outcome.loss, "loss_rel_err": abs(outcome.loss - expected_loss) / expected_loss,
                             "counts": [plan.num_microbatches(r) for r in range(plan.domain_size)],
                             "cp_sizes": sorted(plan.cp_size_histogram()), "ran": outcome.num_microbatches,
                             "ulysses": sum(mb.attention == "ulysses" for w in plan.waves for g in w.groups
@@ -165,7 +175,11 @@ def test_gradients_equal_one_device_on_the_whole_batch(tmp_path):
     assert all(c["stopped"] and "not finite" in c["stopped"] and c["unchanged"] for c in blowup), blowup
     for case in rank0:
         print(case)
-        assert case["max_rel_err"] <= 1e-5, case
+        assert case["max_rel_err"] <= 1e-5 and case["loss_rel_err"] <= 1e-5, case
+    # Megatron's blended GPT datasets: the same losses with and without --dcp (and both equal one device's).
+    blend = {(c["policy"], c["step"]): c["loss"] for c in rank0 if c["policy"].startswith("blend")}
+    assert len(blend) == 4 and all(abs(blend["blend_dcp", s] - blend["blend_static", s]) <= 1e-5 * blend["blend_static", s]
+                                   for s in (0, 1)), blend
     dcp = [c for c in rank0 if c["policy"] != "static"]
     assert all(c["ulysses"] > 0 for c in rank0 if c["policy"] == "ulysses"), "no micro-batch ran Ulysses"
     assert any(len(set(c["counts"])) > 1 for c in dcp), "no planned step gave the ranks different counts"
@@ -208,8 +222,15 @@ def _close(trace, reference, tolerance=1e-5):
 def test_loss_traces_agree_across_layouts(runs):
     reference = runs["one_rank"].check().loss_trace()
     # ZeRO-0 (gradients exact at every checked step, above) has no trace run of its own: the suite's 20 minutes.
+    reference_norms = [runs["one_rank"].grad_norms[i] for i in sorted(runs["one_rank"].grad_norms)]
     for name in ("dcp_z1", "dcp_z2", "static"):
         print(name, _close(runs[name].check().loss_trace(), reference))
+        # grad norms (printed to 6 digits) beside the losses: the same gradients, not only the same loss
+        norms = [runs[name].grad_norms[i] for i in sorted(runs[name].grad_norms)]
+        print(name, "grad norms", _close(norms, reference_norms, tolerance=1e-4))
+    # No CPU flag was given: the script chose them and said so in one line (explicit flags win: not tested here).
+    notice = "dcp: no GPU found, so this run uses --distributed-backend gloo --transformer-impl local"
+    assert all(notice in runs[name].output for name in runs if name not in ("root", "plans", "save")), notice
     # Mock tokens are uniform (nothing to learn beyond ln 256): check the weights moved, not that loss fell.
     assert len(set(reference)) == len(reference) and all(n > 0 for n in runs["one_rank"].grad_norms.values())
 

@@ -166,6 +166,12 @@ class Work:
         self.a_file = root / "a_file"
         self.a_file.write_text("not a directory")
 
+    def prefix(self) -> str:
+        """A --data-path prefix whose .bin and .idx exist."""
+        for suffix in (".bin", ".idx"):
+            (self.root / f"corpus{suffix}").write_bytes(b"")
+        return str(self.root / "corpus")
+
     def profile(self, text: str) -> str:
         path = self.root / f"profile_{abs(hash(text))}.json"
         path.write_text(text)
@@ -362,9 +368,13 @@ DS_CASES = {
                       ["fits no CP group", "--dcp-memory-budget-gb"]),
     "cp_attention_unknown": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--dcp-cp-attention", "a2a"]), ["--dcp-cp-attention: unknown ['a2a']"]),
     "profile_nan": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--dcp-profile", w.profile('{"gemm_flops": NaN}')]), ["--dcp-profile", "positive finite"]),
-    "tokens_below_seq_length": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--tokens-per-step", "512"]), ["--tokens-per-step 512 is below --seq-length 1024"]),
+    "megatron_lr_flag": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--lr", "1e-3"]), ["--lr", "the --deepspeed-config JSON sets"]),
+    "megatron_eval_flag": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--eval-interval", "5"]), ["--eval-interval", "does not evaluate"]),
+    "tensor_parallel": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--tensor-model-parallel-size", "2"]), ["--tensor-model-parallel-size 2", "TP = PP = 1"]),
+    "batch_not_divisible": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--global-batch-size", "3", "--micro-batch-size", "2"]), ["--global-batch-size"]),
+    "data_path_missing": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--data-path", "1", str(w.root / "x")]), ["--data-path", "x.bin"]),
     "timeout_zero": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--distributed-timeout-minutes", "0"]), ["--distributed-timeout-minutes must be positive"]),
-    "data_path_and_mock": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--data-path", str(w.root / "x")]), ["exactly one of --data-path"]),
+    "data_path_and_mock": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--data-path", w.prefix()]), ["exactly one of --data-path"]),
     "save_is_a_file": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--save", str(w.a_file)]), ["--save", "exists and is not a directory"]),
     "dump_plans_is_a_file": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--dcp-dump-plans", str(w.a_file)]), ["--dcp-dump-plans"]),
     "save_interval_without_save": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--save-interval", "2"]), ["--save-interval needs --save"]),

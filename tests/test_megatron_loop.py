@@ -93,7 +93,8 @@ _RUNS = {
                                                    iters=ITERS),
     # Way 1: the user's unmodified script through the launcher, without and with --dcp. The --dcp run is also the
     # uninterrupted trace the resumed runs continue (evaluated after every step, RESUME_BASE).
-    "plain": lambda root, script: run_training(script, [], iters=ITERS),
+    # Without any CPU flag: the launcher's patched validate_args defaults them on this GPU-less machine.
+    "plain": lambda root, script: run_training(script, [], iters=ITERS, cpu_flags=False),
     # --dcp-no-refine here and in the resume runs: plans from the configured cost model only, so the runs' plan
     # files can be compared (measured corrections would make them depend on this machine's timing).
     "dcp_launcher": lambda root, script: run_training(
@@ -247,6 +248,8 @@ def test_static_policy_runs_every_document_on_cp2(runs):
 
 def test_plain_run_has_no_dcp_steps(runs):
     assert runs("plain").dcp_steps == {}
+    # run without --distributed-backend gloo and the other CPU flags: defaulted, and said in one line
+    assert "dcp: no GPU found, so this run uses --distributed-backend gloo --transformer-impl local" in runs("plain").output
 
 
 def test_gradients_equal_an_independent_one_device_reference(runs, work):

@@ -4,7 +4,7 @@
   .venv/bin/python tools/bench_deepspeed.py [--steps 12] [--zero-stage 1] [--json OUT]
 
 Trains pretrain_scripts/pretrain_gpt_deepspeed.py on 2 CPU ranks (gloo) twice on the same global
-batches (mock long-tailed documents up to --seq-length, --tokens-per-step per step) under the same
+batches (Megatron's mock dataset, --global-batch-size samples of --seq-length tokens per step) under the same
 ZeRO stage and modelled memory per rank: once with `--dcp --dcp-policy static` (Megatron's layout:
 the one CP size and recompute setting that fits the longest document, for every step) and once
 with `--dcp`. Prints per-run mean step times over the steps after the first --warmup (start-up
@@ -27,11 +27,14 @@ from tests.deepspeed_runs import ds_config, run_deepspeed  # noqa: E402
 
 
 def model_flags(args) -> list[str]:
-    return ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--num-query-groups", "2",
-            "--ffn-hidden-size", "384", "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
-            "--untie-embeddings-and-output-weights", "--seq-length", str(args.seq_length), "--vocab-size", "256",
-            "--mock-data", "--mock-documents", "5000", "--tokens-per-step", str(args.tokens_per_step),
-            "--distributed-timeout-minutes", "5", "--seed", "1234"]
+    """Megatron's flags, as for pretrain_gpt.py (the CPU flags are defaulted by the script)."""
+    return ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--group-query-attention",
+            "--num-query-groups", "2", "--ffn-hidden-size", "384", "--swiglu", "--disable-bias-linear",
+            "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights", "--seq-length",
+            str(args.seq_length), "--max-position-embeddings", str(args.seq_length), "--micro-batch-size", "1",
+            "--global-batch-size", str(args.global_batch_size), "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "256", "--dataloader-inter-document-masking", "--attention-dropout", "0",
+            "--hidden-dropout", "0", "--distributed-timeout-minutes", "5", "--seed", "1234"]
 
 
 def main(argv=None) -> int:
@@ -40,7 +43,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2))
     parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--tokens-per-step", type=int, default=8192)
+    parser.add_argument("--global-batch-size", type=int, default=4, help="samples of --seq-length tokens per step")
     parser.add_argument("--memory-budget-gb", type=float, default=0.02)
     parser.add_argument("--json", default=None, help="write the numbers to this file")
     args = parser.parse_args(argv)

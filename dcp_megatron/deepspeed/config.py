@@ -112,7 +112,7 @@ def prepare_deepspeed_config(ds_config: dict) -> dict:
         if config.get(key, 1) != 1:
             raise DcpUsageError(
                 f'"{key}": {json.dumps(config[key])}: the step plan decides how many micro-batches each rank runs '
-                f'and what each holds (the batch is --tokens-per-step tokens); remove "{key}" or set it to 1')
+                f'and what each holds (the batch is --global-batch-size samples); remove "{key}" or set it to 1')
     config.pop("train_batch_size", None)  # DeepSpeed derives it: world size x 1 x 1
     config["train_micro_batch_size_per_gpu"] = 1
     config["gradient_accumulation_steps"] = 1

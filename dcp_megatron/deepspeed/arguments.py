@@ -1,0 +1,143 @@
+"""The DeepSpeed script's flags: Megatron's own parser and checks, plus `--deepspeed-config`.
+
+A user moves between the engines with one flag set: the model, data (`--data-path` blends, `--split`,
+`--mock-data`, `--tokenizer-type`), batch (`--global-batch-size`, `--micro-batch-size`, `--seq-length`),
+run (`--train-iters`, `--save`, `--load`, `--save-interval`, `--log-interval`, `--seed`,
+`--distributed-timeout-minutes`) and `--dcp*` flags are parsed by megatron.training's parser (with
+our `--dcp*` group, patches/training_arguments.py) and checked by Megatron's `validate_args`.
+DeepSpeed adds `--deepspeed-config` (its JSON owns the ZeRO stage, precision, optimizer, scheduler and
+clipping) and `--override-optimizer-config`.
+
+What the DeepSpeed script cannot honour is refused by name (exit 2), never dropped: tensor, pipeline
+or context parallelism (DeepSpeed's data-parallel group is the DCP domain), Megatron's optimizer and
+learning-rate flags and `--fp16`/`--bf16`/`--use-distributed-optimizer` (the JSON sets those), and
+evaluation (`--eval-interval`; the script has no evaluation loop).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from dcp_megatron.megatron.dcp_args import DcpUsageError
+
+# Megatron flags the JSON decides under DeepSpeed (refused when given, with where to put them instead).
+_JSON_OWNS = ("--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-warmup-iters", "--lr-warmup-fraction",
+              "--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--optimizer",
+              "--fp16", "--bf16", "--use-distributed-optimizer")
+_NOT_RUN = ("--eval-interval", "--eval-iters", "--train-samples")
+
+
+def _add_deepspeed_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("DeepSpeed (dcp-megatron's DeepSpeed script)")
+    group.add_argument("--deepspeed-config", required=True, help="DeepSpeed JSON (may hold a \"dcp\" block)")
+    group.add_argument("--override-optimizer-config", action="store_true",
+                       help="on --load, train with the config's optimizer/scheduler settings where they changed")
+    group.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    return parser
+
+
+def megatron_parser() -> argparse.ArgumentParser:
+    """megatron.training's parser with the --dcp* group and --deepspeed-config (unpatched Megatron in this process
+    or patched: the same parser)."""
+    from megatron.training import arguments
+
+    from patches.training_arguments import _unwrapped, _with_dcp_arguments
+
+    parser = argparse.ArgumentParser(description="GPT pretraining on DeepSpeed (Megatron's flags)", allow_abbrev=False)
+    parser = _with_dcp_arguments(_unwrapped(arguments.add_megatron_arguments))(parser)
+    return _add_deepspeed_arguments(parser)
+
+
+def _given(argv: list[str], flag: str) -> bool:
+    return any(token == flag or token.startswith(flag + "=") for token in argv)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Megatron's args for a DeepSpeed run, validated by Megatron and by us (DcpUsageError: refuse at start)."""
+    from megatron.training import arguments
+
+    from dcp_megatron.megatron.cpu_defaults import apply_cpu_defaults, cpu_defaults_notice
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = megatron_parser().parse_args(argv)
+    except SystemExit as err:   # argparse printed its usage line; a bad flag is a usage error (exit 2)
+        if err.code == 0:
+            raise
+        raise DcpUsageError("the command line above is not valid (see the usage line)") from None
+    refuse_unrun_flags(argv, args)
+    args.rank = int(os.environ.get("RANK", 0))
+    args.world_size = int(os.environ.get("WORLD_SIZE", 1))
+    check_before_megatron(args)   # what Megatron's bare asserts would report without naming the flag
+    args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
+    if not torch.cuda.is_available():
+        applied = apply_cpu_defaults(args, argv=argv)
+        if applied and args.rank == 0:
+            print(cpu_defaults_notice(applied), flush=True)
+    try:
+        _unwrapped_validate(arguments)(args, {"tokenizer_type": "NullTokenizer"})
+    except AssertionError as err:   # Megatron's checks are bare asserts: name them as a usage error
+        raise DcpUsageError(f"Megatron's argument check failed: {err or 'see the traceback above'}") from None
+    return args
+
+
+def check_before_megatron(args: argparse.Namespace) -> None:
+    """Start-up checks that name their flag, before Megatron's validate_args (TP = PP = CP = 1 already checked,
+    so the data-parallel size is the world size)."""
+    from dcp_megatron.deepspeed.checkpoint import check_checkpoint_paths
+
+    if args.train_iters is None or args.train_iters < 1:
+        raise DcpUsageError("give --train-iters N (N >= 1): the DeepSpeed script counts its run in steps")
+    if not (args.distributed_timeout_minutes > 0):
+        raise DcpUsageError(f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
+    if args.global_batch_size is not None and args.global_batch_size % (args.micro_batch_size * args.world_size):
+        raise DcpUsageError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+                            f"{args.micro_batch_size} x {args.world_size} data-parallel ranks")
+    if args.save_interval is not None and not args.save:
+        raise DcpUsageError("--save-interval needs --save DIR")
+    check_data_paths(args)
+    check_checkpoint_paths(save=args.save, load=args.load, dump_plans=args.dcp_dump_plans)
+
+
+def check_data_paths(args: argparse.Namespace) -> None:
+    """At start, before any process group: one data source, and every --data-path prefix has its .bin and .idx."""
+    for prefix in [token for token in args.data_path or [] if not _is_number(token)]:
+        missing = [prefix + suffix for suffix in (".bin", ".idx") if not os.path.isfile(prefix + suffix)]
+        if missing:
+            raise DcpUsageError(f"--data-path {prefix}: no {' and no '.join(missing)}")
+    has_paths = any(getattr(args, name, None) for name in ("data_path", "train_data_path", "data_args_path",
+                                                            "per_split_data_args_path"))
+    if bool(args.mock_data) == has_paths:
+        raise DcpUsageError("give exactly one of --data-path [WEIGHT] PREFIX ... (or per-split paths) and --mock-data")
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def _unwrapped_validate(arguments):
+    from patches.training_arguments import _unwrapped
+
+    return _unwrapped(arguments.validate_args)   # ours for the Megatron loop checks Megatron-path flags
+
+
+def refuse_unrun_flags(argv: list[str], args: argparse.Namespace) -> None:
+    owned = [flag for flag in _JSON_OWNS if _given(argv, flag)]
+    if owned:
+        raise DcpUsageError(f"{', '.join(owned)}: under DeepSpeed the --deepspeed-config JSON sets the optimizer, "
+                            "learning-rate schedule, clipping, precision and ZeRO; move these settings there")
+    unrun = [flag for flag in _NOT_RUN if _given(argv, flag)]
+    if unrun:
+        raise DcpUsageError(f"{', '.join(unrun)}: the DeepSpeed script trains --train-iters steps and does not "
+                            "evaluate; remove these flags (evaluation runs on the Megatron path)")
+    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        if getattr(args, flag) != 1:
+            raise DcpUsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: the DeepSpeed script runs "
+                                "TP = PP = 1 and lets --dcp choose CP per document; use the Megatron path for TP/PP")

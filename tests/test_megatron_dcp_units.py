@@ -30,11 +30,23 @@ def _args(**overrides) -> argparse.Namespace:
     return args
 
 
+_MOE = dict(num_experts=4, moe_router_load_balancing_type="aux_loss", expert_model_parallel_size=1)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(context_parallel_size=2), "--context-parallel-size 2 conflicts with --dcp"),
     (dict(recompute_granularity="full"), "--dcp-recompute"),
     (dict(pipeline_model_parallel_size=4), "--pipeline-model-parallel-size 1 or 2, got 4"),
     (dict(attention_dropout=0.1), "--attention-dropout"),
+    (dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline stages"),
+    (dict(num_layers_per_virtual_pipeline_stage=1), "virtual pipeline stages"),
+    (dict(tensor_model_parallel_size=2, **_MOE), "--num-experts needs --tensor-model-parallel-size 1, got 2"),
+    (dict(_MOE, moe_router_load_balancing_type=["global_aux_loss"]),
+     "--moe-router-load-balancing-type global_aux_loss is not supported with --dcp"),
+    (dict(_MOE, moe_router_load_balancing_type="quantile_balancing"),
+     "--moe-router-load-balancing-type quantile_balancing is not supported"),
+    (dict(_MOE, expert_model_parallel_size=2, dcp_recompute="selective,full"),
+     "--dcp-recompute selective,full: drop 'full' (--expert-model-parallel-size 2"),
     (dict(micro_batch_size=2, dataloader_inter_document_masking=False), "--dataloader-inter-document-masking"),
     (dict(dcp_max_cp_size=4), "exceeds the DCP domain of 2 ranks"),
     (dict(dcp_memory_budget_gb=float("nan")), "--dcp-memory-budget-gb must be a positive number"),
@@ -59,6 +71,15 @@ def test_dcp_flags_without_dcp_are_refused_and_dcp_turns_on_per_token_loss(capsy
     assert "--calculate-per-token-loss" in capsys.readouterr().out
     validate_dcp_args(_args(dcp=False))  # plain runs pass untouched
     validate_dcp_args(_args(dcp=True, tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
+
+
+def test_moe_with_expert_parallelism_takes_full_recompute_out_of_dcps_choices(capsys):
+    args = _args(dcp=True, **dict(_MOE, expert_model_parallel_size=2))
+    validate_dcp_args(args)
+    assert args.dcp_recompute == "none,selective" and "full recompute would replay MoE" in capsys.readouterr().out
+    args = _args(dcp=True, **_MOE)   # EP 1: no all-to-all, every recompute stays allowed
+    validate_dcp_args(args)
+    assert args.dcp_recompute is None
 
 
 def test_dcp_config_is_validated():

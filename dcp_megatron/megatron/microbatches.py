@@ -39,6 +39,7 @@ class MicroBatchContext:
     group: object            # torch.distributed.ProcessGroup, None for a group of one
     recompute: Recompute
     attention: str = "allgather"   # CP attention flavour the plan chose ("allgather" or "ulysses")
+    padding_mask: object = None    # bool [1, T_local]: True at padding rows (MoE routers leave them out)
 
 
 def _prefix(lengths) -> torch.Tensor:
@@ -69,7 +70,8 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
     context = MicroBatchContext(wave_index=wave_index, cp_size=cp_size, cp_rank=cp_rank,
                                 group=group if cp_size > 1 else None,
                                 recompute=recompute if documents else NO_RECOMPUTE,
-                                attention=attention if cp_size > 1 else "allgather")
+                                attention=attention if cp_size > 1 else "allgather",
+                                padding_mask=row(~shard.valid_mask))
     return {
         "tokens": row(local[:, 0]), "labels": row(local[:, 1]), "loss_mask": row(loss_mask),
         "position_ids": row(shard.position_ids),

@@ -36,10 +36,11 @@ _MOE = dict(num_experts=4, moe_router_load_balancing_type="aux_loss", expert_mod
 @pytest.mark.parametrize("overrides, message", [
     (dict(context_parallel_size=2), "--context-parallel-size 2 conflicts with --dcp"),
     (dict(recompute_granularity="full"), "--dcp-recompute"),
-    (dict(pipeline_model_parallel_size=4), "--pipeline-model-parallel-size 1 or 2, got 4"),
     (dict(attention_dropout=0.1), "--attention-dropout"),
-    (dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline stages"),
-    (dict(num_layers_per_virtual_pipeline_stage=1), "virtual pipeline stages"),
+    (dict(pipeline_model_parallel_size=4, dataloader_inter_document_masking=False),
+     "--pipeline-model-parallel-size 4 needs --dataloader-inter-document-masking"),
+    (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
+          dataloader_inter_document_masking=False), "and virtual pipeline stages needs --dataloader-inter-document"),
     (dict(tensor_model_parallel_size=2, **_MOE), "--num-experts needs --tensor-model-parallel-size 1, got 2"),
     (dict(_MOE, moe_router_load_balancing_type=["global_aux_loss"]),
      "--moe-router-load-balancing-type global_aux_loss is not supported with --dcp"),
@@ -71,6 +72,7 @@ def test_dcp_flags_without_dcp_are_refused_and_dcp_turns_on_per_token_loss(capsy
     assert "--calculate-per-token-loss" in capsys.readouterr().out
     validate_dcp_args(_args(dcp=False))  # plain runs pass untouched
     validate_dcp_args(_args(dcp=True, tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
+    validate_dcp_args(_args(dcp=True, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2))
 
 
 def test_moe_with_expert_parallelism_takes_full_recompute_out_of_dcps_choices(capsys):

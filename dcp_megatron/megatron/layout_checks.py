@@ -1,4 +1,4 @@
-"""What `--dcp` cannot yet do in a model-parallel layout (pipeline depth, virtual stages, Mixture-of-Experts).
+"""What `--dcp` cannot yet do in a model-parallel layout (Mixture-of-Experts; deep and virtual pipelines run).
 
 Called from dcp_args.refuse_conflicting_flags (one line) under `--dcp`, before Megatron builds anything: every
 refusal names the flag to change and says why. The layout facts behind each:
@@ -26,17 +26,15 @@ _NO_PER_MICROBATCH_BALANCING = ("global_aux_loss", "quantile_balancing")
 
 def check_dcp_layout(args: argparse.Namespace) -> None:
     """Refuse (DcpUsageError) what --dcp cannot honour in this layout; narrow --dcp-recompute for EP > 1."""
+    virtual_stages = any(getattr(args, name, None) is not None for name in (
+        "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+        "num_virtual_stages_per_pipeline_rank"))
     refusals = (
-        (args.pipeline_model_parallel_size > 2,
-         f"--dcp supports --pipeline-model-parallel-size 1 or 2, got {args.pipeline_model_parallel_size}: "
-         "Megatron-LM's get_batch hands middle pipeline stages no CP group, so a CP > 1 micro-batch would "
-         "run there without its group"),
-        (getattr(args, "virtual_pipeline_model_parallel_size", None) is not None
-         or getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
-         or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None,
-         "--dcp does not support virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
-         "--num-virtual-stages-per-pipeline-rank): model chunks other than the first and last get no CP group "
-         "from Megatron-LM's get_batch"),
+        ((args.pipeline_model_parallel_size > 2 or virtual_stages) and not args.dataloader_inter_document_masking,
+         f"--dcp with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}"
+         f"{' and virtual pipeline stages' if virtual_stages else ''} needs --dataloader-inter-document-masking: "
+         "without it Megatron-LM's get_batch hands middle stages no batch, so their attention would run without "
+         "the micro-batch's documents and CP group"),
     )
     num_experts = getattr(args, "num_experts", None)
     if num_experts:

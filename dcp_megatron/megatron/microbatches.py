@@ -100,3 +100,14 @@ def rank_batches(plan: StepPlan, documents: dict[int, torch.Tensor], *, pool, de
         batches.append(build_batch([], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE,
                                    wave_index=0, device=device, pad_multiple=pad_multiple))
     return batches
+
+
+def with_fillers_to_multiple(batches: list[dict], multiple: int, *, device, pad_multiple: int = 1) -> list[dict]:
+    """`batches` and masked fillers up to a multiple of `multiple` micro-batches: Megatron's interleaved (virtual
+    stage) schedule runs micro-batches in groups of `microbatch_group_size_per_vp_stage` (the PP size by
+    default). Every rank runs the same count under PP (one micro-batch per group per wave), so all pad alike."""
+    missing = -len(batches) % multiple
+    wave_index = batches[-1][MICROBATCH_KEY].wave_index + 1 if batches else 0
+    return batches + [build_batch([], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE,
+                                  wave_index=wave_index + i, device=device, pad_multiple=pad_multiple)
+                      for i in range(missing)]

@@ -47,7 +47,8 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balanc
        "--moe-aux-loss-coeff", "0", "--moe-z-loss-coeff", "0.1"]
 MOE_LAYOUTS = {"ep2": [*MOE, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
                "ep1": [*MOE, "--moe-token-dispatcher-type", "allgather"]}
-MOE_BUDGET = ["--dcp-memory-budget-gb", "0.006"]
+# Budgets at which a 1,024-token document needs CP 2 (EP 2: without full recompute; EP 1: even with it).
+MOE_BUDGETS = {"ep2": ["--dcp-memory-budget-gb", "0.006"], "ep1": ["--dcp-memory-budget-gb", "0.004"]}
 # Virtual pipeline stages (interleaved 1F1B), 4 layers, one per virtual stage. PP 2 x VPP 2 on 4 ranks: a 2-rank
 # domain, so plans mix CP 1 and 2 on every model chunk (1,024-token documents need CP 2 at this budget). PP 4 x
 # VPP 2 (8 layers) fits 4 CPU ranks only as a 1-rank domain (CP 1: no CP group to hand middle stages; a 2-rank
@@ -75,7 +76,7 @@ def runs(tmp_path_factory):
     for name, layout in MOE_LAYOUTS.items():
         specs[f"moe_{name}_plain"] = functools.partial(run_training, OUR_SCRIPT, layout, nproc=2, iters=ITERS)
         specs[f"moe_{name}_dcp"] = functools.partial(
-            run_training, OUR_SCRIPT, [*layout, "--dcp", *MOE_BUDGET, "--dcp-check-plans", "--dcp-dump-plans",
+            run_training, OUR_SCRIPT, [*layout, "--dcp", *MOE_BUDGETS[name], "--dcp-check-plans", "--dcp-dump-plans",
                                        str(root / f"moe_{name}_plans")], nproc=2, iters=ITERS)
     specs.update({
         "vpp_plain": lambda: run_training(OUR_SCRIPT, VPP, nproc=2, iters=ITERS),

@@ -232,6 +232,10 @@ class DcpForwardBackward:
         source = self._share_source_rank
         local = None
         if source is None or torch.distributed.get_rank() == source:
+            if isinstance(data_iterator, list):
+                # Virtual pipeline stages: one iterator per model chunk over the same samples; DCP reads the
+                # global batch once, from the first, and hands every chunk the same micro-batches.
+                data_iterator = data_iterator[0]
             if data_iterator is None:
                 raise RuntimeError("--dcp: this rank reads the global batch but Megatron gave it no data iterator")
             try:

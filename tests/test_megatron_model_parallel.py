@@ -198,8 +198,11 @@ def test_moe_dcp_path_ran_its_own_plans_with_mixed_cp(runs, ep):
     dcp = runs(f"moe_{ep}_dcp")
     assert sorted(dcp.dcp_steps) == list(range(1, ITERS + 1))
     plans = _plans(runs.root / f"moe_{ep}_plans")
-    assert all(plan.policy == "dcp" and not plan.extra.get("fallback") for plan in plans)
-    assert {g.size for plan in plans for wave in plan.waves for g in wave.groups} == {1, 2}
+    # PP 1: refinement is on, and from step 4 measured times may make a baseline's plan win (a fallback); the
+    # unrefined steps' plans are DCP's own, fixed by the lengths alone.
+    first = plans[:UNREFINED_STEPS]
+    assert all(plan.policy == "dcp" and not plan.extra.get("fallback") for plan in first), [p.extra for p in plans]
+    assert {g.size for plan in first for wave in plan.waves for g in wave.groups} == {1, 2}
     if ep == "ep2":   # all-to-alls pair the EP ranks' micro-batches: lockstep, and no full recompute
         assert all(len(g.microbatches) == 1 for plan in plans for wave in plan.waves for g in wave.groups)
         assert all(min(step["counts"]) == max(step["counts"]) for step in dcp.dcp_steps.values())

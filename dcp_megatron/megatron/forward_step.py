@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
-from dcp_megatron.megatron.recompute import apply_recompute
+from dcp_megatron.megatron.recompute import apply_recompute, decoder_layers
 
 _CURRENT_MICROBATCH: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
     "dcp_current_microbatch", default=None)
@@ -65,6 +65,7 @@ class DcpForwardStep:
         # chunk in its own order; each chunk reads the rank's micro-batches from its own iterator.
         self._batches = {id(chunk): iter(batches) for chunk in model_chunks}
         self._model_chunks = model_chunks
+        self._stage_layers = sum(len(decoder_layers(chunk)) for chunk in model_chunks)
         self._config = config
         self._clock = Clock(cuda=cuda_events)
         self._marks: list = []    # when each forward started
@@ -89,7 +90,7 @@ class DcpForwardStep:
             raise AssertionError("the schedule ran more forward steps than this rank has DCP micro-batches") from None
         recompute = batch[MICROBATCH_KEY].recompute
         for chunk in self._model_chunks:
-            apply_recompute(chunk, self._config, recompute)
+            apply_recompute(chunk, self._config, recompute, stage_layers=self._stage_layers)
         self.num_run += 1
         self._marks.append(self._clock.mark())
         token = _CURRENT_MICROBATCH.set(batch)

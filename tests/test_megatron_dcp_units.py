@@ -12,7 +12,7 @@ pytest.importorskip("megatron.core")
 from dcp_megatron.megatron.dcp_args import DcpConfig, DcpUsageError, add_dcp_arguments, validate_dcp_args  # noqa: E402
 from dcp_megatron.megatron.global_batch import (  # noqa: E402
     DocumentIndex, Documents, documents_needed, exchange_documents, gather_lengths, split_samples)
-from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, build_batch  # noqa: E402
+from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, build_batch, with_fillers_to_multiple  # noqa: E402
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, StepPlan, Wave  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
@@ -165,9 +165,20 @@ def test_microbatch_dict_follows_the_packed_contract():
     assert float(other["loss_mask"].sum()) == 3  # the two ranks together hold every real token once
     context = batch[MICROBATCH_KEY]
     assert (context.group, context.cp_size, context.cp_rank, context.wave_index) == ("G", 2, 1, 3)
+    assert context.padding_mask.shape == (1, 6) and int(context.padding_mask.sum()) == 1   # MoE routers skip it
     filler = build_batch([], cp_size=1, cp_rank=0, group=None, recompute=Recompute("full", 1), wave_index=0,
                          device="cpu")
     assert float(filler["loss_mask"].sum()) == 0 and filler[MICROBATCH_KEY].recompute == NO_RECOMPUTE
+
+
+def test_virtual_stages_get_fillers_up_to_the_interleaved_schedules_group_size():
+    docs = [torch.tensor([[5, 6, 1]] * 3)]
+    batches = [build_batch(docs, cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE, wave_index=w,
+                           device="cpu") for w in range(3)]
+    padded = with_fillers_to_multiple(batches, 2, device="cpu")
+    assert len(padded) == 4 and padded[:3] == batches
+    assert float(padded[3]["loss_mask"].sum()) == 0 and padded[3][MICROBATCH_KEY].wave_index == 3
+    assert len(with_fillers_to_multiple(batches, 3, device="cpu")) == 3
 
 
 def test_patch_set_supports_only_the_versions_it_was_run_on(monkeypatch):

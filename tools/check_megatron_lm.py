@@ -38,7 +38,10 @@ _MIXTRAL = ("--init-method-std 0.01 --no-position-embedding --rotary-base 100000
             "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --moe-token-dispatcher-type alltoall "
             "--expert-model-parallel-size 2 --overlap-grad-reduce --overlap-param-gather").split()
 # PP 4 with two virtual stages per rank (8 layers, one per virtual stage): a domain of one rank on 4 CPU ranks.
-_PP4_VPP2 = "--pipeline-model-parallel-size 4 --num-layers 8 --num-layers-per-virtual-pipeline-stage 1".split()
+# --eval-iters 0: Megatron's evaluation is not DCP's (it runs Megatron's own path), and there Megatron-LM's script
+# reads a batch on middle stages that have no data iterator (see _PLAIN_WITH_OUR_SCRIPT).
+_PP4_VPP2 = ("--pipeline-model-parallel-size 4 --num-layers 8 --num-layers-per-virtual-pipeline-stage 1 "
+             "--eval-iters 0").split()
 
 # layout: (flags of both runs, --dcp budget flags, ranks of the --dcp run, ranks of the plain run)
 _LAYOUTS = {

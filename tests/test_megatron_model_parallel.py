@@ -216,7 +216,8 @@ def test_virtual_pipeline_stages_dcp_equals_megatrons_plain_path(runs, layout):
     dcp, plain = runs(f"{layout}_dcp"), runs(f"{layout}_plain")
     _assert_same_training(dcp, plain, f"{layout}: --dcp vs plain")
     plans = _plans(runs.root / f"{layout}_plans")
-    assert all(plan.policy == "dcp" and not plan.extra.get("fallback") for plan in plans)
+    # On a 1-rank domain (pp4vpp2) a baseline's packing may win: only the 2-rank domain must run DCP's own plans.
+    assert all(plan.policy == "dcp" and (layout != "vpp" or not plan.extra.get("fallback")) for plan in plans)
     assert all(len(g.microbatches) == 1 for plan in plans for wave in plan.waves for g in wave.groups)
     sizes = {g.size for plan in plans for wave in plan.waves for g in wave.groups}
     assert sizes == ({1, 2} if layout == "vpp" else {1}), sizes

@@ -15,6 +15,7 @@ import dcp_megatron
 
 dcp_megatron.enable()
 
+import sys  # noqa: E402
 from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
@@ -24,7 +25,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
-    get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+    get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer  # noqa: E402
 from megatron.core.utils import (  # noqa: E402
@@ -40,18 +41,29 @@ FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "cu_seq
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """The GPTModel Megatron-LM's gpt_builders.py builds from the same flags (MoE layers included)."""
     args = get_args()
     config = config if config is not None else core_transformer_config_from_args(args)
-    if args.transformer_impl == "transformer_engine":
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    use_te = args.transformer_impl == "transformer_engine"
+    if args.num_experts:   # dense and MoE layers as --moe-layer-freq places them, this stage's slice
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
+                                          qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
+    elif use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention,
+            qk_l2_norm=config.qk_l2_norm, use_te_activation_func=config.use_te_activation_func)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
+                                        multi_latent_attention=config.multi_latent_attention,
+                                        normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
-        parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base, vp_stage=vp_stage, pg_collection=pg_collection)
+        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, vp_stage=vp_stage,
+        pg_collection=pg_collection)
 
 
 def datasets_provider(num_samples, vp_stage=None):
@@ -126,7 +138,22 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, loss_mask)
 
 
+def refuse_flags_this_script_ignores(args) -> None:
+    """Flags Megatron-LM's gpt_builders.py honours and this script does not: exit 2 rather than build another model."""
+    unsupported = (("--spec", args.spec), ("--yaml-cfg", getattr(args, "yaml_cfg", None)),
+                   ("--experimental-attention-variant", getattr(args, "experimental_attention_variant", None)),
+                   ("--heterogeneous-layers-config-path", getattr(args, "heterogeneous_layers_config_path", None)),
+                   ("--mtp-num-layers", getattr(args, "mtp_num_layers", None)))
+    for flag, value in unsupported:
+        if value is not None:
+            print(f"pretrain_gpt.py: {flag} is not supported by dcp-megatron's script (it would build a different "
+                  "model); drop it or run Megatron-LM's pretrain_gpt.py through `python -m dcp_megatron.launch`",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(2)
+
+
 if __name__ == "__main__":
     run_args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    refuse_flags_this_script_ignores(run_args)
     pretrain(pretrain_cfg_container_from_args(run_args), datasets_provider, ModelType.encoder_or_decoder,
              forward_step, model_provider=model_provider)

@@ -12,7 +12,7 @@ pytest.importorskip("megatron.core")
 from dcp_megatron.megatron.dcp_args import DcpConfig, DcpUsageError, add_dcp_arguments, validate_dcp_args  # noqa: E402
 from dcp_megatron.megatron.global_batch import (  # noqa: E402
     DocumentIndex, Documents, documents_needed, exchange_documents, gather_lengths, split_samples)
-from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, build_batch  # noqa: E402
+from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, build_batch, with_fillers_to_multiple  # noqa: E402
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, StepPlan, Wave  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
@@ -30,11 +30,24 @@ def _args(**overrides) -> argparse.Namespace:
     return args
 
 
+_MOE = dict(num_experts=4, moe_router_load_balancing_type="aux_loss", expert_model_parallel_size=1)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(context_parallel_size=2), "--context-parallel-size 2 conflicts with --dcp"),
     (dict(recompute_granularity="full"), "--dcp-recompute"),
-    (dict(pipeline_model_parallel_size=4), "--pipeline-model-parallel-size 1 or 2, got 4"),
     (dict(attention_dropout=0.1), "--attention-dropout"),
+    (dict(pipeline_model_parallel_size=4, dataloader_inter_document_masking=False),
+     "--pipeline-model-parallel-size 4 needs --dataloader-inter-document-masking"),
+    (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
+          dataloader_inter_document_masking=False), "and virtual pipeline stages needs --dataloader-inter-document"),
+    (dict(tensor_model_parallel_size=2, **_MOE), "--num-experts needs --tensor-model-parallel-size 1, got 2"),
+    (dict(_MOE, moe_router_load_balancing_type=["global_aux_loss"]),
+     "--moe-router-load-balancing-type global_aux_loss is not supported with --dcp"),
+    (dict(_MOE, moe_router_load_balancing_type="quantile_balancing"),
+     "--moe-router-load-balancing-type quantile_balancing is not supported"),
+    (dict(_MOE, expert_model_parallel_size=2, dcp_recompute="selective,full"),
+     "--dcp-recompute selective,full: drop 'full' (--expert-model-parallel-size 2"),
     (dict(micro_batch_size=2, dataloader_inter_document_masking=False), "--dataloader-inter-document-masking"),
     (dict(dcp_max_cp_size=4), "exceeds the DCP domain of 2 ranks"),
     (dict(dcp_memory_budget_gb=float("nan")), "--dcp-memory-budget-gb must be a positive number"),
@@ -60,6 +73,16 @@ def test_dcp_flags_without_dcp_are_refused_and_dcp_turns_on_per_token_loss(capsy
     assert "--calculate-per-token-loss" in capsys.readouterr().out
     validate_dcp_args(_args(dcp=False))  # plain runs pass untouched
     validate_dcp_args(_args(dcp=True, tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
+    validate_dcp_args(_args(dcp=True, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2))
+
+
+def test_moe_with_expert_parallelism_takes_full_recompute_out_of_dcps_choices(capsys):
+    args = _args(dcp=True, **dict(_MOE, expert_model_parallel_size=2))
+    validate_dcp_args(args)
+    assert args.dcp_recompute == "none,selective" and "full recompute would replay MoE" in capsys.readouterr().out
+    args = _args(dcp=True, **_MOE)   # EP 1: no all-to-all, every recompute stays allowed
+    validate_dcp_args(args)
+    assert args.dcp_recompute is None
 
 
 def test_dcp_config_is_validated():
@@ -162,9 +185,20 @@ def test_microbatch_dict_follows_the_packed_contract():
     assert float(other["loss_mask"].sum()) == 3  # the two ranks together hold every real token once
     context = batch[MICROBATCH_KEY]
     assert (context.group, context.cp_size, context.cp_rank, context.wave_index) == ("G", 2, 1, 3)
+    assert context.padding_mask.shape == (1, 6) and int(context.padding_mask.sum()) == 1   # MoE routers skip it
     filler = build_batch([], cp_size=1, cp_rank=0, group=None, recompute=Recompute("full", 1), wave_index=0,
                          device="cpu")
     assert float(filler["loss_mask"].sum()) == 0 and filler[MICROBATCH_KEY].recompute == NO_RECOMPUTE
+
+
+def test_virtual_stages_get_fillers_up_to_the_interleaved_schedules_group_size():
+    docs = [torch.tensor([[5, 6, 1]] * 3)]
+    batches = [build_batch(docs, cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE, wave_index=w,
+                           device="cpu") for w in range(3)]
+    padded = with_fillers_to_multiple(batches, 2, device="cpu")
+    assert len(padded) == 4 and padded[:3] == batches
+    assert float(padded[3]["loss_mask"].sum()) == 0 and padded[3][MICROBATCH_KEY].wave_index == 3
+    assert len(with_fillers_to_multiple(batches, 3, device="cpu")) == 3
 
 
 def test_patch_set_supports_only_the_versions_it_was_run_on(monkeypatch):
@@ -279,3 +313,4 @@ def test_run_paths_are_checked_at_start_up(tmp_path):
         check_run_paths(paths(load=str(empty)))   # Megatron would fail only after building the model
     (empty / "iter_0000005").mkdir()
     check_run_paths(paths(load=str(empty)))
+

@@ -13,7 +13,7 @@ from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, StepPlan, Wa
 from dcp_megatron.planner.policies import POLICIES, make_plan
 from dcp_megatron.planner.timeline import plan_makespan, rank_timeline
 from dcp_megatron.planner.validate import PlanError, validate
-from tests.planner_helpers import tiny_cost
+from tests.planner_helpers import plans_of_every_policy, tiny_cost
 
 
 def long_tailed_batch(seed: int, num: int = 300, longest: int = 24000) -> list[tuple[int, int]]:
@@ -240,3 +240,18 @@ def test_dcp_moves_a_document_to_a_larger_group_when_that_saves_its_recompute():
               for mb in g.microbatches for seq_id, _ in mb.sequences}
     assert placed[1] == (2, "none") and "fallback" not in plan.extra
     assert plan.est_step_time_s < make_plan("static", batch, cost, max_seq_len=4096).est_step_time_s
+
+
+def test_expert_parallel_plans_run_every_group_in_lockstep():
+    """EP > 1 (PP 1): MoE all-to-alls pair the EP ranks' micro-batches, so every policy gives each group exactly
+    one micro-batch per wave (equal counts on every rank), as with PP; EP 1 keeps unequal counts possible."""
+    base = tiny_cost(4)
+    cost = CostModel(dataclasses.replace(base.model, ep=2), base.cluster)
+    assert cost.model.lockstep and not base.model.lockstep
+    batch = [(i, n) for i, n in enumerate([4000, 900, 300, 300, 200, 120, 64, 64, 32, 20, 16])]
+    for policy, plan in plans_of_every_policy(batch, cost, max_seq_len=4096).items():
+        validate(plan, batch, cost.cluster, cost)
+        assert all(len(g.microbatches) == 1 for wave in plan.waves for g in wave.groups), policy
+    two = Wave((Group(0, 4, (_mb((0, 10)), _mb((1, 10)))),))
+    with pytest.raises(PlanError, match="ep=2"):
+        validate(StepPlan(4, (two,)), [(0, 10), (1, 10)], cost.cluster, cost)

@@ -7,7 +7,11 @@ DIR holds Megatron-LM's top-level `pretrain_gpt.py`, `gpt_builders.py` and `mode
 core_v0.19.0; public, not shipped here) and no `megatron/` package, so the installed megatron-core 0.19.2
 wheel is the one imported. Runs the tiny Llama-3 flag set of tests/megatron_runs.py, prints both loss traces
 and the DCP plans, and exits 1 unless the traces agree within 1e-5. Layouts: `dp` (2 ranks, both runs),
-`tp2sp` (TP 2 + sequence parallelism) and `pp2` (PP 2): plain on 2 ranks, `--dcp` on 4 (a 2-rank domain).
+`tp2sp` (TP 2 + sequence parallelism) and `pp2` (PP 2): plain on 2 ranks, `--dcp` on 4 (a 2-rank domain);
+`mixtral` (the MoE flags of Megatron-LM's Mixtral example, 4 experts, EP 2, aux loss 1e-2: 2 ranks, both runs;
+the aux loss is a statistic of each micro-batch, and DCP's micro-batches are not Megatron's, so its traces may
+differ by the aux term's share), `pp4vpp2` (PP 4 with two virtual stages per rank: 4 ranks, both runs; the plain run is our script's, see
+_PLAIN_WITH_OUR_SCRIPT).
 """
 from __future__ import annotations
 
@@ -18,15 +22,35 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.megatron_runs import run_training  # noqa: E402
+from tests.megatron_runs import OUR_SCRIPT, run_training  # noqa: E402
+
+# Layouts whose plain run uses our pretrain_scripts/pretrain_gpt.py (the same model from the same flags): at
+# core_v0.19.0 Megatron-LM's own script cannot run them without --dcp. Its `is_dataset_built_on_rank` builds no
+# dataset on middle pipeline stages (or middle virtual-stage chunks) unless the run is SFT, while its `get_batch`
+# reads a batch on every stage once documents are packed (--dataloader-inter-document-masking): `next(None)`.
+# Under --dcp the global batch is read on the first stage only and every stage gets its micro-batches from DCP.
+_PLAIN_WITH_OUR_SCRIPT = {"pp4vpp2"}
 
 
-# layout: (flags of both runs, --dcp budget flags, ranks of the --dcp run)
+# Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh (core_v0.19.0), its model and MoE flags at tiny
+# size (8 -> 4 experts, EP 8 -> 2; --moe-grouped-gemm left out: the local spec's grouped GEMM needs a GPU kernel).
+_MIXTRAL = ("--init-method-std 0.01 --no-position-embedding --rotary-base 1000000 --num-experts 4 --moe-router-topk 2 "
+            "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --moe-token-dispatcher-type alltoall "
+            "--expert-model-parallel-size 2 --overlap-grad-reduce --overlap-param-gather").split()
+# PP 4 with two virtual stages per rank (8 layers, one per virtual stage): a domain of one rank on 4 CPU ranks.
+# --eval-iters 0: Megatron's evaluation is not DCP's (it runs Megatron's own path), and there Megatron-LM's script
+# reads a batch on middle stages that have no data iterator (see _PLAIN_WITH_OUR_SCRIPT).
+_PP4_VPP2 = ("--pipeline-model-parallel-size 4 --num-layers 8 --num-layers-per-virtual-pipeline-stage 1 "
+             "--eval-iters 0").split()
+
+# layout: (flags of both runs, --dcp budget flags, ranks of the --dcp run, ranks of the plain run)
 _LAYOUTS = {
-    "dp": ([], ["--dcp-memory-budget-gb", "0.004"], 2),
-    "tp2sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--dcp-memory-budget-gb", "0.002"], 4),
+    "dp": ([], ["--dcp-memory-budget-gb", "0.004"], 2, 2),
+    "tp2sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--dcp-memory-budget-gb", "0.002"], 4, 2),
     "pp2": (["--pipeline-model-parallel-size", "2"],
-            ["--dcp-memory-budget-gb", "0.0035", "--dcp-recompute", "selective,full"], 4),
+            ["--dcp-memory-budget-gb", "0.0035", "--dcp-recompute", "selective,full"], 4, 2),
+    "mixtral": (_MIXTRAL, ["--dcp-memory-budget-gb", "0.006"], 2, 2),
+    "pp4vpp2": (_PP4_VPP2, [], 4, 4),
 }
 
 
@@ -46,9 +70,11 @@ def main(argv=None) -> int:
               "megatron-core; copy the three scripts to a directory of their own", file=sys.stderr)
         return 2
     runs = {}
-    layout, budget, dcp_ranks = _LAYOUTS[args.layout]
-    for label, extra, nproc in (("plain", layout, 2), ("dcp", [*layout, "--dcp", *budget], dcp_ranks)):
-        runs[label] = run = run_training(script, extra, nproc=nproc, iters=args.iters).check()
+    layout, budget, dcp_ranks, plain_ranks = _LAYOUTS[args.layout]
+    plain_script = OUR_SCRIPT if args.layout in _PLAIN_WITH_OUR_SCRIPT else script
+    for label, run_script, extra, nproc in (("plain", plain_script, layout, plain_ranks),
+                                            ("dcp", script, [*layout, "--dcp", *budget], dcp_ranks)):
+        runs[label] = run = run_training(run_script, extra, nproc=nproc, iters=args.iters).check()
         print(f"{label:5s} loss trace: {run.loss_trace()}")
     for step, info in sorted(runs["dcp"].dcp_steps.items()):
         print(f"  dcp step {step}: {info['policy']} cp sizes {info['cp_sizes']} micro-batches/rank "

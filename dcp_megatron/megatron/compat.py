@@ -44,6 +44,11 @@ _CPU_PATCH_MODULES = (
     "pipeline_parallel_hybrid_cp_schedule",
     "training_arguments",
     "models_rope_utils",
+    "transformer_moe_token_dispatcher",
+    "transformer_moe_router",
+    "transformer_moe_moe_layer",
+    "transformer_moe_moe_utils",
+    "transformer_moe_experts",
 )
 
 

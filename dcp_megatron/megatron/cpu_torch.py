@@ -95,6 +95,10 @@ class CpuCuda(types.ModuleType):
         return CpuStream()
 
     @staticmethod
+    def Event(*args: Any, **kwargs: Any) -> "CpuEvent":  # noqa: N802 - mirrors torch.cuda.Event
+        return CpuEvent()
+
+    @staticmethod
     def stream(stream: Any) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
@@ -135,8 +139,28 @@ class CpuStream:
     def synchronize(self) -> None:
         return None
 
-    def record_event(self, event: Any = None) -> None:
+    def record_event(self, event: Any = None) -> "CpuEvent":
+        # MoE's alltoall dispatcher synchronizes on the event this returns.
+        return event if event is not None else CpuEvent()
+
+
+class CpuEvent:
+    """A CUDA event stand-in: CPU work is complete when it is recorded."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         return None
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
 
     def __enter__(self) -> "CpuStream":
         return self

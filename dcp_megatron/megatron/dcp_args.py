@@ -175,14 +175,8 @@ def refuse_conflicting_flags(args: argparse.Namespace) -> None:
         (args.recompute_granularity is not None,
          f"--recompute-granularity {args.recompute_granularity} conflicts with --dcp: DCP chooses recompute per "
          "micro-batch; restrict its choices with --dcp-recompute"),
-        (args.pipeline_model_parallel_size > 2,
-         f"--dcp supports --pipeline-model-parallel-size 1 or 2, got {args.pipeline_model_parallel_size}: "
-         "Megatron-LM's get_batch hands middle pipeline stages no CP group, so a CP > 1 micro-batch would "
-         "run there without its group"),
         (args.attention_dropout > 0,
          f"--attention-dropout {args.attention_dropout} is not supported by DCP's context-parallel attention; use 0"),
-        (getattr(args, "virtual_pipeline_model_parallel_size", None) is not None,
-         "--dcp does not support virtual pipeline stages"),
         (args.micro_batch_size != 1 and not args.dataloader_inter_document_masking,
          "--dcp packs documents into its own micro-batches: with --micro-batch-size > 1 it needs "
          "--dataloader-inter-document-masking so documents keep their boundaries"),
@@ -193,6 +187,8 @@ def refuse_conflicting_flags(args: argparse.Namespace) -> None:
     if getattr(args, "dcp_check_plans", False) and getattr(args, "dcp_no_check_plans", False):
         raise DcpUsageError("--dcp-check-plans and --dcp-no-check-plans contradict each other: give one (the check "
                             "is on by default)")
+    from dcp_megatron.megatron.layout_checks import check_dcp_layout
+    check_dcp_layout(args)   # pipeline depth, virtual stages, MoE
     if not args.calculate_per_token_loss:
         # Ranks run different numbers of micro-batches: only a per-token loss (global sum / global
         # token count) gives the gradient of the whole global batch.

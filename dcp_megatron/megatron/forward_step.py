@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
-from dcp_megatron.megatron.recompute import apply_recompute
+from dcp_megatron.megatron.recompute import apply_recompute, decoder_layers
 
 _CURRENT_MICROBATCH: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
     "dcp_current_microbatch", default=None)
@@ -61,12 +61,15 @@ class DcpForwardStep:
                  cuda_events: bool = False) -> None:
         functools.update_wrapper(self, forward_step_func)  # Megatron inspects the step's parameters
         self._forward_step = forward_step_func
-        self._batches = iter(batches)
+        # Virtual pipeline stages: the interleaved schedule runs every micro-batch once per model chunk, each
+        # chunk in its own order; each chunk reads the rank's micro-batches from its own iterator.
+        self._batches = {id(chunk): iter(batches) for chunk in model_chunks}
         self._model_chunks = model_chunks
+        self._stage_layers = sum(len(decoder_layers(chunk)) for chunk in model_chunks)
         self._config = config
         self._clock = Clock(cuda=cuda_events)
         self._marks: list = []    # when each forward started
-        self.num_run = 0
+        self.num_run = 0          # forward steps run, over all model chunks
 
     def durations(self) -> list[float]:
         """Seconds from each micro-batch's forward to the next one's: its forward and backward under
@@ -77,13 +80,17 @@ class DcpForwardStep:
         return [self._clock.seconds(a, b) for a, b in zip(self._marks, self._marks[1:])]
 
     def __call__(self, data_iterator, model, *args, **kwargs):
+        chunk_batches = (next(iter(self._batches.values())) if len(self._batches) == 1
+                         else self._batches.get(id(model)))
+        if chunk_batches is None:
+            raise AssertionError("the schedule called the forward step with a model chunk DCP was not given")
         try:
-            batch = next(self._batches)
+            batch = next(chunk_batches)
         except StopIteration:
             raise AssertionError("the schedule ran more forward steps than this rank has DCP micro-batches") from None
         recompute = batch[MICROBATCH_KEY].recompute
         for chunk in self._model_chunks:
-            apply_recompute(chunk, self._config, recompute)
+            apply_recompute(chunk, self._config, recompute, stage_layers=self._stage_layers)
         self.num_run += 1
         self._marks.append(self._clock.mark())
         token = _CURRENT_MICROBATCH.set(batch)

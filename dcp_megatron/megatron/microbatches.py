@@ -44,6 +44,7 @@ class MicroBatchContext:
     group: object            # torch.distributed.ProcessGroup, None for a group of one
     recompute: Recompute
     attention: str = "allgather"   # CP attention flavour the plan chose ("allgather" or "ulysses")
+    padding_mask: object = None    # bool [1, T_local]: True at padding rows (MoE routers leave them out)
 
 
 def _prefix(lengths) -> torch.Tensor:
@@ -82,7 +83,8 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
     context = MicroBatchContext(wave_index=wave_index, cp_size=cp_size, cp_rank=cp_rank,
                                 group=group if cp_size > 1 else None,
                                 recompute=recompute if documents else NO_RECOMPUTE,
-                                attention=attention if cp_size > 1 else "allgather")
+                                attention=attention if cp_size > 1 else "allgather",
+                                padding_mask=row(~shard.valid_mask))
     return {
         "tokens": row(local[:, 0]), "labels": row(local[:, 1]), "loss_mask": row(loss_mask),
         "position_ids": row(shard.model_position_ids),   # inside a learned position table
@@ -125,3 +127,14 @@ def rank_batches(plan: StepPlan, documents: dict[int, torch.Tensor], *, pool, de
                                    wave_index=0, device=device, pad_multiple=pad_multiple,
                                    row_multiple=row_multiple))
     return batches
+
+
+def with_fillers_to_multiple(batches: list[dict], multiple: int, *, device, pad_multiple: int = 1) -> list[dict]:
+    """`batches` and masked fillers up to a multiple of `multiple` micro-batches: Megatron's interleaved (virtual
+    stage) schedule runs micro-batches in groups of `microbatch_group_size_per_vp_stage` (the PP size by
+    default). Every rank runs the same count under PP (one micro-batch per group per wave), so all pad alike."""
+    missing = -len(batches) % multiple
+    wave_index = batches[-1][MICROBATCH_KEY].wave_index + 1 if batches else 0
+    return batches + [build_batch([], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE,
+                                  wave_index=wave_index + i, device=device, pad_multiple=pad_multiple)
+                      for i in range(missing)]

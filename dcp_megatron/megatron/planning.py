@@ -28,7 +28,8 @@ def model_shape_from_args(args, *, vocab_size: int | None = None) -> ModelShape:
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_attention_heads,
         num_kv_heads=num_kv_heads, head_dim=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
         vocab_size=vocab_size or args.padded_vocab_size, gated_mlp=bool(args.swiglu),
-        tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
+        tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+        ep=getattr(args, "expert_model_parallel_size", 1) if getattr(args, "num_experts", None) else 1)
 
 
 def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:

@@ -29,16 +29,21 @@ def decoder_layers(model) -> list:
     return list(decoder.layers)
 
 
-def apply_recompute(model, config, recompute: Recompute) -> None:
-    """none: keep activations; selective: recompute core attention; full k: checkpoint the first k layers."""
+def apply_recompute(model, config, recompute: Recompute, *, stage_layers: int | None = None) -> None:
+    """none: keep activations; selective: recompute core attention; full k: checkpoint the first k layers.
+
+    `stage_layers`: the layers of the whole pipeline stage when `model` is one of its virtual-stage chunks. The plan
+    counts full recompute in the stage's layers; Megatron's block recompute counts in each chunk's (its config is
+    shared by the chunks), so k of the stage becomes the same share of every chunk, rounded up."""
     layers = decoder_layers(model)
+    stage_layers = stage_layers or len(layers)
     if recompute.kind == "full":
-        if recompute.full_layers > len(layers):
+        if recompute.full_layers > stage_layers:
             raise ValueError(f"recompute {recompute} asks for {recompute.full_layers} layers, this stage has "
-                             f"{len(layers)}")
+                             f"{stage_layers}")
         config.recompute_granularity = "full"
         config.recompute_method = "block"
-        config.recompute_num_layers = recompute.full_layers
+        config.recompute_num_layers = -(-recompute.full_layers * len(layers) // stage_layers)
     else:
         config.recompute_granularity = None
         config.recompute_method = None

@@ -42,7 +42,7 @@ from dcp_megatron.megatron.forward_step import DcpForwardStep
 from dcp_megatron.megatron.global_batch import (DocumentIndex, Documents, broadcast_documents,
                                                 exchange_documents, gather_lengths, split_samples)
 from dcp_megatron.megatron.microbatch_trace import MicrobatchTrace
-from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, rank_batches
+from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, rank_batches, with_fillers_to_multiple
 from dcp_megatron.megatron.plan_dump import PlanDumper
 from dcp_megatron.megatron.plan_log import plan_summary
 from dcp_megatron.megatron.planning import build_cost_model, check_longest_fits, check_same_plan, plan_global_batch
@@ -145,6 +145,9 @@ class DcpForwardBackward:
         documents = exchange_documents(plan, local, index, domain_rank=pool.domain_rank, group=pool.domain_group)
         batches = rank_batches(plan, documents, pool=pool, device=device, pad_multiple=self._pad_multiple,
                                row_multiple=self.config.row_multiple)
+        if len(model_chunks) > 1:   # virtual pipeline stages: the interleaved schedule's micro-batch groups
+            group_size = get_model_config(model_chunks[0]).microbatch_group_size_per_vp_stage
+            batches = with_fillers_to_multiple(batches, group_size, device=device, pad_multiple=self._pad_multiple)
         planned_s = time.perf_counter() - started
 
         config = get_model_config(model_chunks[0])
@@ -158,7 +161,8 @@ class DcpForwardBackward:
             trace = MicrobatchTrace(self.config.dump_plans, rank=torch.distributed.get_rank())
             trace.attach(model_chunks, config, iteration=iteration)
         try:
-            losses_reduced = self.inner(forward_step_func=step, data_iterator=iter(()), model=model,
+            data_iterators = [iter(()) for _ in model_chunks] if len(model_chunks) > 1 else iter(())
+            losses_reduced = self.inner(forward_step_func=step, data_iterator=data_iterators, model=model,
                                         num_microbatches=len(batches), seq_length=seq_length,
                                         micro_batch_size=1, forward_only=False, **kwargs)
         finally:
@@ -166,8 +170,9 @@ class DcpForwardBackward:
             config.variable_seq_lengths = saved[1]
             if trace is not None:
                 trace.detach()
-        if step.num_run != len(batches):
-            raise AssertionError(f"the schedule ran {step.num_run} of this rank's {len(batches)} DCP micro-batches")
+        if step.num_run != len(batches) * len(model_chunks):
+            raise AssertionError(f"the schedule ran {step.num_run} forward steps for this rank's {len(batches)} DCP "
+                                 f"micro-batches on {len(model_chunks)} model chunks")
         measured_s = time.perf_counter() - started
         self._errors = (self._errors + [relative_error(plan.est_step_time_s, measured_s)])[-10:]
         if self._correction is not None and self._steps_run > 0:  # the first step also pays one-off start-up costs
@@ -249,6 +254,10 @@ class DcpForwardBackward:
         source = self._share_source_rank
         local = None
         if source is None or torch.distributed.get_rank() == source:
+            if isinstance(data_iterator, list):
+                # Virtual pipeline stages: one iterator per model chunk over the same samples; DCP reads the
+                # global batch once, from the first, and hands every chunk the same micro-batches.
+                data_iterator = data_iterator[0]
             if data_iterator is None:
                 raise RuntimeError("--dcp: this rank reads the global batch but Megatron gave it no data iterator")
             try:

@@ -16,10 +16,11 @@ class ModelShape:
     gated_mlp: bool = True  # SwiGLU: three ffn matrices instead of two
     tp: int = 1
     pp: int = 1
+    ep: int = 1   # expert parallelism: MoE all-to-alls pair up micro-batches across the EP group
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                     "ffn_hidden_size", "vocab_size", "tp", "pp"):
+                     "ffn_hidden_size", "vocab_size", "tp", "pp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelShape.{name} must be a positive int, got {value!r}")
@@ -29,6 +30,13 @@ class ModelShape:
             raise ValueError(f"num_heads={self.num_heads} is not divisible by tp={self.tp}")
         if self.num_layers % self.pp:
             raise ValueError(f"num_layers={self.num_layers} is not divisible by pp={self.pp}")
+
+    @property
+    def lockstep(self) -> bool:
+        """Every rank of the domain must run the same number of micro-batches, one per group per wave: PP's 1F1B
+        interleaves them across stages, and EP's all-to-alls (per MoE layer, forward and backward) pair the
+        micro-batches of the EP group's ranks, whatever CP group each belongs to."""
+        return self.pp > 1 or self.ep > 1
 
     # ---- parameter counts (whole model, before TP/PP split) ------------------------------
     @property

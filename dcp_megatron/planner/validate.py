@@ -51,8 +51,9 @@ def validate(plan: StepPlan, batch: Sequence[tuple[int, int]], cluster: ClusterS
                 raise PlanError(f"CP size limit: {where} exceeds cp_size_limit {limit}")
             if _is_power_of_two(g.size) and g.first_rank % g.size:
                 raise PlanError(f"alignment: {where} is a power of two but not aligned to its size")
-            if pp > 1 and len(g.microbatches) != 1:
-                raise PlanError(f"pipeline: {where} runs {len(g.microbatches)} micro-batches; with pp={pp} "
+            if cost.model.lockstep and len(g.microbatches) != 1:
+                raise PlanError(f"pipeline: {where} runs {len(g.microbatches)} micro-batches; with pp={pp}, "
+                                f"ep={cost.model.ep} "
                                 f"every group runs exactly one per wave")
             for i, mb in enumerate(g.microbatches):
                 rc = mb.recompute

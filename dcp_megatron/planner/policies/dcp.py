@@ -141,7 +141,7 @@ class SizedSequences:
 
 
 def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) -> tuple[Wave, ...]:
-    if cost.model.pp > 1:
+    if cost.model.lockstep:
         from dcp_megatron.planner.policies.dcp_pipeline import plan_dcp_pipeline
         return plan_dcp_pipeline(ids, lengths, cost)
     D = cost.cluster.domain_size

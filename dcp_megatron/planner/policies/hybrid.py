@@ -110,7 +110,7 @@ def _equal_work_buckets(order: np.ndarray, work: np.ndarray, tokens: np.ndarray,
 
 
 def _idle(rank: int, cost) -> Group:
-    if cost.model.pp == 1:
+    if not cost.model.lockstep:
         return Group(rank, 1, ())
     return Group(rank, 1, (MicroBatch((), est_time_s=cost.cluster.microbatch_overhead_s,
                                       est_mem_bytes=cost.static_bytes),))

@@ -91,7 +91,7 @@ def _build(cost, layout, per_replica: list[list[tuple]]) -> tuple[Wave, ...]:
         seqs, loc, comp, att = item
         return microbatch_from_sums(cost, seqs, loc, comp, att, c, first_rank, layout.recompute)
 
-    if pp == 1:
+    if not cost.model.lockstep:
         groups = tuple(Group(r * c, c, tuple(mb(it, r * c) for it in items)) for r, items in enumerate(per_replica))
         return (Wave(groups),)
     empty = ((), 0.0, 0.0, 0.0)

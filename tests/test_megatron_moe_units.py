@@ -58,14 +58,16 @@ def _moe_router_worker(rank: int, world_size: int) -> dict:
         dist.all_reduce(split, group=pair)   # the micro-batch's gradient: its ranks' contributions summed
         global_vars._GLOBAL_ARGS = None
         parallel_state.destroy_model_parallel()
-    return {"whole": whole, "split": split}
+    # Plain lists: a tensor crosses the report queue as a shared-memory fd, which the parent cannot open once
+    # this worker process has exited (ConnectionResetError).
+    return {"whole": whole.tolist(), "split": split.tolist()}
 
 
 def test_moe_aux_loss_of_a_cp2_microbatch_reduces_over_its_own_group():
     """patches/transformer_transformer_layer.py: under --dcp the router counts tokens per expert over the
     micro-batch's CP group (not the static TP x CP group of size 1) and scales by its size, so the aux-loss
     gradient of a micro-batch split over two ranks equals that of the whole micro-batch on one rank."""
-    whole, split = run_distributed(_moe_router_worker, 2)[0].values()
+    whole, split = (torch.tensor(v) for v in run_distributed(_moe_router_worker, 2)[0].values())
     assert float(whole.abs().max()) > 0
     err = float((split - whole).abs().max() / whole.abs().max())
     assert err < 1e-5, f"aux-loss gradient of the CP-2 micro-batch differs from one rank's by {err:.2e}"

@@ -141,3 +141,30 @@ def microbatches_planned(plan, rank: int) -> list[tuple]:
     expected = [(list(group.ranks) if group.size > 1 else None, str(mb.recompute))
                 for _, group in plan.rank_schedule(rank) for mb in group.microbatches]
     return expected or [(None, "none")]
+
+
+def flatten_state(state, prefix: str = "") -> dict:
+    """A (nested) state dict of tensors, e.g. Megatron's saved wgrads, as {dotted name: float tensor}."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return {prefix: state.float()}
+    out = {}
+    for key, value in state.items():
+        out.update(flatten_state(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def tiny_local_gpt(*, num_layers: int, max_sequence_length: int):
+    """A tiny megatron-core GPTModel on the local spec (RoPE, no bias, no dropout); model-parallel state must be
+    initialised and the patch set applied by the caller."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model_parallel_cuda_manual_seed(1)
+    config = TransformerConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                               hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
+                    max_sequence_length=max_sequence_length, position_embedding_type="rope")

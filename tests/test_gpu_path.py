@@ -148,22 +148,16 @@ def _alignment_worker(rank: int, world_size: int) -> dict:
     checkpoint full recompute takes under FP8 (config.fp8 set; TE's checkpoint observed, run as Megatron's own)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core import recompute as core_recompute
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from tests.megatron_runs import tiny_local_gpt
     from dcp_megatron.megatron.patch_set import megatron_patch_registry
     from dcp_megatron.megatron.recompute import apply_recompute
 
     with megatron_patch_registry():
         parallel_state.initialize_model_parallel()
-        model_parallel_cuda_manual_seed(1)
-        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                                   hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False)
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
-                         max_sequence_length=64, position_embedding_type="rope")
+        model = tiny_local_gpt(num_layers=2, max_sequence_length=64)
+        config = model.config
         microbatches = [_docs((5, 12), seed=1), _docs((21,), seed=2), _docs((3, 4, 9), seed=3)]
 
         def step(row_multiple: int, recompute: Recompute = NO_RECOMPUTE) -> tuple[float, dict, list]:

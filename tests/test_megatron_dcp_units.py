@@ -226,23 +226,17 @@ def test_no_cpu_shim_is_applied_when_a_gpu_is_reported(monkeypatch):
 def _recompute_worker(rank: int, world_size: int) -> dict:
     """Count each layer's and core attention's forward calls during backward, per recompute setting."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from tests.megatron_runs import tiny_local_gpt
     from dcp_megatron.megatron.patch_set import megatron_patch_registry
     from dcp_megatron.megatron.recompute import apply_recompute
 
     counts: dict[str, int] = {}
     with megatron_patch_registry():
         parallel_state.initialize_model_parallel()
-        model_parallel_cuda_manual_seed(1)
-        config = TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                                   hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False)
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
-                         max_sequence_length=32, position_embedding_type="rope")
+        model = tiny_local_gpt(num_layers=3, max_sequence_length=32)
+        config = model.config
         layers = list(model.decoder.layers)
         phase = {"now": "forward"}
 

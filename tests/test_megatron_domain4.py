@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.megatron_runs import (LLAMA_TINY, OUR_SCRIPT, microbatches_planned, microbatches_seen, read_plan_dumps,
-                                run_training)
+                                flatten_state, run_training)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -70,16 +70,7 @@ def test_loss_trace_and_grad_norms_equal_one_rank_on_the_same_batch_schedule(run
 
 def _grads(root, name, step):
     (path,) = glob.glob(str(root / name / "wgrads" / f"iter_{step:07d}" / "*"))
-    return _flatten(torch.load(path, map_location="cpu", weights_only=False))
-
-
-def _flatten(state, prefix=""):
-    if isinstance(state, torch.Tensor):
-        return {prefix: state.float()}
-    out = {}
-    for key, value in state.items():
-        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
+    return flatten_state(torch.load(path, map_location="cpu", weights_only=False))
 
 
 def test_gradients_equal_one_device_at_every_step_including_where_the_batch_grows(runs):

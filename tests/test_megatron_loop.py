@@ -24,7 +24,7 @@ import torch
 from tests.dist_utils import free_port
 from tests.megatron_runs import (CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, REPO, microbatches_planned, microbatches_seen,
                                 parse_output, read_plan_dumps, run_env, run_training, strip_dcp_lines,
-                                torchrun_command)
+                                torchrun_command, flatten_state)
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -260,21 +260,12 @@ def test_gradients_equal_an_independent_one_device_reference(runs, work):
         runs(run)
         (path,) = glob.glob(str(root / f"wgrads_{name}" / "wgrads" / "iter_0000001" / "*"))
         grads[name] = torch.load(path, map_location="cpu", weights_only=False)
-    reference, dcp = (_flatten(grads[k]) for k in ("reference", "dcp"))
+    reference, dcp = (flatten_state(grads[k]) for k in ("reference", "dcp"))
     assert reference.keys() == dcp.keys() and reference
     worst = max(float((dcp[k] - reference[k]).abs().max() / reference[k].abs().max().clamp(min=1e-30))
                 for k in reference)
     print(f"gradients vs the 1-device reference: max relative error {worst:.2e} over {len(reference)} tensors")
     assert worst <= 1e-5, f"gradients differ from the 1-device reference: max relative error {worst:.2e}"
-
-
-def _flatten(state, prefix=""):
-    if isinstance(state, torch.Tensor):
-        return {prefix: state.float()}
-    out = {}
-    for key, value in state.items():
-        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
 
 
 _PLANNING = re.compile(r" dcp iteration\s+(\d+) \|.*?\| planning \(ms\): ([0-9.]+) (ahead|at step start), exposed ([0-9.]+) \|")

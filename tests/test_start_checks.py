@@ -21,8 +21,8 @@ import pytest
 from dcp_megatron.megatron.dcp_args import DcpUsageError
 from dcp_megatron.runtime import save_lock
 from tests.deepspeed_runs import TINY_MODEL, ds_config, load_ds_script
-from tests.megatron_runs import CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, strip_dcp_lines
-from tests.test_fault_matrix import DS_DCP, LONG_RUN, MEGATRON_DCP, _assert_refused
+from tests.megatron_runs import CPU_FLAGS, LLAMA_TINY
+from tests.test_fault_matrix import DS_DCP, LONG_RUN, MEGATRON_DCP, _assert_refused, user_script  # noqa: F401
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -118,13 +118,6 @@ MEGATRON_CASES = {
     "ckpt_step_missing": (lambda r: [*MEGATRON_DCP, "--load", _tracker(r, "2"), "--ckpt-step", "5"],
                           ["--ckpt-step 5 names iter_0000005"]),
 }
-
-
-@pytest.fixture(scope="module")
-def user_script(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("user") / "user_pretrain_gpt.py")
-    strip_dcp_lines(OUR_SCRIPT, path)
-    return path
 
 
 @pytest.mark.parametrize("case", sorted(MEGATRON_CASES))

@@ -291,29 +291,37 @@ def user_script(tmp_path_factory):
 @pytest.mark.parametrize("case", sorted(MEGATRON_CASES))
 def test_megatron_bad_input_stops_at_start(case, request, user_script, tmp_path, monkeypatch, capsys):
     """The user's unmodified script through `python -m dcp_megatron.launch` (as torchrun runs it on rank 0/1)."""
-    import sys
-
-    import torch
-
-    from dcp_megatron import launch
-
     build, messages = MEGATRON_CASES[case]
     needs_checkpoint = case.startswith(("ckpt_", "resume_"))
     save = request.getfixturevalue("megatron_terminated_mid_save")[1] if needs_checkpoint else None
     work = Work(tmp_path, megatron_save=save)
     extra, rank = build(work)
     before = _snapshot(save)
+    launch_refused_in_one_line(monkeypatch, capsys, [user_script, *LLAMA_TINY, *CPU_FLAGS, "--train-iters",
+                                                     str(LONG_RUN), *extra], messages, rank=rank)
+    assert _snapshot(save) == before, "the run's checkpoint must stay as it was"
+
+
+def launch_refused_in_one_line(monkeypatch, capsys, argv, messages, *, rank=0):
+    """`launch.main(argv)` in this process as rank `rank` of 2 (no torchrun: no LOCAL_WORLD_SIZE) ends with one
+    refusal line naming `messages`, exit 2, and no process group."""
+    import sys
+
+    import torch
+
+    from dcp_megatron import launch
+
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("LOCAL_RANK", str(rank))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
     with pytest.raises(SystemExit) as exited:
-        launch.main([user_script, *LLAMA_TINY, *CPU_FLAGS, "--train-iters", str(LONG_RUN), *extra])
+        launch.main(argv)
     out = capsys.readouterr()
     _assert_refused(exited.value.code, out.err, out.out, messages, prefix="dcp: error: ")
     assert not torch.distributed.is_initialized(), "no process group may exist before a refused start"
-    assert _snapshot(save) == before, "the run's checkpoint must stay as it was"
 
 
 def _snapshot(save) -> dict | None:

@@ -22,7 +22,8 @@ from dcp_megatron.megatron.dcp_args import DcpUsageError
 from dcp_megatron.runtime import save_lock
 from tests.deepspeed_runs import TINY_MODEL, ds_config, load_ds_script
 from tests.megatron_runs import CPU_FLAGS, LLAMA_TINY
-from tests.test_fault_matrix import DS_DCP, LONG_RUN, MEGATRON_DCP, _assert_refused, user_script  # noqa: F401
+from tests.test_fault_matrix import (DS_DCP, LONG_RUN, MEGATRON_DCP, _assert_refused,  # noqa: F401
+                                     launch_refused_in_one_line, user_script)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -122,25 +123,12 @@ MEGATRON_CASES = {
 
 @pytest.mark.parametrize("case", sorted(MEGATRON_CASES))
 def test_megatron_start_check_refuses_in_one_line(case, user_script, tmp_path, monkeypatch, capsys):
-    import torch
-
-    from dcp_megatron import launch
-
     build, messages = MEGATRON_CASES[case]
     extra = build(tmp_path)
     # A run on files reads them instead of Megatron's mock data.
     base = [f for f in LLAMA_TINY if not (f == "--mock-data" and any(a.endswith("data-path") for a in extra))]
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    with pytest.raises(SystemExit) as exited:
-        launch.main([user_script, *base, *CPU_FLAGS, "--train-iters", str(LONG_RUN), *extra])
-    out = capsys.readouterr()
-    _assert_refused(exited.value.code, out.err, out.out, messages, prefix="dcp: error: ")
-    assert not torch.distributed.is_initialized(), "no process group may exist before a refused start"
+    launch_refused_in_one_line(monkeypatch, capsys, [user_script, *base, *CPU_FLAGS, "--train-iters", str(LONG_RUN),
+                                                     *extra], messages)
 
 
 DS_CASES = {

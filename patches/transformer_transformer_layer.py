@@ -1,16 +1,14 @@
 """Patch for `megatron.core.transformer.transformer_layer` (under --dcp, MoE layers only): the router of a DCP
-micro-batch reduces over the micro-batch's own CP group, and packed micro-batches stay one sequence.
+micro-batch knows the micro-batch's documents, and packed micro-batches stay one sequence.
 
-megatron-core 0.19.2's router (moe/router.py) reduces the per-expert token counts behind the load-balancing
-and sequence aux losses over `Router.tp_cp_group`, the static TP x CP group fixed at construction, and scales
-the aux and z losses by that group's size (their gradient normalisation under --calculate-per-token-loss).
-Under DCP the static CP size is 1 and every micro-batch runs on a CP group of its own (size 1, 2, 3, ...), so
-upstream would compute each rank's aux loss from its shard alone, and count the rows DCP pads each document with. `TransformerLayer._forward_mlp` is the
-narrowest seam that sees both the MoE layer and the micro-batch's `PackedSeqParams` (it receives them, and full
-recompute replays it with the same arguments): for the duration of one call the router sees the micro-batch's
-group as its `tp_cp_group` (TP is 1 under --dcp with MoE, layout_checks.py), and the layer's `padding_mask`
-(upstream's seam for rows the router must not count) marks the micro-batch's padding rows. The metrics tracker keeps the static
-group: it reduces once per step, over the group of each metric's last record, which differs between ranks.
+megatron-core 0.19.2's router sees only the rows it routes. Under DCP its balancing losses are per document
+(dcp_megatron/megatron/moe_aux.py, patches/transformer_moe_router.py), over the ranks of the micro-batch's own CP
+group, and must skip the rows DCP adds: each document's padding to a multiple of 2c and the filler documents (an
+idle rank's, the row alignment's). `TransformerLayer._forward_mlp` is the narrowest seam that sees both the MoE
+layer and the micro-batch's `PackedSeqParams` (it receives them, and full recompute replays it with the same
+arguments): for the duration of one call the router holds the micro-batch's `RouterDocuments` as
+`router.dcp_documents`, and the layer's `padding_mask` (upstream's seam for rows the router must not count: the
+token counts of `--moe-router-enable-expert-bias`) marks padding and filler rows.
 
 Megatron-LM's pretrain_gpt.py also sets `PackedSeqParams.tokens_per_sample = --seq-length`, and
 `_maybe_unflatten_for_moe` then cuts the packed rows into samples of that length; a DCP micro-batch holds whole
@@ -37,53 +35,43 @@ def _is_dcp_microbatch(packed_seq_params) -> bool:
     return bool(getattr(getattr(global_vars, "_GLOBAL_ARGS", None), "dcp", False))
 
 
-def _router_on_microbatch_group(original):
+def _router_on_microbatch_documents(original):
     @functools.wraps(original)
     def _forward_mlp(self, hidden_states, *args, **kwargs):
         packed_seq_params = kwargs.get("packed_seq_params")
         router = getattr(getattr(self, "mlp", None), "router", None)
         if router is None or not self.is_moe_layer or not _is_dcp_microbatch(packed_seq_params):
             return original(self, hidden_states, *args, **kwargs)
+        rows = _microbatch_rows(packed_seq_params)
+        if rows is None:   # not run by DCP's schedule (evaluation goes Megatron's way)
+            return original(self, hidden_states, *args, **kwargs)
+        padding_mask, documents = rows
         if kwargs.get("padding_mask") is None:
-            kwargs["padding_mask"] = _padding_rows(packed_seq_params)
-        static_group = router.tp_cp_group
-        # A group of one has no group object: the rank alone (the static TP x CP group, of size 1 under --dcp).
-        microbatch_group = packed_seq_params.cp_group or static_group
-        router.tp_cp_group = microbatch_group
+            kwargs["padding_mask"] = padding_mask
+        router.dcp_documents = documents
         try:
             return original(self, hidden_states, *args, **kwargs)
         finally:
-            router.tp_cp_group = static_group
-            _log_over_static_group(microbatch_group, static_group)
+            router.dcp_documents = None
 
     _forward_mlp.dcp_original = original
     return _forward_mlp
 
 
-def _padding_rows(packed_seq_params):
-    """The micro-batch's padding rows ([1, T_local], True at padding), so that the router leaves them out of its
-    token counts, aux and z losses (a document padded to a multiple of 2c is still one document). Read from the
-    running DCP micro-batch and kept on its PackedSeqParams, which full recompute replays in backward, when no
-    micro-batch is running."""
+def _microbatch_rows(packed_seq_params):
+    """(padding mask [1, T_local], True at padding and filler rows; RouterDocuments) of the running DCP
+    micro-batch (None outside one), kept on its PackedSeqParams, which full recompute replays in backward, when no micro-batch is
+    running."""
     from dcp_megatron.megatron.forward_step import current_microbatch
     from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
 
-    mask = getattr(packed_seq_params, "dcp_padding_mask", None)
+    rows = getattr(packed_seq_params, "dcp_router_rows", None)
     batch = current_microbatch()
-    if mask is None and batch is not None:
-        mask = batch[MICROBATCH_KEY].padding_mask
-        packed_seq_params.dcp_padding_mask = mask
-    return mask
-
-
-def _log_over_static_group(microbatch_group, static_group) -> None:
-    """The MoE metrics tracker remembers the group of each metric's last record and reduces over it once per
-    step; ranks' last micro-batch groups differ, so the logged metrics keep the static group."""
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-    for entry in get_moe_metrics_tracker().metrics.values():
-        if entry.reduce_group is microbatch_group:
-            entry.reduce_group = static_group
+    if rows is None and batch is not None:
+        context = batch[MICROBATCH_KEY]
+        rows = (context.padding_mask, context.router_documents)
+        packed_seq_params.dcp_router_rows = rows
+    return rows
 
 
 def _one_sequence_per_dcp_microbatch(original):
@@ -106,9 +94,9 @@ def dcp_patches() -> tuple[Patch, ...]:
 
     return (
         Patch(target=f"{_MODULE}:TransformerLayer._forward_mlp",
-              replacement=_router_on_microbatch_group(unwrapped("_forward_mlp")),
-              reason="the MoE router reduces aux-loss token counts over the static TP x CP group; a DCP "
-                     "micro-batch runs on its own CP group.",
+              replacement=_router_on_microbatch_documents(unwrapped("_forward_mlp")),
+              reason="the MoE router sees only its rows; under DCP its losses are per document of the micro-batch "
+                     "(on the micro-batch's own CP group), without padding and filler rows.",
               versions=MEGATRON_CORE_VERSIONS),
         Patch(target=f"{_MODULE}:TransformerLayer._maybe_unflatten_for_moe",
               replacement=_one_sequence_per_dcp_microbatch(unwrapped("_maybe_unflatten_for_moe")),

@@ -39,7 +39,8 @@ CPU_FLAGS = (
 ).split()
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+)")
-_Z_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?z_loss: ([0-9.E+-]+) \|")
+_ITERATION_NUMBER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
+_MOE_METRIC = re.compile(r"\| ((?:seq_)?load_balancing_loss|z_loss): ([0-9.E+-]+)")
 _EVAL = re.compile(r"validation loss at iteration (\d+) (?:on validation set )?\| lm loss value: ([0-9.E+-]+)")
 _DCP = re.compile(r" dcp iteration\s+(\d+) \| plan (\S+): .*?cp sizes (\S+) \| micro-batches/rank (\S+) .*?"
                   r"recompute (\S+) \| predicted \(ms\): ([0-9.]+) \| forward-backward \(ms\): ([0-9.]+)")
@@ -53,7 +54,11 @@ class RunResult:
     grad_norms: dict[int, float] = field(default_factory=dict)
     dcp_steps: dict[int, dict] = field(default_factory=dict)
     eval_losses: dict[int, float] = field(default_factory=dict)
-    z_losses: dict[int, float] = field(default_factory=dict)   # MoE router z-loss, per iteration line
+    moe_metrics: dict[str, dict[int, float]] = field(default_factory=dict)   # MoE router losses logged per step
+
+    @property
+    def z_losses(self) -> dict[int, float]:
+        return self.moe_metrics.get("z_loss", {})
 
     def loss_trace(self) -> list[float]:
         return [self.losses[i] for i in sorted(self.losses)]
@@ -68,8 +73,10 @@ def parse_output(returncode: int, output: str) -> RunResult:
     for match in _ITERATION.finditer(output):
         result.losses[int(match[1])] = float(match[2])
         result.grad_norms[int(match[1])] = float(match[3])
-    for match in _Z_LOSS.finditer(output):
-        result.z_losses[int(match[1])] = float(match[2])
+    for line in output.splitlines():
+        iteration = _ITERATION_NUMBER.search(line)
+        for match in _MOE_METRIC.finditer(line) if iteration else ():
+            result.moe_metrics.setdefault(match[1], {})[int(iteration[1])] = float(match[2])
     for match in _EVAL.finditer(output):
         result.eval_losses[int(match[1])] = float(match[2])
     for match in _DCP.finditer(output):

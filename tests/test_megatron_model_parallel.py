@@ -12,8 +12,7 @@ checkpoint loaded by one rank gives the same losses to 7 digits (docs/megatron.m
   plans mix CP 1 and 2, full and selective recompute and unequal micro-batch counts.
 - PP 2: Megatron's 1F1B schedule with per-micro-batch shapes; the plan gives every rank one
   micro-batch per wave (equal counts), mixing CP 1 and 2, recompute chosen per micro-batch.
-- MoE (Megatron-LM's Mixtral flags at tiny size, router z-loss on): EP 2 with the alltoall dispatcher (plans in
-  lockstep: one micro-batch per group per wave, no full recompute) and EP 1 with the allgather dispatcher (slow).
+- MoE: tests/test_megatron_moe.py.
 - Virtual pipeline stages: PP 2 x VPP 2 (a 2-rank domain, mixed CP) and PP 4 x VPP 2 (slow; a 1-rank domain).
 - Megatron's own static `--context-parallel-size 2` (2 ranks) against one rank, both starting from
   the same weights (a 1-rank checkpoint loaded with `--finetune`: CP, too, changes Megatron's
@@ -21,8 +20,6 @@ checkpoint loaded by one rank gives the same losses to 7 digits (docs/megatron.m
   samples as sequences (no `--dataloader-inter-document-masking`, see core_attention.py).
 """
 from __future__ import annotations
-
-import functools
 
 import pytest
 
@@ -40,15 +37,6 @@ UNREFINED_STEPS = 3
 # activations per rank; 1F1B keeps two micro-batches per stage in flight).
 TP_BUDGET = ["--dcp-memory-budget-gb", "0.002"]
 PP_BUDGET = ["--dcp-memory-budget-gb", "0.0035", "--dcp-recompute", "selective,full"]
-# Megatron-LM's Mixtral example at tiny size: 4 experts, top-2, the router's z-loss on (a per-token loss, so
-# --dcp and plain optimise the same objective; see test_moe_aux_loss_is_a_per_microbatch_statistic) and the
-# load-balancing aux loss off. EP 2 with the alltoall dispatcher; EP 1 with the allgather dispatcher.
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
-       "--moe-aux-loss-coeff", "0", "--moe-z-loss-coeff", "0.1"]
-MOE_LAYOUTS = {"ep2": [*MOE, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
-               "ep1": [*MOE, "--moe-token-dispatcher-type", "allgather"]}
-# Budgets at which a 1,024-token document needs CP 2 (EP 2: without full recompute; EP 1: even with it).
-MOE_BUDGETS = {"ep2": ["--dcp-memory-budget-gb", "0.006"], "ep1": ["--dcp-memory-budget-gb", "0.004"]}
 # Virtual pipeline stages (interleaved 1F1B), 4 layers, one per virtual stage. PP 2 x VPP 2 on 4 ranks: a 2-rank
 # domain, so plans mix CP 1 and 2 on every model chunk (1,024-token documents need CP 2 at this budget). PP 4 x
 # VPP 2 (8 layers) fits 4 CPU ranks only as a 1-rank domain (CP 1: no CP group to hand middle stages; a 2-rank
@@ -73,11 +61,6 @@ def runs(tmp_path_factory):
                                                     "--dcp-dump-plans", str(root / "pp_plans")],
                                        nproc=4, iters=ITERS),
     }
-    for name, layout in MOE_LAYOUTS.items():
-        specs[f"moe_{name}_plain"] = functools.partial(run_training, OUR_SCRIPT, layout, nproc=2, iters=ITERS)
-        specs[f"moe_{name}_dcp"] = functools.partial(
-            run_training, OUR_SCRIPT, [*layout, "--dcp", *MOE_BUDGETS[name], "--dcp-check-plans", "--dcp-dump-plans",
-                                       str(root / f"moe_{name}_plans")], nproc=2, iters=ITERS)
     specs.update({
         "vpp_plain": lambda: run_training(OUR_SCRIPT, VPP, nproc=2, iters=ITERS),
         "vpp_dcp": lambda: run_training(OUR_SCRIPT, [*VPP, "--dcp", *VPP_BUDGET, "--dcp-check-plans",
@@ -180,35 +163,6 @@ def test_megatrons_static_cp2_trains_the_one_rank_trace_from_the_same_weights(ru
     static, reference = runs("cp_static"), runs("cp_reference")
     assert "successfully loaded checkpoint" in static.output and not static.dcp_steps
     _assert_same_training(static, reference, "Megatron --context-parallel-size 2 vs 1 rank")
-
-
-@pytest.mark.parametrize("ep", ["ep2", pytest.param("ep1", marks=pytest.mark.slow)])
-def test_moe_dcp_loss_trace_and_grad_norms_equal_megatrons_plain_path(runs, ep):
-    dcp, plain = runs(f"moe_{ep}_dcp"), runs(f"moe_{ep}_plain")
-    _assert_same_training(dcp, plain, f"MoE {ep}: --dcp vs plain")
-    # The model is an MoE one (our script once built a dense model for --num-experts, silently): its router's
-    # z-loss is logged, and is the same under --dcp (per token, padding rows left out; reduced over each
-    # micro-batch's own CP group).
-    for run in (dcp, plain):
-        assert len(run.z_losses) == ITERS and all(z > 0 for z in run.z_losses.values()), run.output[-3000:]
-
-
-@pytest.mark.parametrize("ep", ["ep2", pytest.param("ep1", marks=pytest.mark.slow)])
-def test_moe_dcp_path_ran_its_own_plans_with_mixed_cp(runs, ep):
-    dcp = runs(f"moe_{ep}_dcp")
-    assert sorted(dcp.dcp_steps) == list(range(1, ITERS + 1))
-    plans = _plans(runs.root / f"moe_{ep}_plans")
-    # PP 1: refinement is on, and from step 4 measured times may make a baseline's plan win (a fallback); the
-    # unrefined steps' plans are DCP's own, fixed by the lengths alone.
-    first = plans[:UNREFINED_STEPS]
-    assert all(plan.policy == "dcp" and not plan.extra.get("fallback") for plan in first), [p.extra for p in plans]
-    assert {g.size for plan in first for wave in plan.waves for g in wave.groups} == {1, 2}
-    if ep == "ep2":   # all-to-alls pair the EP ranks' micro-batches: lockstep, and no full recompute
-        assert all(len(g.microbatches) == 1 for plan in plans for wave in plan.waves for g in wave.groups)
-        assert all(min(step["counts"]) == max(step["counts"]) for step in dcp.dcp_steps.values())
-        kinds = {mb.recompute.kind for plan in plans for wave in plan.waves for g in wave.groups
-                 for mb in g.microbatches if mb.sequences}
-        assert "full" not in kinds, kinds
 
 
 @pytest.mark.parametrize("layout", ["vpp", pytest.param("pp4vpp2", marks=pytest.mark.slow)])

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from dcp_megatron.megatron.global_batch import ROW_FIELDS
+from dcp_megatron.megatron.moe_aux import RouterDocuments, microbatch_documents
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute, StepPlan
 from dcp_megatron.runtime.sharding import shard_microbatch
 
@@ -44,7 +45,8 @@ class MicroBatchContext:
     group: object            # torch.distributed.ProcessGroup, None for a group of one
     recompute: Recompute
     attention: str = "allgather"   # CP attention flavour the plan chose ("allgather" or "ulysses")
-    padding_mask: object = None    # bool [1, T_local]: True at padding rows (MoE routers leave them out)
+    padding_mask: object = None    # bool [1, T_local]: True at padding and filler rows (MoE routers skip them)
+    router_documents: object = None   # moe_aux.RouterDocuments: per-document MoE balancing losses
 
 
 def _prefix(lengths) -> torch.Tensor:
@@ -55,7 +57,7 @@ def _prefix(lengths) -> torch.Tensor:
 
 def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, group, recompute: Recompute,
                 wave_index: int, device, pad_multiple: int = 1, attention: str = "allgather",
-                row_multiple: int = 1) -> dict:
+                row_multiple: int = 1, step_num_tokens: int = 0) -> dict:
     """One micro-batch dict from its documents' [L, 3] rows (token, label, loss mask).
 
     `pad_multiple`: every document's local rows become a multiple of it (the TP size under sequence
@@ -80,11 +82,16 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
     def row(x: torch.Tensor) -> torch.Tensor:
         return x.unsqueeze(0).to(device)
 
+    # Rows of real documents: not padding, not a filler document (an idle rank's, or the row alignment's).
+    document_ids = microbatch_documents(shard.doc_ids, shard.valid_mask, len(documents))
+    router_documents = RouterDocuments(
+        document_ids=document_ids.to(device), document_lengths=tuple(lengths[:len(documents)]),
+        group=group if cp_size > 1 else None, step_num_tokens=max(step_num_tokens, sum(lengths[:len(documents)])))
     context = MicroBatchContext(wave_index=wave_index, cp_size=cp_size, cp_rank=cp_rank,
                                 group=group if cp_size > 1 else None,
                                 recompute=recompute if documents else NO_RECOMPUTE,
                                 attention=attention if cp_size > 1 else "allgather",
-                                padding_mask=row(~shard.valid_mask))
+                                padding_mask=row(document_ids < 0), router_documents=router_documents)
     return {
         "tokens": row(local[:, 0]), "labels": row(local[:, 1]), "loss_mask": row(loss_mask),
         "position_ids": row(shard.model_position_ids),   # inside a learned position table
@@ -113,6 +120,7 @@ def rank_batches(plan: StepPlan, documents: dict[int, torch.Tensor], *, pool, de
                  pad_multiple: int = 1, row_multiple: int = 1) -> list[dict]:
     """This rank's micro-batch dicts in plan order (wave after wave); one filler if it has none."""
     rank = pool.domain_rank
+    step_num_tokens = sum(length for _, length in plan.sequences())
     batches = []
     for wave_index, group in plan.rank_schedule(rank):
         process_group = pool.group(group.first_rank, group.size)
@@ -121,7 +129,8 @@ def rank_batches(plan: StepPlan, documents: dict[int, torch.Tensor], *, pool, de
             batches.append(build_batch(docs, cp_size=group.size, cp_rank=rank - group.first_rank,
                                        group=process_group, recompute=microbatch.recompute,
                                        wave_index=wave_index, device=device, pad_multiple=pad_multiple,
-                                       attention=microbatch.attention, row_multiple=row_multiple))
+                                       attention=microbatch.attention, row_multiple=row_multiple,
+                                       step_num_tokens=step_num_tokens))
     if not batches:
         batches.append(build_batch([], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE,
                                    wave_index=0, device=device, pad_multiple=pad_multiple,

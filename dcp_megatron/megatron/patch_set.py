@@ -7,7 +7,7 @@
   run: a failed save (a full disk) ends in one line naming the cause and file, with no partial iteration left;
 - core utils: DCP micro-batches keep their shard and carry their CP group through `get_batch`;
 - transformer attention: RoPE of a packed micro-batch uses the micro-batch's CP group;
-- transformer layer: an MoE router reduces its aux-loss token counts over the micro-batch's CP group;
+- transformer layer + MoE router: an MoE router's balancing losses are per document of the micro-batch;
 - Transformer Engine (GPU with TE only): a CP stream for dynamic CP groups.
 Without --dcp the DCP entries pass everything through to Megatron unchanged.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dcp_megatron.megatron.compat import cpu_compat_patches, needs_cpu_compat
 from patches import (core_dist_checkpointing_filesystem_async, core_utils, extensions_transformer_engine,
                      training_arguments, training_checkpointing, training_training, transformer_attention,
-                     transformer_transformer_layer)
+                     transformer_moe_router, transformer_transformer_layer)
 from patches.registry import PatchRegistry
 
 
@@ -25,5 +25,5 @@ def megatron_patch_registry(*, installed_version: str | None = None) -> PatchReg
     patches += (training_arguments.dcp_patches() + training_training.dcp_patches() + core_utils.dcp_patches()
                 + transformer_attention.dcp_patches() + extensions_transformer_engine.dcp_patches()
                 + training_checkpointing.dcp_patches() + core_dist_checkpointing_filesystem_async.dcp_patches()
-                + transformer_transformer_layer.dcp_patches())
+                + transformer_transformer_layer.dcp_patches() + transformer_moe_router.dcp_patches())
     return PatchRegistry(patches, installed_version=installed_version)

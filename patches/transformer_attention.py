@@ -1,4 +1,5 @@
-"""Patch for `megatron.core.transformer.attention`: RoPE of a packed micro-batch uses its own CP group.
+"""Patch for `megatron.core.transformer.attention`: a DCP micro-batch's attention uses its own CP group for RoPE
+and its own selective-recompute choice, also when full recompute replays it later.
 
 megatron-core 0.16.1 applies rotary embeddings to packed (THD) query/key rows with
 `cp_group=self.pg_collection.cp`, the static context-parallel group fixed at construction.
@@ -10,6 +11,15 @@ packed_seq_params names a group, the module sees that group as its `cp` group. N
 `Attention.forward` reads `pg_collection.cp`. The swap is local to the call (restored in
 `finally`) and is replayed by recompute, which calls forward again with the same params.
 A micro-batch without a group (CP size 1) keeps the static group, which DCP sets up with size 1.
+
+Selective recompute (`Attention.checkpoint_core_attention`) is a module attribute that DCP sets before each
+micro-batch's forward (dcp_megatron/megatron/recompute.py). Full recompute replays a layer's forward in backward
+and reads the attribute then: under pipeline parallelism (1F1B runs later micro-batches' forwards before earlier
+ones' backwards) it holds the *latest* micro-batch's choice. Two ranks of a CP group whose latest micro-batches
+differ (CP-1 micro-batches of their own) would then replay the same CP micro-batch differently, one checkpointing
+core attention again (an extra all-gather in backward), and wait on each other forever (seen: PP 4 x VPP 2 on a
+2-rank domain). So a DCP micro-batch's choice is read once, at its forward, kept on its PackedSeqParams (the
+replay passes the same object) and pinned for the duration of every call with those params.
 """
 from __future__ import annotations
 
@@ -27,19 +37,41 @@ def _with_microbatch_cp_group(original_forward):
     def forward(self, hidden_states, *args, **kwargs):
         packed_seq_params = kwargs.get("packed_seq_params")
         group = getattr(packed_seq_params, "cp_group", None)
-        if group is None:
+        selective = _microbatch_selective_recompute(packed_seq_params)
+        if group is None and selective is None:
             return original_forward(self, hidden_states, *args, **kwargs)
-        static_groups = self.pg_collection
-        microbatch_groups = copy.copy(static_groups)
-        microbatch_groups.cp = group
-        self.pg_collection = microbatch_groups
+        static_groups, module_selective = self.pg_collection, self.checkpoint_core_attention
+        if group is not None:
+            microbatch_groups = copy.copy(static_groups)
+            microbatch_groups.cp = group
+            self.pg_collection = microbatch_groups
+        if selective is not None:
+            self.checkpoint_core_attention = selective
         try:
             return original_forward(self, hidden_states, *args, **kwargs)
         finally:
-            self.pg_collection = static_groups
+            self.pg_collection, self.checkpoint_core_attention = static_groups, module_selective
 
     forward.dcp_original = original_forward
     return forward
+
+
+def _microbatch_selective_recompute(packed_seq_params):
+    """Whether the DCP micro-batch these params belong to recomputes core attention (None: not a DCP
+    micro-batch). Read from the running micro-batch at its forward and kept on the params for replays."""
+    if packed_seq_params is None:
+        return None
+    selective = getattr(packed_seq_params, "dcp_checkpoint_core_attention", None)
+    if selective is None:
+        from dcp_megatron.megatron.forward_step import current_microbatch
+        from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
+
+        batch = current_microbatch()
+        if batch is None:
+            return None
+        selective = batch[MICROBATCH_KEY].recompute.kind == "selective"
+        packed_seq_params.dcp_checkpoint_core_attention = selective
+    return selective
 
 
 def dcp_patches() -> tuple[Patch, ...]:
@@ -51,8 +83,8 @@ def dcp_patches() -> tuple[Patch, ...]:
         Patch(
             target=_TARGET,
             replacement=_with_microbatch_cp_group(original),
-            reason="RoPE of packed rows reads the static CP group; DCP micro-batches carry their own group in "
-                   "PackedSeqParams.cp_group.",
+            reason="RoPE of packed rows reads the static CP group, and a full-recompute replay reads the latest "
+                   "micro-batch's selective recompute; DCP micro-batches carry their own group and choice.",
             versions=MEGATRON_CORE_VERSIONS,
         ),
     )

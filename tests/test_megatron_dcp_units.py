@@ -262,6 +262,29 @@ def _recompute_worker(rank: int, world_size: int) -> dict:
             phase["now"] = "backward"
             loss.backward()
             results[str(recompute)] = dict(counts)
+        # Pipeline order: micro-batch A (full 2) runs forward, then B (selective), then A's backward replays A.
+        # The replay must recompute A as A asked (core attention once more), not as the latest micro-batch B did.
+        from dcp_megatron.megatron import forward_step
+        from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, MicroBatchContext
+
+        def forward(recompute):
+            context = MicroBatchContext(wave_index=0, cp_size=1, cp_rank=0, group=None, recompute=recompute)
+            token = forward_step._CURRENT_MICROBATCH.set({MICROBATCH_KEY: context})
+            try:
+                apply_recompute(model, config, recompute)
+                own = PackedSeqParams(**{name: getattr(params, name) for name in (
+                    "qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv")})
+                return model(tokens, torch.arange(12).unsqueeze(0), None, labels=tokens, packed_seq_params=own).sum()
+            finally:
+                forward_step._CURRENT_MICROBATCH.reset(token)
+
+        loss_a = forward(Recompute("full", 2))
+        loss_b = forward(Recompute("selective"))
+        counts.clear()
+        phase["now"] = "backward"
+        loss_a.backward()
+        results["full2 after selective"] = dict(counts)
+        loss_b.backward()
         parallel_state.destroy_model_parallel()
     return results
 
@@ -276,6 +299,10 @@ def test_the_recompute_a_microbatch_asks_for_really_runs_in_backward():
     # selective: every layer's core attention (and nothing else) is recomputed.
     assert all(selective.get(f"backward:attn{i}") == 1 for i in range(3))
     assert not any(k.startswith("backward:layer") for k in selective)
+    # a full-recompute replay keeps its own micro-batch's choice (patches/transformer_attention.py): a CP group's
+    # ranks replaying with different choices would issue different collectives and hang
+    replay = results["full2 after selective"]
+    assert replay.get("backward:layer0") == 1 and replay.get("backward:attn0") == 1, replay
 
 
 def test_run_paths_are_checked_at_start_up(tmp_path):

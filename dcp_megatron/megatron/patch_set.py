@@ -6,7 +6,7 @@
 - checkpointing: under --dcp, a checksum manifest after each save (checked at start-up before a resume); every
   run: a failed save (a full disk) ends in one line naming the cause and file, with no partial iteration left;
 - core utils: DCP micro-batches keep their shard and carry their CP group through `get_batch`;
-- transformer attention: RoPE of a packed micro-batch uses the micro-batch's CP group;
+- transformer attention: a packed micro-batch's RoPE uses its CP group, and its selective recompute holds in replays;
 - transformer layer + MoE router: an MoE router's balancing losses are per document of the micro-batch;
 - Transformer Engine (GPU with TE only): a CP stream for dynamic CP groups.
 Without --dcp the DCP entries pass everything through to Megatron unchanged.

@@ -10,7 +10,7 @@ the token counts of the whole micro-batch (or sample) reduced over `tp_cp_group`
 micro-batch is a plan-dependent packing of documents on a CP group of its own, with padding and filler rows. The
 losses keep upstream's per-token gradient weighting (attached with `MoEAuxLossAutoScaler`, scaled by 1 / the
 step's tokens in finalize_model_grads) and are recorded for Megatron's MoE logger as each rank's share, reduced
-over the whole DP x CP domain, so the printed values are token-weighted means over the step. Everything else
+over the whole TP x DP x CP domain, so the printed values are token-weighted means over the step. Everything else
 passes through.
 """
 from __future__ import annotations
@@ -39,7 +39,8 @@ def _record(router, name: str, share, documents) -> None:
 
     get_moe_metrics_tracker().record(
         name, logged_share(share, documents, get_num_microbatches()), router.layer_number,
-        router.config.num_layers, reduce_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        router.config.num_layers,
+        reduce_group=parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True))
 
 
 def _per_document_balancing(original, kind: str, metric: str):

@@ -8,7 +8,9 @@ idle rank's, the row alignment's). `TransformerLayer._forward_mlp` is the narrow
 layer and the micro-batch's `PackedSeqParams` (it receives them, and full recompute replays it with the same
 arguments): for the duration of one call the router holds the micro-batch's `RouterDocuments` as
 `router.dcp_documents`, and the layer's `padding_mask` (upstream's seam for rows the router must not count: the
-token counts of `--moe-router-enable-expert-bias`) marks padding and filler rows.
+token counts of `--moe-router-enable-expert-bias`) marks padding and filler rows. Under sequence parallelism
+(TP > 1) both are this TP rank's share of the rows, and the documents' token counts are summed over the TP group
+too.
 
 Megatron-LM's pretrain_gpt.py also sets `PackedSeqParams.tokens_per_sample = --seq-length`, and
 `_maybe_unflatten_for_moe` then cuts the packed rows into samples of that length; a DCP micro-batch holds whole
@@ -46,6 +48,8 @@ def _router_on_microbatch_documents(original):
         if rows is None:   # not run by DCP's schedule (evaluation goes Megatron's way)
             return original(self, hidden_states, *args, **kwargs)
         padding_mask, documents = rows
+        if self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1:
+            padding_mask, documents = _sequence_parallel_share(padding_mask, documents)
         if kwargs.get("padding_mask") is None:
             kwargs["padding_mask"] = padding_mask
         router.dcp_documents = documents
@@ -72,6 +76,18 @@ def _microbatch_rows(packed_seq_params):
         rows = (context.padding_mask, context.router_documents)
         packed_seq_params.dcp_router_rows = rows
     return rows
+
+
+def _sequence_parallel_share(padding_mask, documents):
+    """Under sequence parallelism the MLP sees this TP rank's contiguous share of the micro-batch's rows (upstream
+    scatters its own padding mask the same way, in GPTModel)."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    share = padding_mask.shape[-1] // tp_size
+    return (padding_mask[..., tp_rank * share:(tp_rank + 1) * share],
+            documents.sequence_parallel_share(tp_rank, tp_size, parallel_state.get_tensor_model_parallel_group()))
 
 
 def _one_sequence_per_dcp_microbatch(original):

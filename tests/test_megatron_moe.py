@@ -7,10 +7,10 @@ Under --dcp the balancing loss is per document (dcp_megatron/megatron/moe_aux.py
   layout, every gradient at every step, the loss trace and the logged load-balancing and z losses. The budget
   lets DCP pack two samples per micro-batch (a per-micro-batch loss would balance them together and differ).
 - With it (DCP's usual input: documents of mixed lengths, plans mixing CP 1 and 2), the objective is the same
-  whatever the plan (slow): EP 2 (plans in lockstep: one micro-batch per group per wave, no full recompute) and
-  EP 1 (allgather dispatcher) on 2 ranks, each against one rank training the same global batch with `--dcp`
-  (CP 1, its own packing), all three from one set of initial weights (a 1-rank checkpoint: EP changes
-  Megatron's initial weights).
+  whatever the plan (slow): EP 2 (plans in lockstep: one micro-batch per group per wave, no full recompute),
+  EP 1 (allgather dispatcher) and TP 2 with sequence parallelism (4 ranks; token counts summed over TP and CP) on
+  2-rank domains, each against one rank training the same global batch with `--dcp` (CP 1, its own packing), all
+  from one set of initial weights (a 1-rank checkpoint: EP and TP change Megatron's initial weights).
 The per-document loss itself is checked against upstream's router on each document alone in
 tests/test_megatron_moe_units.py.
 """
@@ -36,10 +36,13 @@ MOE = ["--num-experts", str(NUM_EXPERTS), "--moe-router-topk", "2", "--moe-route
        "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
 EP2 = [*MOE, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
 EP1 = [*MOE, "--moe-token-dispatcher-type", "allgather"]
+# TP 2 (Megatron requires sequence parallelism with MoE there): each TP rank routes its half of the rows
+TP2 = [*MOE, "--moe-token-dispatcher-type", "alltoall", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
 SAMPLES = [flag for flag in LLAMA_TINY if flag != "--dataloader-inter-document-masking"]
 # Budgets: two 1,024-token samples per CP-1 micro-batch (samples); 1,024-token documents need CP 2 (documents).
 SAMPLES_BUDGET = ["--dcp-memory-budget-gb", "0.02"]
-DOCUMENTS_BUDGET = {"ep2": ["--dcp-memory-budget-gb", "0.006"], "ep1": ["--dcp-memory-budget-gb", "0.004"]}
+DOCUMENTS_BUDGET = {"ep2": ["--dcp-memory-budget-gb", "0.006"], "ep1": ["--dcp-memory-budget-gb", "0.004"],
+                    "tp2": ["--dcp-memory-budget-gb", "0.002"]}
 
 
 def _wgrads(root, name) -> list[str]:
@@ -68,11 +71,12 @@ def runs(tmp_path_factory):
         "documents_one_rank": lambda: after("init", lambda: run_training(
             OUR_SCRIPT, [*EP1, *from_init, *_wgrads(root, "documents_one_rank"), "--dcp"], nproc=1, iters=ITERS)),
     }
-    for ep, layout in (("ep2", EP2), ("ep1", EP1)):
-        name = f"documents_{ep}"
-        specs[name] = (lambda name=name, layout=layout, ep=ep: after("init", lambda: run_training(
-            OUR_SCRIPT, [*layout, *from_init, *_wgrads(root, name), *dcp_flags(name, DOCUMENTS_BUDGET[ep]),
-                         "--dcp-check-plans"], nproc=2, iters=ITERS)))
+    for layout_name, layout, nproc in (("ep2", EP2, 2), ("ep1", EP1, 2), ("tp2", TP2, 4)):
+        name = f"documents_{layout_name}"
+        specs[name] = (lambda name=name, layout=layout, nproc=nproc, budget=DOCUMENTS_BUDGET[layout_name]: after(
+            "init", lambda: run_training(OUR_SCRIPT, [*layout, *from_init, *_wgrads(root, name),
+                                                      *dcp_flags(name, budget), "--dcp-check-plans"],
+                                         nproc=nproc, iters=ITERS)))
     cache: dict[str, object] = {}
 
     def after(name, run):
@@ -154,19 +158,20 @@ def test_ep2_samples_dcp_trains_megatrons_plain_objective_gradient_for_gradient(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep", ["ep2", "ep1"])
-def test_documents_dcp_gradients_equal_one_rank_whatever_the_plan(runs, ep):
-    name = f"documents_{ep}"
+@pytest.mark.parametrize("layout", ["ep2", "ep1", "tp2"])
+def test_documents_dcp_gradients_equal_one_rank_whatever_the_plan(runs, layout):
+    name = f"documents_{layout}"
     dcp, one_rank = runs(name), runs("documents_one_rank")
-    _assert_same_trace(dcp, one_rank, f"MoE {ep}, documents: 2 ranks vs 1")
-    _assert_same_gradients(runs.root, name, "documents_one_rank")
+    _assert_same_trace(dcp, one_rank, f"MoE {layout}, documents: 2-rank domain vs 1 rank")
+    if layout != "tp2":   # TP 2 saves each rank's shards of every matrix: its grad norms are compared above
+        _assert_same_gradients(runs.root, name, "documents_one_rank")
     plans = _plans(runs.root / f"{name}_plans")
     first = plans[:UNREFINED_STEPS]   # refinement is on; from step 4 a baseline's layout may win (a fallback)
     assert all(plan.policy == "dcp" and not plan.extra.get("fallback") for plan in first), [p.extra for p in plans]
     assert {g.size for plan in first for wave in plan.waves for g in wave.groups} == {1, 2}
     assert any(len(mb.sequences) >= 2 for plan in plans for wave in plan.waves for g in wave.groups
                for mb in g.microbatches)
-    if ep == "ep2":   # all-to-alls pair the EP ranks' micro-batches: lockstep, and no full recompute
+    if layout == "ep2":   # all-to-alls pair the EP ranks' micro-batches: lockstep, and no full recompute
         assert all(len(g.microbatches) == 1 for plan in plans for wave in plan.waves for g in wave.groups)
         assert all(min(step["counts"]) == max(step["counts"]) for step in dcp.dcp_steps.values())
         kinds = {mb.recompute.kind for plan in plans for wave in plan.waves for g in wave.groups

@@ -10,8 +10,10 @@ refusal names the flag to change and says why. The layout facts behind each:
   the micro-batches of the EP group's ranks. The plan runs them in lockstep (one micro-batch per group per
   wave, planner.model.ModelShape.lockstep); full recompute would replay a layer's forward all-to-alls in
   backward on recomputing ranks only, so it is taken out of --dcp-recompute's choices.
-- MoE with TP > 1: the router reduces its token counts over TP x CP; DCP has the micro-batch's CP group but no
-  TP x (micro-batch CP) group yet.
+- MoE with TP > 1 (Megatron requires sequence parallelism there): each TP rank routes its share of the rows;
+  the per-document token counts are summed over the TP group and the micro-batch's CP group in turn.
+- Multi-token prediction (`--mtp-num-layers`): its layers shift labels and hidden states along the packed rows
+  and run their own routers; not yet carried through DCP's per-micro-batch groups and documents: refused.
 - `global_aux_loss` reduces per micro-batch over the whole TP x DP x CP group, which ranks running different
   micro-batch counts cannot join; `quantile_balancing` gathers router logits per micro-batch and is untested
   with per-micro-batch groups.
@@ -44,14 +46,17 @@ def check_dcp_layout(args: argparse.Namespace) -> None:
         balancing = balancing if isinstance(balancing, list) else [balancing]
         unsupported = [kind for kind in balancing if kind in _NO_PER_MICROBATCH_BALANCING]
         refusals += (
-            (args.tensor_model_parallel_size > 1,
-             f"--dcp with --num-experts needs --tensor-model-parallel-size 1, got {args.tensor_model_parallel_size}:"
-             " the router reduces token counts over TP x CP and DCP has no TP x (micro-batch CP) group yet"),
             (bool(unsupported),
              f"--moe-router-load-balancing-type {' '.join(unsupported)} is not supported with --dcp: it reduces "
              "over the whole domain per micro-batch, which ranks running different micro-batch counts cannot "
              "join; use aux_loss, seq_aux_loss, sinkhorn or none"),
         )
+    refusals += (
+        (bool(getattr(args, "mtp_num_layers", None)),
+         f"--mtp-num-layers {getattr(args, 'mtp_num_layers', None)} is not supported with --dcp: multi-token "
+         "prediction shifts labels along the packed rows of a micro-batch, which DCP does not yet carry over its "
+         "per-micro-batch CP groups; drop --mtp-num-layers or --dcp"),
+    )
     for refused, message in refusals:
         if refused:
             raise DcpUsageError(message)

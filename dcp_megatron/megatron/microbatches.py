@@ -86,7 +86,7 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
     document_ids = microbatch_documents(shard.doc_ids, shard.valid_mask, len(documents))
     router_documents = RouterDocuments(
         document_ids=document_ids.to(device), document_lengths=tuple(lengths[:len(documents)]),
-        group=group if cp_size > 1 else None, step_num_tokens=max(step_num_tokens, sum(lengths[:len(documents)])))
+        groups=(group,) if cp_size > 1 else (), step_num_tokens=max(step_num_tokens, sum(lengths[:len(documents)])))
     context = MicroBatchContext(wave_index=wave_index, cp_size=cp_size, cp_rank=cp_rank,
                                 group=group if cp_size > 1 else None,
                                 recompute=recompute if documents else NO_RECOMPUTE,

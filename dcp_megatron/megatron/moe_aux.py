@@ -21,7 +21,7 @@ records its share; `logged_share` scales it for Megatron's MoE logger (module do
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,8 @@ class RouterDocuments:
 
     document_ids: torch.Tensor          # int64 [T_local]: the row's document in the micro-batch, -1 at padding/filler
     document_lengths: tuple[int, ...]   # real tokens of each document, whole (all ranks of the group together)
-    group: object                       # the micro-batch's CP group (None: one rank)
-    step_num_tokens: int                # real tokens of the step's global batch, all ranks of the domain
+    groups: tuple = ()                  # the groups holding the documents' other rows: CP group, TP group (SP)
+    step_num_tokens: int = 0            # real tokens of the step's global batch, all ranks of the domain
 
     def __post_init__(self) -> None:
         assert self.document_ids.dim() == 1, self.document_ids.shape
@@ -44,6 +44,15 @@ class RouterDocuments:
     @property
     def valid_rows(self) -> torch.Tensor:
         return self.document_ids >= 0
+
+    def sequence_parallel_share(self, tp_rank: int, tp_size: int, tp_group) -> "RouterDocuments":
+        """The rows a sequence-parallel TP rank routes (its contiguous 1/tp of the micro-batch's local rows; DCP
+        pads every document so they split evenly), whose documents' other rows are also on the TP peers."""
+        rows = self.document_ids.numel()
+        assert rows % tp_size == 0, (rows, tp_size)
+        share = rows // tp_size
+        return replace(self, document_ids=self.document_ids[tp_rank * share:(tp_rank + 1) * share],
+                       groups=(*self.groups, tp_group))
 
 
 def load_balancing_loss(scores: torch.Tensor, routing_map: torch.Tensor, documents: RouterDocuments, *,
@@ -57,9 +66,9 @@ def load_balancing_loss(scores: torch.Tensor, routing_map: torch.Tensor, documen
     num_documents = len(documents.document_lengths)
     counts = torch.zeros(num_documents, num_experts, dtype=torch.float32, device=scores.device)
     counts.index_add_(0, ids, routing_map[valid].to(torch.float32))
-    if documents.group is not None:
-        # every member of the group routes the same micro-batch, so all join this once per layer and pass
-        dist.all_reduce(counts, group=documents.group)
+    for group in documents.groups:
+        # every member of each group routes the same micro-batch, so all join this once per layer and pass
+        dist.all_reduce(counts, group=group)
     probs = torch.zeros(num_documents, num_experts, dtype=scores.dtype, device=scores.device)
     probs = probs.index_add(0, ids, scores[valid])
     lengths = torch.tensor(documents.document_lengths, dtype=scores.dtype, device=scores.device)

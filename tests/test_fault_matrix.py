@@ -167,10 +167,24 @@ class Work:
         self.a_file.write_text("not a directory")
 
     def prefix(self) -> str:
-        """A --data-path prefix whose .bin and .idx exist."""
-        for suffix in (".bin", ".idx"):
-            (self.root / f"corpus{suffix}").write_bytes(b"")
-        return str(self.root / "corpus")
+        """A --data-path prefix of a real (tiny) megatron-core .bin/.idx pair."""
+        import numpy as np
+        import torch
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        prefix = str(self.root / "corpus")
+        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+        for length in (5, 9):
+            builder.add_document(torch.from_numpy(np.arange(length, dtype=np.uint16)), [length])
+        builder.finalize(prefix + ".idx")
+        return prefix
+
+    def truncated_prefix(self) -> str:
+        """A real pair whose .bin lost its last bytes (a copy cut short)."""
+        prefix = self.prefix()
+        with open(prefix + ".bin", "r+b") as f:
+            f.truncate(10)
+        return prefix
 
     def profile(self, text: str) -> str:
         path = self.root / f"profile_{abs(hash(text))}.json"
@@ -383,6 +397,7 @@ DS_CASES = {
     "data_path_missing": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--data-path", "1", str(w.root / "x")]), ["--data-path", "x.bin"]),
     "timeout_zero": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--distributed-timeout-minutes", "0"]), ["--distributed-timeout-minutes must be positive"]),
     "data_path_and_mock": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--data-path", w.prefix()]), ["exactly one of --data-path"]),
+    "data_bin_truncated": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--data-path", w.truncated_prefix()]), ["--data-path", "corpus.bin holds 10 bytes", "do not belong together"]),
     "save_is_a_file": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--save", str(w.a_file)]), ["--save", "exists and is not a directory"]),
     "dump_plans_is_a_file": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--dcp-dump-plans", str(w.a_file)]), ["--dcp-dump-plans"]),
     "save_interval_without_save": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--save-interval", "2"]), ["--save-interval needs --save"]),

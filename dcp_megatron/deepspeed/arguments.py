@@ -103,15 +103,17 @@ def check_before_megatron(args: argparse.Namespace) -> None:
 
 
 def check_data_paths(args: argparse.Namespace) -> None:
-    """At start, before any process group: one data source, and every --data-path prefix has its .bin and .idx."""
+    """At start, before any process group: every --data-path prefix is a .bin/.idx pair that belongs together
+    (named first, also beside --mock-data), one data source, and the blends as the Megatron path checks them."""
+    from dcp_megatron.megatron.data_files import check_data_files, check_indexed_pair
+
     for prefix in [token for token in args.data_path or [] if not _is_number(token)]:
-        missing = [prefix + suffix for suffix in (".bin", ".idx") if not os.path.isfile(prefix + suffix)]
-        if missing:
-            raise DcpUsageError(f"--data-path {prefix}: no {' and no '.join(missing)}")
+        check_indexed_pair(prefix, "--data-path")
     has_paths = any(getattr(args, name, None) for name in ("data_path", "train_data_path", "data_args_path",
                                                             "per_split_data_args_path"))
     if bool(args.mock_data) == has_paths:
         raise DcpUsageError("give exactly one of --data-path [WEIGHT] PREFIX ... (or per-split paths) and --mock-data")
+    check_data_files(args)
 
 
 def _is_number(token: str) -> bool:

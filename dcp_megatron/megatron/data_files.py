@@ -53,9 +53,10 @@ def check_data_files(args: argparse.Namespace) -> None:
 def check_indexed_pair(prefix: str, flag: str) -> None:
     """`prefix`.bin holds exactly the tokens `prefix`.idx describes, and at least one."""
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
-    for path in (idx_path, bin_path):
-        if not os.path.isfile(path):
-            raise DcpUsageError(f"{flag}: {path}: no such file (a dataset prefix needs both .bin and .idx)")
+    missing = [path for path in (bin_path, idx_path) if not os.path.isfile(path)]
+    if missing:
+        raise DcpUsageError(f"{flag}: {' and '.join(missing)}: no such file (a dataset prefix needs both .bin "
+                            "and .idx)")
     idx_bytes = os.path.getsize(idx_path)
     with open(idx_path, "rb") as f:
         header = f.read(_HEADER.size)

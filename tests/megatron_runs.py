@@ -111,14 +111,35 @@ def run_training(script: str, extra: list[str], *, nproc: int = 2, launcher: boo
     return parse_output(proc.returncode, proc.stdout + proc.stderr)
 
 
-def read_plan_dumps(directory) -> list:
-    """The StepPlans a --dcp-dump-plans DIR holds, in step order."""
+class LazyRuns:
+    """A test module's launches, each started on first use and shared (a `-k` selection starts only what its tests
+    read). `specs[name]()` runs one; `after(name, run)` runs `name` first (e.g. the checkpoint `run` loads)."""
+
+    def __init__(self, root) -> None:
+        self.root = root
+        self.specs: dict = {}
+        self._done: dict[str, RunResult] = {}
+
+    def __call__(self, name: str) -> RunResult:
+        if name not in self._done:
+            self._done[name] = self.specs[name]().check()
+            (self.root / f"{name}.log").write_text(self._done[name].output)   # for a failure's post-mortem
+        return self._done[name]
+
+    def after(self, name: str, run):
+        self(name)
+        return run()
+
+
+def read_plan_dumps(directory, *, count: int | None = None) -> list:
+    """The StepPlans a --dcp-dump-plans DIR holds, in step order (`count`: exactly that many)."""
     from dcp_megatron.planner.plan import StepPlan
 
     plans = []
     for path in sorted(glob.glob(os.path.join(str(directory), "step_*.json"))):
         with open(path) as f:
             plans.append(StepPlan.from_json(f.read()))
+    assert count is None or len(plans) == count, (directory, len(plans), count)
     return plans
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 
 from dcp_megatron.planner.plan import StepPlan
-from tests.megatron_runs import LLAMA_TINY, OUR_SCRIPT, read_plan_dumps, run_training
+from tests.megatron_runs import LLAMA_TINY, OUR_SCRIPT, LazyRuns, read_plan_dumps, run_training
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -52,8 +52,9 @@ PP4_BUDGET = ["--dcp-memory-budget-gb", "0.009", "--dcp-recompute", "selective,f
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("megatron_mp")
-    specs = {
+    runs = LazyRuns(tmp_path_factory.mktemp("megatron_mp"))
+    root = runs.root
+    runs.specs = specs = {
         "tp_plain": lambda: run_training(OUR_SCRIPT, TP_SP, nproc=2, iters=ITERS),
         "tp_dcp": lambda: run_training(OUR_SCRIPT, [*TP_SP, "--dcp", *TP_BUDGET, "--dcp-check-plans",
                                                     "--dcp-dump-plans", str(root / "tp_plans")],
@@ -79,30 +80,16 @@ def runs(tmp_path_factory):
         "init": lambda: run_training(OUR_SCRIPT, ["--lr", "0", "--min-lr", "0", "--lr-warmup-iters", "0", "--save",
                                                   str(root / "init"), "--save-interval", "1"],
                                      nproc=1, launcher=False, iters=1, base=no_masking),
-        "cp_reference": lambda: runs_after("init", lambda: run_training(
+        "cp_reference": lambda: runs.after("init", lambda: run_training(
             OUR_SCRIPT, from_init, nproc=1, launcher=False, iters=ITERS, base=no_masking)),
-        "cp_static": lambda: runs_after("init", lambda: run_training(
+        "cp_static": lambda: runs.after("init", lambda: run_training(
             OUR_SCRIPT, [*from_init, "--context-parallel-size", "2"], nproc=2, iters=ITERS, base=no_masking)),
     })
-    cache: dict[str, object] = {}
-
-    def runs_after(name, run):
-        get(name)
-        return run()
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = specs[name]().check()
-        return cache[name]
-
-    get.root = root
-    return get
+    return runs
 
 
 def _plans(directory) -> list[StepPlan]:
-    plans = read_plan_dumps(directory)
-    assert len(plans) == ITERS, directory
-    return plans
+    return read_plan_dumps(directory, count=ITERS)
 
 
 def _assert_same_training(run, reference, what: str) -> None:

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dcp_megatron.planner.plan import StepPlan
-from tests.megatron_runs import LLAMA_TINY, OUR_SCRIPT, flatten_state, read_plan_dumps, run_training
+from tests.megatron_runs import LLAMA_TINY, OUR_SCRIPT, LazyRuns, flatten_state, read_plan_dumps, run_training
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -52,13 +52,14 @@ def _wgrads(root, name) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("megatron_moe")
+    runs = LazyRuns(tmp_path_factory.mktemp("megatron_moe"))
+    root, after = runs.root, runs.after
     from_init = ["--load", str(root / "init"), "--finetune", "--no-load-optim", "--no-load-rng"]
 
     def dcp_flags(name, budget):
         return ["--dcp", *budget, "--dcp-dump-plans", str(root / f"{name}_plans")]
 
-    specs = {
+    runs.specs = specs = {
         "samples_plain": lambda: run_training(OUR_SCRIPT, [*EP2, *_wgrads(root, "samples_plain")], nproc=2,
                                               iters=ITERS, base=SAMPLES),
         "samples_dcp": lambda: run_training(OUR_SCRIPT, [*EP2, *_wgrads(root, "samples_dcp"),
@@ -77,26 +78,11 @@ def runs(tmp_path_factory):
             "init", lambda: run_training(OUR_SCRIPT, [*layout, *from_init, *_wgrads(root, name),
                                                       *dcp_flags(name, budget), "--dcp-check-plans"],
                                          nproc=nproc, iters=ITERS)))
-    cache: dict[str, object] = {}
-
-    def after(name, run):
-        get(name)
-        return run()
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = specs[name]().check()
-            (root / f"{name}.log").write_text(cache[name].output)   # for a failure's post-mortem
-        return cache[name]
-
-    get.root = root
-    return get
+    return runs
 
 
 def _plans(directory) -> list[StepPlan]:
-    plans = read_plan_dumps(directory)
-    assert len(plans) == ITERS, directory
-    return plans
+    return read_plan_dumps(directory, count=ITERS)
 
 
 def _gradients(root, name: str, step: int) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train Megatron-LM's own, unmodified `pretrain_gpt.py` with and without `--dcp` through our launcher.
 
-  .venv/bin/python tools/check_megatron_lm.py DIR [--iters 4] [--layout dp|tp2sp|pp2]
+  .venv/bin/python tools/check_megatron_lm.py DIR [--iters 4] [--layout dp|tp2sp|pp2|mixtral|mixtral-samples|pp4vpp2]
 
 DIR holds Megatron-LM's top-level `pretrain_gpt.py`, `gpt_builders.py` and `model_provider.py` (tag
 core_v0.19.0; public, not shipped here) and no `megatron/` package, so the installed megatron-core 0.19.2
@@ -9,8 +9,10 @@ wheel is the one imported. Runs the tiny Llama-3 flag set of tests/megatron_runs
 and the DCP plans, and exits 1 unless the traces agree within 1e-5. Layouts: `dp` (2 ranks, both runs),
 `tp2sp` (TP 2 + sequence parallelism) and `pp2` (PP 2): plain on 2 ranks, `--dcp` on 4 (a 2-rank domain);
 `mixtral` (the MoE flags of Megatron-LM's Mixtral example, 4 experts, EP 2, aux loss 1e-2: 2 ranks, both runs;
-the aux loss is a statistic of each micro-batch, and DCP's micro-batches are not Megatron's, so its traces may
-differ by the aux term's share), `pp4vpp2` (PP 4 with two virtual stages per rank: 4 ranks, both runs; the plain run is our script's, see
+under --dcp the aux loss is per document, Megatron's per sample, and with --dataloader-inter-document-masking a
+sample holds several documents: the traces may differ by the aux term's share), `mixtral-samples` (the same
+without inter-document masking: a document is a sample, and the traces agree), `pp4vpp2` (PP 4 with two virtual
+stages per rank: plain on 4 ranks, --dcp on 8, a 2-rank domain per stage; the plain run is our script's, see
 _PLAIN_WITH_OUR_SCRIPT).
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.megatron_runs import OUR_SCRIPT, run_training  # noqa: E402
+from tests.megatron_runs import LLAMA_TINY, OUR_SCRIPT, run_training  # noqa: E402
 
 # Layouts whose plain run uses our pretrain_scripts/pretrain_gpt.py (the same model from the same flags): at
 # core_v0.19.0 Megatron-LM's own script cannot run them without --dcp. Its `is_dataset_built_on_rank` builds no
@@ -37,11 +39,15 @@ _PLAIN_WITH_OUR_SCRIPT = {"pp4vpp2"}
 _MIXTRAL = ("--init-method-std 0.01 --no-position-embedding --rotary-base 1000000 --num-experts 4 --moe-router-topk 2 "
             "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --moe-token-dispatcher-type alltoall "
             "--expert-model-parallel-size 2 --overlap-grad-reduce --overlap-param-gather").split()
-# PP 4 with two virtual stages per rank (8 layers, one per virtual stage): a domain of one rank on 4 CPU ranks.
+# PP 4 with two virtual stages per rank (8 layers, one per virtual stage): a 2-rank domain per stage on 8 ranks.
 # --eval-iters 0: Megatron's evaluation is not DCP's (it runs Megatron's own path), and there Megatron-LM's script
 # reads a batch on middle stages that have no data iterator (see _PLAIN_WITH_OUR_SCRIPT).
 _PP4_VPP2 = ("--pipeline-model-parallel-size 4 --num-layers 8 --num-layers-per-virtual-pipeline-stage 1 "
              "--eval-iters 0").split()
+
+_SAMPLES = tuple(flag for flag in LLAMA_TINY if flag != "--dataloader-inter-document-masking")
+# layouts trained on whole samples (no --dataloader-inter-document-masking)
+_ON_SAMPLES = {"mixtral-samples"}
 
 # layout: (flags of both runs, --dcp budget flags, ranks of the --dcp run, ranks of the plain run)
 _LAYOUTS = {
@@ -50,7 +56,8 @@ _LAYOUTS = {
     "pp2": (["--pipeline-model-parallel-size", "2"],
             ["--dcp-memory-budget-gb", "0.0035", "--dcp-recompute", "selective,full"], 4, 2),
     "mixtral": (_MIXTRAL, ["--dcp-memory-budget-gb", "0.006"], 2, 2),
-    "pp4vpp2": (_PP4_VPP2, [], 4, 4),
+    "mixtral-samples": (_MIXTRAL, ["--dcp-memory-budget-gb", "0.02"], 2, 2),
+    "pp4vpp2": (_PP4_VPP2, ["--dcp-memory-budget-gb", "0.009", "--dcp-recompute", "selective,full"], 8, 4),
 }
 
 
@@ -74,7 +81,9 @@ def main(argv=None) -> int:
     plain_script = OUR_SCRIPT if args.layout in _PLAIN_WITH_OUR_SCRIPT else script
     for label, run_script, extra, nproc in (("plain", plain_script, layout, plain_ranks),
                                             ("dcp", script, [*layout, "--dcp", *budget], dcp_ranks)):
-        runs[label] = run = run_training(run_script, extra, nproc=nproc, iters=args.iters).check()
+        base = _SAMPLES if args.layout in _ON_SAMPLES else LLAMA_TINY
+        runs[label] = run = run_training(run_script, extra, nproc=nproc, iters=args.iters, base=base,
+                                         timeout_s=1200).check()
         print(f"{label:5s} loss trace: {run.loss_trace()}")
     for step, info in sorted(runs["dcp"].dcp_steps.items()):
         print(f"  dcp step {step}: {info['policy']} cp sizes {info['cp_sizes']} micro-batches/rank "

@@ -335,3 +335,57 @@ def test_run_paths_are_checked_at_start_up(tmp_path):
     (empty / "iter_0000005").mkdir()
     check_run_paths(paths(load=str(empty)))
 
+
+
+def _middle_stage_worker(rank: int, world_size: int) -> dict:
+    """What a model receives when the script's PackedSeqParams lacks the micro-batch's CP size and group (Megatron-LM's
+    get_batch on a middle pipeline stage), inside a DCP micro-batch's forward step and outside one."""
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from dcp_megatron.megatron import forward_step
+    from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, MicroBatchContext
+    from dcp_megatron.megatron.patch_set import megatron_patch_registry
+    from tests.megatron_runs import tiny_local_gpt
+
+    class Seen(Exception):
+        pass
+
+    class Group:   # stands for the micro-batch's CP group: the model must receive this very object
+        def size(self):
+            return 2
+
+    group = Group()
+    received = {}
+    with megatron_patch_registry():
+        parallel_state.initialize_model_parallel()
+        model = tiny_local_gpt(num_layers=1, max_sequence_length=32)
+
+        def stop(module, args, kwargs):
+            params = kwargs.get("packed_seq_params")
+            received["now"] = (params.local_cp_size, params.cp_group is group)
+            raise Seen
+
+        model.decoder.register_forward_pre_hook(stop, with_kwargs=True)
+        bounds = torch.tensor([0, 12], dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=12,
+                                 max_seqlen_kv=12)
+        tokens = torch.randint(0, 64, (1, 6))
+        results = {}
+        for name, context in (("outside", None), ("dcp_cp2", MicroBatchContext(
+                wave_index=0, cp_size=2, cp_rank=0, group=group, recompute=NO_RECOMPUTE))):
+            token = forward_step._CURRENT_MICROBATCH.set(None if context is None else {MICROBATCH_KEY: context})
+            try:
+                model(tokens, torch.arange(6).unsqueeze(0), None, packed_seq_params=params)
+            except Seen:
+                results[name] = received.pop("now")
+            finally:
+                forward_step._CURRENT_MICROBATCH.reset(token)
+        parallel_state.destroy_model_parallel()
+    return results
+
+
+def test_a_middle_pipeline_stage_gets_the_microbatchs_cp_size_and_group():
+    """patches/models_gpt_gpt_model.py: Megatron-LM's get_batch gives middle stages params without them."""
+    results = run_distributed(_middle_stage_worker, 1)[0]
+    assert results == {"outside": (None, False), "dcp_cp2": (2, True)}, results

@@ -86,6 +86,7 @@ class DcpConfig:
     log_interval: int = 1
     plan_ahead: bool = True          # plan step k+1 while step k trains (planner/ahead.py)
     train_iters: int | None = None   # the last step: nothing to read ahead after it
+    iterations_to_skip: frozenset[int] = frozenset()   # --iterations-to-skip: Megatron reads those steps itself
     refine: bool = True              # correct the cost model from measured times (planner/refine.py)
     cp_attention: tuple[str, ...] = ("allgather",)   # CP attention flavours per micro-batch (+ "ulysses")
     row_multiple: int = 1            # each micro-batch's local rows padded to a multiple (FP8 GEMM shapes)
@@ -126,6 +127,7 @@ def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
                      seq_length=args.seq_length, log_interval=args.log_interval,
                      plan_ahead=not getattr(args, "dcp_sync_planning", False),
                      train_iters=getattr(args, "train_iters", None),
+                     iterations_to_skip=frozenset(getattr(args, "iterations_to_skip", None) or ()),
                      refine=not getattr(args, "dcp_no_refine", False),
                      cp_attention=parse_comma_list(getattr(args, "dcp_cp_attention", None)) or ("allgather",),
                      row_multiple=fp8_row_multiple(args), fp8=getattr(args, "fp8", None) is not None,

@@ -135,7 +135,7 @@ class DcpForwardBackward:
 
         local, index, planned = self._this_steps_plan(iteration, data_iterator, num_microbatches)
         plan = planned.plan
-        if self._planner is not None and (self.config.train_iters is None or iteration < self.config.train_iters):
+        if self._planner is not None and self._reads_ahead_for(iteration + 1):
             # the next step's own count: --step-batch-size-schedule may change it at that step
             self._plan_next_step(iteration + 1, data_iterator, next_step_num_microbatches(num_microbatches))
         if self.config.check_plans:
@@ -231,6 +231,13 @@ class DcpForwardBackward:
             self._current = _ReadAhead(iteration=iteration, local=local, index=index, read_ahead=False,
                                        num_microbatches=num_microbatches)
         return local, index, plan_synchronously(iteration, self._plan, index.sequences(), self._cost)
+
+    def _reads_ahead_for(self, iteration: int) -> bool:
+        """Whether to read and plan `iteration` during the step before it: not past the last step, and not for a
+        step Megatron skips (`--iterations-to-skip`: its dummy step pulls that step's samples from the iterator
+        itself, so reading them ahead would shift every later step onto the next step's samples)."""
+        return ((self.config.train_iters is None or iteration <= self.config.train_iters)
+                and iteration not in self.config.iterations_to_skip)
 
     def _plan_next_step(self, iteration: int, data_iterator, num_microbatches: int) -> None:
         """Read the next step's share now and start planning it (a collective: every rank calls it)."""

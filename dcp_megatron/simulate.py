@@ -33,6 +33,7 @@ from typing import Iterable, Sequence
 
 from dcp_megatron.planner.batcher import OVERLONG_MODES, GlobalBatch, GlobalBatcher
 from dcp_megatron.planner.cluster import cluster_preset
+from dcp_megatron.planner.cost_profile import RECOMPUTE_KINDS, check_allowed_recompute
 from dcp_megatron.planner.distributions import iter_builtin_lengths, read_lengths
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import StepPlan
@@ -63,6 +64,7 @@ class SimulationConfig:
     max_seq_len: int | None = None    # None: see the module docstring
     overlong: str = "error"
     profile: str | None = None        # cost-model profile JSON
+    recompute: tuple[str, ...] = RECOMPUTE_KINDS   # the kinds every policy may use (--dcp-recompute's choice)
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node", "tp", "pp", "ep", "tokens_per_step", "steps"):
@@ -88,6 +90,10 @@ class SimulationConfig:
             raise ValueError("--policies is empty")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"--policies lists a policy twice: {','.join(self.policies)}")
+        try:
+            check_allowed_recompute(self.recompute)
+        except ValueError as err:
+            raise ValueError(f"--recompute: {err}") from None
         if not self.lengths:
             raise ValueError("--lengths is empty; give a file or builtin:NAME")
 
@@ -164,7 +170,7 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
     cluster = cluster_preset(config.cluster, domain_size=config.domain_size,
                              gpus_per_node=config.domain_ranks_per_node)
     profile = load_profile(config.profile) if config.profile else None
-    cost = CostModel(model, cluster, profile=profile)
+    cost = CostModel(model, cluster, profile=profile, allowed_recompute=config.recompute)
     batches, max_seq_len = cut_batches(config)
     if len(batches) < config.steps:
         print(f"dcp-simulate: note: the data holds only {len(batches)} of the {config.steps} steps asked for",
@@ -217,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the run's length cap (default: longest document in the run, capped at tokens-per-step)")
     p.add_argument("--overlong", default=d.overlong, choices=OVERLONG_MODES,
                    help="what to do with documents longer than --max-seq-len")
+    p.add_argument("--recompute", default=",".join(d.recompute),
+                   help="comma list of the recompute kinds policies may use (a run's --dcp-recompute; under EP > 1 "
+                   "--dcp takes out full)")
     p.add_argument("--profile", default=None, help="cost-model profile JSON (overrides the preset's constants)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the metrics as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="draw one step's per-rank timelines")
@@ -231,7 +240,8 @@ def config_from_args(args: argparse.Namespace) -> SimulationConfig:
                             gpus_per_node=args.gpus_per_node, tp=args.tp, pp=args.pp, ep=args.ep,
                             tokens_per_step=args.tokens_per_step, steps=args.steps, policies=policies,
                             seed=args.seed, max_seq_len=args.max_seq_len, overlong=args.overlong,
-                            profile=args.profile)
+                            profile=args.profile,
+                            recompute=tuple(k.strip() for k in args.recompute.split(",") if k.strip()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

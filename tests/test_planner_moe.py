@@ -207,3 +207,21 @@ def test_megatron_adapter_passes_the_moe_flags():
     assert shape.expert_mlp_params == 3 * 64 * 96
     dense = model_shape_from_args(argparse.Namespace(**{**vars(args), "num_experts": None}))
     assert not dense.is_moe and dense.ep == 1 and dense.linear_flops_per_token == 6.0 * dense.linear_params
+
+
+def test_simulator_recompute_flag_limits_every_policy(tmp_path):
+    """--recompute none,selective (what --dcp allows under EP > 1) reaches every policy's cost model: the tiny
+    MoE's 2,048-token documents then run without full recompute, which they use when it is allowed."""
+    def kinds(recompute: str) -> set[str]:
+        out = tmp_path / recompute.replace(",", "_")
+        assert main(["--lengths", "builtin:prolong", "--model", "gpt-tiny-moe", "--cluster", "cpu", "--gpus", "4",
+                     "--ep", "2", "--tokens-per-step", "8192", "--max-seq-len", "2048", "--overlong", "truncate",
+                     "--steps", "2", "--seed", "3", "--recompute", recompute, "--dump-plans", str(out)]) == 0
+        from dcp_megatron.planner.plan import StepPlan
+        return {mb.recompute.kind for path in out.glob("*/step_*.json")
+                for plan in [StepPlan.from_json(path.read_text())] for w in plan.waves for g in w.groups
+                for mb in g.microbatches if mb.sequences}
+    assert "full" in kinds("none,selective,full")
+    assert "full" not in kinds("none,selective")
+    with pytest.raises(ValueError, match="--recompute: .*unknown recompute kind"):
+        SimulationConfig(lengths="builtin:prolong", recompute=("none", "everything"))

@@ -9,7 +9,10 @@ in `dcp_megatron.simulate_report`.
 
 Sizes: `--gpus` is the total number of GPUs; the DCP domain (the DP×CP ranks of one TP/PP
 coordinate) has gpus / (tp·pp) ranks, and a node holds gpus_per_node / tp of them (TP
-stays inside a node).
+stays inside a node). `--ep` (expert parallelism of an MoE preset) carves EP groups of ep consecutive
+ranks out of the domain: it must divide the domain (and the model's experts); every policy then plans in
+lockstep (one micro-batch per group per wave: the EP all-to-alls pair the ranks' micro-batches) and the cost
+model charges the all-to-alls.
 
 `--max-seq-len` (the run's length cap, from which the static layouts are chosen once per
 run) defaults to the longest document among those the run's `--steps` batches contain,
@@ -30,6 +33,7 @@ from typing import Iterable, Sequence
 
 from dcp_megatron.planner.batcher import OVERLONG_MODES, GlobalBatch, GlobalBatcher
 from dcp_megatron.planner.cluster import cluster_preset
+from dcp_megatron.planner.cost_profile import RECOMPUTE_KINDS, check_allowed_recompute
 from dcp_megatron.planner.distributions import iter_builtin_lengths, read_lengths
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import StepPlan
@@ -52,6 +56,7 @@ class SimulationConfig:
     gpus_per_node: int = 8
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     tokens_per_step: int = 4_194_304
     steps: int = 20
     policies: tuple[str, ...] = DEFAULT_POLICIES
@@ -59,9 +64,10 @@ class SimulationConfig:
     max_seq_len: int | None = None    # None: see the module docstring
     overlong: str = "error"
     profile: str | None = None        # cost-model profile JSON
+    recompute: tuple[str, ...] = RECOMPUTE_KINDS   # the kinds every policy may use (--dcp-recompute's choice)
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "gpus_per_node", "tp", "pp", "tokens_per_step", "steps"):
+        for name in ("gpus", "gpus_per_node", "tp", "pp", "ep", "tokens_per_step", "steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -70,6 +76,9 @@ class SimulationConfig:
         if self.gpus_per_node % self.tp:
             raise ValueError(f"--gpus-per-node {self.gpus_per_node} is not divisible by --tp {self.tp} "
                              f"(tensor parallelism stays inside a node)")
+        if self.domain_size % self.ep:
+            raise ValueError(f"--ep {self.ep} does not divide the domain of {self.domain_size} ranks "
+                             f"(--gpus / (tp*pp)): EP groups are carved out of the DP x CP ranks")
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
         if self.max_seq_len is not None and not 0 < self.max_seq_len <= self.tokens_per_step:
@@ -81,6 +90,10 @@ class SimulationConfig:
             raise ValueError("--policies is empty")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"--policies lists a policy twice: {','.join(self.policies)}")
+        try:
+            check_allowed_recompute(self.recompute)
+        except ValueError as err:
+            raise ValueError(f"--recompute: {err}") from None
         if not self.lengths:
             raise ValueError("--lengths is empty; give a file or builtin:NAME")
 
@@ -153,11 +166,11 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
     unknown = [p for p in config.policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policy {unknown[0]!r} in --policies; choose from {', '.join(POLICIES)}")
-    model = model_preset(config.model, tp=config.tp, pp=config.pp)
+    model = model_preset(config.model, tp=config.tp, pp=config.pp, ep=config.ep)
     cluster = cluster_preset(config.cluster, domain_size=config.domain_size,
                              gpus_per_node=config.domain_ranks_per_node)
     profile = load_profile(config.profile) if config.profile else None
-    cost = CostModel(model, cluster, profile=profile)
+    cost = CostModel(model, cluster, profile=profile, allowed_recompute=config.recompute)
     batches, max_seq_len = cut_batches(config)
     if len(batches) < config.steps:
         print(f"dcp-simulate: note: the data holds only {len(batches)} of the {config.steps} steps asked for",
@@ -201,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
     p.add_argument("--tp", type=int, default=d.tp)
     p.add_argument("--pp", type=int, default=d.pp)
+    p.add_argument("--ep", type=int, default=d.ep, help="expert parallelism (an MoE model preset; divides the domain)")
     p.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step, help="global batch token budget")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--policies", default=",".join(d.policies), help="comma-separated policy names")
@@ -209,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the run's length cap (default: longest document in the run, capped at tokens-per-step)")
     p.add_argument("--overlong", default=d.overlong, choices=OVERLONG_MODES,
                    help="what to do with documents longer than --max-seq-len")
+    p.add_argument("--recompute", default=",".join(d.recompute),
+                   help="comma list of the recompute kinds policies may use (a run's --dcp-recompute; under EP > 1 "
+                   "--dcp takes out full)")
     p.add_argument("--profile", default=None, help="cost-model profile JSON (overrides the preset's constants)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the metrics as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="draw one step's per-rank timelines")
@@ -220,10 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> SimulationConfig:
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     return SimulationConfig(lengths=args.lengths, model=args.model, cluster=args.cluster, gpus=args.gpus,
-                            gpus_per_node=args.gpus_per_node, tp=args.tp, pp=args.pp,
+                            gpus_per_node=args.gpus_per_node, tp=args.tp, pp=args.pp, ep=args.ep,
                             tokens_per_step=args.tokens_per_step, steps=args.steps, policies=policies,
                             seed=args.seed, max_seq_len=args.max_seq_len, overlong=args.overlong,
-                            profile=args.profile)
+                            profile=args.profile,
+                            recompute=tuple(k.strip() for k in args.recompute.split(",") if k.strip()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -242,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = result.to_json()
     print(f"{config.lengths}: {len(result.batches)} steps of <= {config.tokens_per_step} tokens, "
           f"max_seq_len={result.max_seq_len}, {config.model} on {config.gpus}x{config.cluster} "
-          f"(tp={config.tp} pp={config.pp}, domain {config.domain_size})")
+          f"(tp={config.tp} pp={config.pp} ep={config.ep}, domain {config.domain_size})")
     print(format_table(report["policies"]))
     if args.json:
         with open(args.json, "w") as f:

@@ -246,7 +246,7 @@ def test_expert_parallel_plans_run_every_group_in_lockstep():
     """EP > 1 (PP 1): MoE all-to-alls pair the EP ranks' micro-batches, so every policy gives each group exactly
     one micro-batch per wave (equal counts on every rank), as with PP; EP 1 keeps unequal counts possible."""
     base = tiny_cost(4)
-    cost = CostModel(dataclasses.replace(base.model, ep=2), base.cluster)
+    cost = CostModel(dataclasses.replace(base.model, num_experts=4, moe_topk=2, ep=2), base.cluster)
     assert cost.model.lockstep and not base.model.lockstep
     batch = [(i, n) for i, n in enumerate([4000, 900, 300, 300, 200, 120, 64, 64, 32, 20, 16])]
     for policy, plan in plans_of_every_policy(batch, cost, max_seq_len=4096).items():

@@ -29,7 +29,10 @@ def model_shape_from_args(args, *, vocab_size: int | None = None) -> ModelShape:
         num_kv_heads=num_kv_heads, head_dim=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
         vocab_size=vocab_size or args.padded_vocab_size, gated_mlp=bool(args.swiglu),
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-        ep=getattr(args, "expert_model_parallel_size", 1) if getattr(args, "num_experts", None) else 1)
+        ep=getattr(args, "expert_model_parallel_size", 1) if getattr(args, "num_experts", None) else 1,
+        # MoE: router + top-k experts in FLOPs, experts / ep in memory, EP all-to-alls (planner/moe_cost.py)
+        num_experts=getattr(args, "num_experts", None), moe_topk=getattr(args, "moe_router_topk", None) or 2,
+        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None))
 
 
 def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:

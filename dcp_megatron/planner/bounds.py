@@ -1,7 +1,8 @@
 """A lower bound on any plan's step time for one batch (DESIGN.md §5), memory-aware.
 
 max( balanced: every document's least rank-seconds, plus the overhead of the fewest micro-batches
-     memory allows, summed and divided by the D ranks — perfect balance, no communication; a
+     memory allows and the MoE all-to-alls every token pays, summed and divided by the D ranks —
+     perfect balance, no other communication; a
      document's least rank-seconds is the minimum over group sizes c of c x (its compute at c + the
      least recompute it needs there even alone in a micro-batch),
      longest: the longest sequence alone in a micro-batch on its best allowed group size — it
@@ -52,7 +53,9 @@ def lower_bound(batch: Sequence[tuple[int, int]], cost) -> float:
 def lower_bound_of_lengths(lengths: np.ndarray, cost) -> float:
     check_static_memory(cost)
     overhead = cost.cluster.microbatch_overhead_s * fewest_rank_microbatches(lengths, cost)
-    balanced = (float(least_rank_seconds(lengths, cost).sum()) + overhead) / cost.cluster.domain_size
+    # every token passes each MoE layer's all-to-alls at least once per pass, whatever its group (padding adds)
+    moe_comm = float(cost.moe.seconds(float(np.sum(lengths))))
+    balanced = (float(least_rank_seconds(lengths, cost).sum()) + overhead + moe_comm) / cost.cluster.domain_size
     best = fastest_alone_time(int(lengths.max()), cost)
     if math.isinf(best):
         raise ValueError(f"a sequence of {int(lengths.max())} tokens fits no allowed CP group "

@@ -6,6 +6,7 @@ lock-step. Each document is padded to a multiple of 2c (zig-zag chunks), so padd
 time = overhead
      + compute            Σ_docs (a·Lp + b(Lp)·Lp²) / c + d per document, per pipeline stage
      + recompute          full k of n layers: (k/n)·(1/3)·compute; selective: attention forward
+     + MoE all-to-alls    EP token dispatch + combine, per MoE layer and pass, not overlapped (moe_cost.py)
      + exposed CP comm    K/V bytes each rank receives ((c-1)/c of the group's K/V per layer and
                           pass; 3 passes fwd+bwd: K/V gather, again in backward, dK/dV reduce),
                           overlapped with attention so only the excess shows, + per-collective latency
@@ -13,7 +14,8 @@ a = linear FLOPs per token / (tp·pp·gemm rate); b(Lp) = attention FLOPs per L�
 the attention kernel works on the rank's chunk, so short chunks run at the short-document rate.
 
 memory per rank = static (bf16 weights 2 B + fp32 grads 4 B per parameter, Adam fp32 master +
-two moments 12 B sharded over the domain with the distributed optimizer; all /(tp·pp))
+two moments 12 B sharded over the domain with the distributed optimizer; all /(tp·pp); an MoE's experts
+/(tp·pp·ep), their optimizer states sharded over the domain / ep, their expert-data-parallel ranks)
 + activations per token per layer: 34·h/tp bytes (flash attention: no s² term; sequence
 parallel divides by tp); selective recompute drops the attention output (32·h); full recompute
 of k layers keeps 2·h for those layers plus one layer's working set (34·h) while recomputing
@@ -54,6 +56,7 @@ from dcp_megatron.planner.cost_profile import (PROFILE_SCALARS, RECOMPUTE_KINDS,
                                                check_cp_attention, check_profile, load_profile)
 from dcp_megatron.planner.gpu_costs import GpuCosts
 from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.moe_cost import MoeComm, moe_activation_factors
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 
 ACT_BYTES_PER_TOKEN_LAYER = 34      # × hidden, bf16, Korthikanti et al. without the s² term
@@ -102,6 +105,10 @@ class CostModel:
         self.model = model
         self.cluster = cluster
         m = model
+        if cluster.domain_size % m.ep:
+            raise ValueError(f"ep={m.ep} does not divide the domain of {cluster.domain_size} ranks "
+                             f"(EP groups are carved out of the DP x CP ranks)")
+        self.moe = MoeComm.of(m, cluster)    # EP all-to-alls (zero for dense models and EP 1)
         self.layers_per_stage = m.num_layers // m.pp
         split = m.tp * m.pp
         self._linear_s_per_token = m.linear_flops_per_token / (split * gpu.gemm_rate(cluster))
@@ -114,14 +121,18 @@ class CostModel:
         self._kv_bytes_per_token = 2 * kv_heads_per_rank * m.head_dim * 2 * self.layers_per_stage
         h_per_rank = m.hidden_size / m.tp
         self._act_per_token_layer = h_per_rank       # × bytes-per-token-layer factor
-        self._act_factors = {"none": ACT_BYTES_PER_TOKEN_LAYER, "selective": SELECTIVE_BYTES_PER_TOKEN_LAYER,
-                             "full": FULL_BYTES_PER_TOKEN_LAYER}
+        self._act_factors = moe_activation_factors(m, {
+            "none": ACT_BYTES_PER_TOKEN_LAYER, "selective": SELECTIVE_BYTES_PER_TOKEN_LAYER,
+            "full": FULL_BYTES_PER_TOKEN_LAYER})
         self._act_factors.update((profile or {}).get("activation_bytes_per_hidden", {}))
         self._logit_bytes_per_token = (profile or {}).get("output_bytes_per_vocab", 4.0) * m.vocab_size / m.tp
         self._latency_per_mb = cluster.collective_latency_s * self.layers_per_stage * CP_PASSES
-        params = m.num_params / split
+        params = (m.num_params - m.expert_params) / split
+        expert_params = m.expert_params / (split * m.ep)     # num_experts / ep experts per rank
         opt = 12.0 / cluster.domain_size if cluster.distributed_optimizer else 12.0
-        self.static_bytes = int(params * (2.0 + 4.0 + opt)) + gpu.static_bytes(m, cluster)
+        expert_opt = opt * m.ep if cluster.distributed_optimizer else opt   # over domain / ep replicas
+        self.static_bytes = (int(params * (2.0 + 4.0 + opt) + expert_params * (2.0 + 4.0 + expert_opt))
+                             + gpu.static_bytes(m, cluster))
         self._none_bytes_per_token = self._bytes_per_local_token(NO_RECOMPUTE)
         self._full_options = [Recompute("full", k) for k in range(1, self.layers_per_stage + 1)]
         allowed = self.allowed_recompute
@@ -188,7 +199,7 @@ class CostModel:
         recompute that fits (inf where none does), without the per-micro-batch overhead.
         Returns (local tokens, compute s, attention s, seconds); vectorised for planning."""
         local, compute, attn = self.doc_terms(lengths, cp_size)
-        seconds = compute.copy()
+        seconds = compute + self.moe.seconds(local)
         if cp_size > 1:
             bw = self.cluster.intra_node_bw if self.cluster.same_node(0, cp_size) else self.cluster.inter_node_bw
             received = CP_PASSES * self._kv_bytes_per_token * local * (cp_size - 1)
@@ -250,7 +261,8 @@ class CostModel:
         if local_tokens <= 0:
             return self.cluster.microbatch_overhead_s
         extra, passes = self.recompute_extra(compute_s, attn_s, recompute)
-        t = self.cluster.microbatch_overhead_s + compute_s + extra
+        t = (self.cluster.microbatch_overhead_s + compute_s + extra
+             + self.moe.seconds(local_tokens, recompute.full_layers))
         if cp_size > 1:
             bw = (self.cluster.intra_node_bw if self.cluster.same_node(first_rank, cp_size)
                   else self.cluster.inter_node_bw)
@@ -264,7 +276,8 @@ class CostModel:
                         cp_sizes, first_ranks: np.ndarray, recompute: Recompute) -> np.ndarray:
         """`time_from_sums` of many micro-batches at once (the same floats); cp_sizes int or array."""
         extra, passes = self.recompute_extra(compute_s, attn_s, recompute)
-        t = self.cluster.microbatch_overhead_s + compute_s + extra
+        t = (self.cluster.microbatch_overhead_s + compute_s + extra
+             + self.moe.seconds(local_tokens, recompute.full_layers))
         cp_sizes = np.broadcast_to(np.asarray(cp_sizes, dtype=np.int64), t.shape)
         if (cp_sizes > 1).any():
             per_node = self.cluster.gpus_per_node
@@ -414,7 +427,8 @@ class CostModel:
         extra, passes = self.recompute_extra(compute_s, attn_s, recompute)
         bw = self.cluster.intra_node_bw if self.cluster.same_node(first_rank, cp_size) else self.cluster.inter_node_bw
         comm = float(self._ulysses_comm_seconds(local, passes, cp_size, bw))
-        t = self.cluster.microbatch_overhead_s + compute_s + extra + comm + self._latency_per_mb
+        t = (self.cluster.microbatch_overhead_s + compute_s + extra + comm + self._latency_per_mb
+             + self.moe.seconds(local, recompute.full_layers))
         return float(self._scaled(t, cp_size, recompute.kind))
 
     def microbatch_memory(self, lengths: Sequence[int], cp_size: int, *,
@@ -428,3 +442,4 @@ class CostModel:
     def best_recompute(self, lengths: Sequence[int], cp_size: int) -> Recompute | None:
         """Fastest allowed recompute with which the micro-batch fits; None if none does."""
         return self.best_recompute_from_sums(*self._sums(lengths, cp_size), cp_size)
+

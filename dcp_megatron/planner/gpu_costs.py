@@ -46,7 +46,7 @@ class GpuCosts:
         """Bytes per rank beyond weights, gradients and optimizer states: FP8 weight copies, NCCL buffers."""
         extra = 0.0
         if self.fp8:
-            extra += FP8_WEIGHT_COPY_BYTES * model.linear_params / (model.tp * model.pp)
+            extra += FP8_WEIGHT_COPY_BYTES * model.params_per_rank(model.linear_params)   # experts / ep
         if self.communicators:
             extra += cluster.communicator_bytes * communicators_per_rank(cluster.domain_size, cluster.cp_size_limit)
         return int(extra)

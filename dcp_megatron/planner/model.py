@@ -17,19 +17,43 @@ class ModelShape:
     tp: int = 1
     pp: int = 1
     ep: int = 1   # expert parallelism: MoE all-to-alls pair up micro-batches across the EP group
+    # Mixture-of-Experts (every layer's MLP; Megatron's --num-experts, --moe-router-topk, --moe-ffn-hidden-size)
+    num_experts: int | None = None        # 0 / None: a dense model
+    moe_topk: int = 2                     # experts each token is routed to
+    moe_ffn_hidden_size: int | None = None   # one expert's FFN width; None: ffn_hidden_size
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                     "ffn_hidden_size", "vocab_size", "tp", "pp", "ep"):
+                     "ffn_hidden_size", "vocab_size", "tp", "pp", "ep", "moe_topk"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelShape.{name} must be a positive int, got {value!r}")
+        self._check_moe()
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.num_heads % self.tp:
             raise ValueError(f"num_heads={self.num_heads} is not divisible by tp={self.tp}")
         if self.num_layers % self.pp:
             raise ValueError(f"num_layers={self.num_layers} is not divisible by pp={self.pp}")
+
+    def _check_moe(self) -> None:
+        if self.num_experts is not None and (not isinstance(self.num_experts, int) or self.num_experts < 0):
+            raise ValueError(f"ModelShape.num_experts must be None or an int >= 0, got {self.num_experts!r}")
+        width = self.moe_ffn_hidden_size
+        if width is not None and (not isinstance(width, int) or width <= 0):
+            raise ValueError(f"ModelShape.moe_ffn_hidden_size must be None or a positive int, got {width!r}")
+        if not self.is_moe:
+            if self.ep > 1:
+                raise ValueError(f"ModelShape.ep={self.ep} needs experts: set num_experts (a dense model has no EP)")
+            return
+        if self.moe_topk > self.num_experts:
+            raise ValueError(f"ModelShape.moe_topk={self.moe_topk} exceeds num_experts={self.num_experts}")
+        if self.num_experts % self.ep:
+            raise ValueError(f"ModelShape.ep={self.ep} does not divide num_experts={self.num_experts}")
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
 
     @property
     def lockstep(self) -> bool:
@@ -46,14 +70,52 @@ class ModelShape:
         return self.hidden_size * (q_out + kv_out) + q_out * self.hidden_size
 
     @property
+    def expert_mlp_params(self) -> int:
+        """One MLP's weights: the dense MLP, or one expert of width moe_ffn_hidden_size."""
+        width = (self.moe_ffn_hidden_size or self.ffn_hidden_size) if self.is_moe else self.ffn_hidden_size
+        return (3 if self.gated_mlp else 2) * self.hidden_size * width
+
+    @property
+    def router_params_per_layer(self) -> int:
+        return self.hidden_size * self.num_experts if self.is_moe else 0
+
+    @property
     def mlp_params_per_layer(self) -> int:
-        return (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size
+        """Stored MLP weights of a layer: the dense MLP, or the router and every expert."""
+        if not self.is_moe:
+            return self.expert_mlp_params
+        return self.router_params_per_layer + self.num_experts * self.expert_mlp_params
+
+    @property
+    def active_mlp_params_per_layer(self) -> int:
+        """MLP weights one token multiplies: the dense MLP, or the router and its top-k experts."""
+        if not self.is_moe:
+            return self.expert_mlp_params
+        return self.router_params_per_layer + self.moe_topk * self.expert_mlp_params
+
+    @property
+    def expert_params(self) -> int:
+        """All experts' weights over all layers (0 for a dense model): split over EP, not replicated."""
+        return self.num_layers * self.num_experts * self.expert_mlp_params if self.is_moe else 0
 
     @property
     def linear_params(self) -> int:
-        """Parameters that take part in per-token matmuls (layers + output layer)."""
+        """Weights of the matmuls (layers + output layer), every expert counted."""
         per_layer = self.attn_params_per_layer + self.mlp_params_per_layer
         return self.num_layers * per_layer + self.hidden_size * self.vocab_size
+
+    @property
+    def active_linear_params(self) -> int:
+        """Weights one token multiplies (layers + output layer): linear_params with top-k of the experts."""
+        per_layer = self.attn_params_per_layer + self.active_mlp_params_per_layer
+        return self.num_layers * per_layer + self.hidden_size * self.vocab_size
+
+    def params_per_rank(self, params: int) -> float:
+        """A count of the model's weights (experts among them counted in full) held by one rank: everything
+        split over tp x pp, the experts' share over ep too (each rank holds num_experts / ep of them)."""
+        dense = params - self.expert_params
+        assert dense >= 0, (params, self.expert_params)
+        return dense / (self.tp * self.pp) + self.expert_params / (self.tp * self.pp * self.ep)
 
     @property
     def num_params(self) -> int:
@@ -63,8 +125,9 @@ class ModelShape:
     # ---- FLOPs (forward + backward) ------------------------------------------------------
     @property
     def linear_flops_per_token(self) -> float:
-        """6 FLOPs per linear parameter per token (2 forward, 4 backward)."""
-        return 6.0 * self.linear_params
+        """6 FLOPs per linear parameter per token (2 forward, 4 backward); an MoE layer's MLP counts the
+        router and the top-k experts a token visits."""
+        return 6.0 * self.active_linear_params
 
     @property
     def attn_flops_per_len2(self) -> float:
@@ -74,8 +137,8 @@ class ModelShape:
         forward: 6·layers·heads·d_head."""
         return 6.0 * self.num_layers * self.num_heads * self.head_dim
 
-    def with_parallel(self, *, tp: int, pp: int) -> "ModelShape":
-        return replace(self, tp=tp, pp=pp)
+    def with_parallel(self, *, tp: int, pp: int, ep: int = 1) -> "ModelShape":
+        return replace(self, tp=tp, pp=pp, ep=ep)
 
 
 def ulysses_supported(num_heads: int, num_kv_heads: int, cp_size: int) -> bool:
@@ -93,15 +156,22 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     # The CPU demo model: small enough to train on 2 cores, byte-level vocabulary.
     "gpt-tiny": ModelShape(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
                            ffn_hidden_size=384, vocab_size=512),
+    # The demo model with 4 experts per layer, top-2 (tests and CPU runs of MoE layouts).
+    "gpt-tiny-moe": ModelShape(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                               ffn_hidden_size=384, vocab_size=512, num_experts=4, moe_topk=2),
     # Llama-3 8B / 70B public configs.
     "llama3-8b": ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                             ffn_hidden_size=14336, vocab_size=128256),
     "llama3-70b": ModelShape(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
                              ffn_hidden_size=28672, vocab_size=128256),
+    # Mixtral-8x7B public config: 8 experts of Mistral-7B's MLP per layer, top-2 routing (46.7B parameters,
+    # 12.9B active per token).
+    "mixtral-8x7b": ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                               ffn_hidden_size=14336, vocab_size=32000, num_experts=8, moe_topk=2),
 }
 
 
-def model_preset(name: str, *, tp: int = 1, pp: int = 1) -> ModelShape:
+def model_preset(name: str, *, tp: int = 1, pp: int = 1, ep: int = 1) -> ModelShape:
     if name not in MODEL_PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
-    return MODEL_PRESETS[name].with_parallel(tp=tp, pp=pp)
+    return MODEL_PRESETS[name].with_parallel(tp=tp, pp=pp, ep=ep)

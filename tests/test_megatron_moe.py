@@ -46,8 +46,8 @@ SAMPLES_BUDGET = ["--dcp-memory-budget-gb", "0.02"]
 SKIPPED = 3
 SKIP = ["--iterations-to-skip", str(SKIPPED)]
 ALL_STEPS = list(range(1, ITERS + 1))
-DOCUMENTS_BUDGET = {"ep2": ["--dcp-memory-budget-gb", "0.006"], "ep1": ["--dcp-memory-budget-gb", "0.004"],
-                    "tp2": ["--dcp-memory-budget-gb", "0.002"]}
+DOCUMENTS_BUDGET = {"ep2": ["--dcp-memory-budget-gb", "0.0094"], "ep1": ["--dcp-memory-budget-gb", "0.007"],
+                    "tp2": ["--dcp-memory-budget-gb", "0.0035"]}
 
 
 def _wgrads(root, name) -> list[str]:

@@ -3,9 +3,10 @@
 Called from dcp_args.refuse_conflicting_flags (one line) under `--dcp`, before Megatron builds anything: every
 refusal names the flag to change and says why. The layout facts behind each:
 - PP > 2 and virtual stages: with --dataloader-inter-document-masking Megatron-LM's get_batch reads a batch on
-  every stage and model chunk, so middle stages get each micro-batch's packed-sequence parameters and CP group
-  like the first and last (DCP hands every chunk its micro-batches); without it, get_batch returns nothing on
-  middle stages, and a CP > 1 micro-batch would run there without its group: refused.
+  every stage and model chunk, so middle stages get each micro-batch's cu_seqlens (DCP hands every chunk its
+  micro-batches; the CP size and group it leaves out there are filled in by patches/models_gpt_gpt_model.py);
+  without it, get_batch returns nothing on middle stages, and a CP > 1 micro-batch would run there without its
+  documents: refused.
 - MoE with expert parallelism: every MoE layer's dispatch/combine all-to-alls (forward and backward) pair up
   the micro-batches of the EP group's ranks. The plan runs them in lockstep (one micro-batch per group per
   wave, planner.model.ModelShape.lockstep); full recompute would replay a layer's forward all-to-alls in

@@ -44,14 +44,13 @@ def _router_on_microbatch_documents(original):
         router = getattr(getattr(self, "mlp", None), "router", None)
         if router is None or not self.is_moe_layer or not _is_dcp_microbatch(packed_seq_params):
             return original(self, hidden_states, *args, **kwargs)
-        rows = _microbatch_rows(packed_seq_params)
-        if rows is None:   # not run by DCP's schedule (evaluation goes Megatron's way)
+        documents = _microbatch_documents(packed_seq_params)
+        if documents is None:   # not run by DCP's schedule (evaluation goes Megatron's way)
             return original(self, hidden_states, *args, **kwargs)
-        padding_mask, documents = rows
         if self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1:
-            padding_mask, documents = _sequence_parallel_share(padding_mask, documents)
+            documents = _sequence_parallel_share(documents)
         if kwargs.get("padding_mask") is None:
-            kwargs["padding_mask"] = padding_mask
+            kwargs["padding_mask"] = documents.padding_mask
         router.dcp_documents = documents
         try:
             return original(self, hidden_states, *args, **kwargs)
@@ -62,32 +61,28 @@ def _router_on_microbatch_documents(original):
     return _forward_mlp
 
 
-def _microbatch_rows(packed_seq_params):
-    """(padding mask [1, T_local], True at padding and filler rows; RouterDocuments) of the running DCP
-    micro-batch (None outside one), kept on its PackedSeqParams, which full recompute replays in backward, when no micro-batch is
-    running."""
+def _microbatch_documents(packed_seq_params):
+    """The running DCP micro-batch's RouterDocuments (None outside one), kept on its PackedSeqParams, which full
+    recompute replays in backward, when no micro-batch is running."""
     from dcp_megatron.megatron.forward_step import current_microbatch
     from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
 
-    rows = getattr(packed_seq_params, "dcp_router_rows", None)
+    documents = getattr(packed_seq_params, "dcp_router_documents", None)
     batch = current_microbatch()
-    if rows is None and batch is not None:
-        context = batch[MICROBATCH_KEY]
-        rows = (context.padding_mask, context.router_documents)
-        packed_seq_params.dcp_router_rows = rows
-    return rows
+    if documents is None and batch is not None:
+        documents = batch[MICROBATCH_KEY].router_documents
+        packed_seq_params.dcp_router_documents = documents
+    return documents
 
 
-def _sequence_parallel_share(padding_mask, documents):
+def _sequence_parallel_share(documents):
     """Under sequence parallelism the MLP sees this TP rank's contiguous share of the micro-batch's rows (upstream
     scatters its own padding mask the same way, in GPTModel)."""
     from megatron.core import parallel_state
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    share = padding_mask.shape[-1] // tp_size
-    return (padding_mask[..., tp_rank * share:(tp_rank + 1) * share],
-            documents.sequence_parallel_share(tp_rank, tp_size, parallel_state.get_tensor_model_parallel_group()))
+    return documents.sequence_parallel_share(parallel_state.get_tensor_model_parallel_rank(),
+                                             parallel_state.get_tensor_model_parallel_world_size(),
+                                             parallel_state.get_tensor_model_parallel_group())
 
 
 def _one_sequence_per_dcp_microbatch(original):

@@ -45,8 +45,12 @@ class MicroBatchContext:
     group: object            # torch.distributed.ProcessGroup, None for a group of one
     recompute: Recompute
     attention: str = "allgather"   # CP attention flavour the plan chose ("allgather" or "ulysses")
-    padding_mask: object = None    # bool [1, T_local]: True at padding and filler rows (MoE routers skip them)
     router_documents: object = None   # moe_aux.RouterDocuments: per-document MoE balancing losses
+
+    @property
+    def padding_mask(self):
+        """bool [1, T_local]: True at padding and filler rows (MoE routers skip them); None without documents."""
+        return None if self.router_documents is None else self.router_documents.padding_mask
 
 
 def _prefix(lengths) -> torch.Tensor:
@@ -91,7 +95,7 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
                                 group=group if cp_size > 1 else None,
                                 recompute=recompute if documents else NO_RECOMPUTE,
                                 attention=attention if cp_size > 1 else "allgather",
-                                padding_mask=row(document_ids < 0), router_documents=router_documents)
+                                router_documents=router_documents)
     return {
         "tokens": row(local[:, 0]), "labels": row(local[:, 1]), "loss_mask": row(loss_mask),
         "position_ids": row(shard.model_position_ids),   # inside a learned position table

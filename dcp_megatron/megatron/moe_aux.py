@@ -45,6 +45,11 @@ class RouterDocuments:
     def valid_rows(self) -> torch.Tensor:
         return self.document_ids >= 0
 
+    @property
+    def padding_mask(self) -> torch.Tensor:
+        """bool [1, T_local], True at padding and filler rows: upstream's MoE `padding_mask` seam."""
+        return (self.document_ids < 0).unsqueeze(0)
+
     def sequence_parallel_share(self, tp_rank: int, tp_size: int, tp_group) -> "RouterDocuments":
         """The rows a sequence-parallel TP rank routes (its contiguous 1/tp of the micro-batch's local rows; DCP
         pads every document so they split evenly), whose documents' other rows are also on the TP peers."""

@@ -23,12 +23,18 @@ $(VENV)/.installed: setup.py
 demo: venv
 	$(PY) tools/demo.py
 
-test: venv
-	$(PY) -m pytest -q -m "not slow" tests
+# Two pytest workers (pytest-xdist), each test file whole on one worker (its module-scoped launches are shared by its
+# tests): launches wait on timeouts and rendezvous and most unit tests use one core, so the other worker fills the
+# gaps (docs/benchmarks.md, "The test suite"). PYTEST_WORKERS=0 runs everything in this one process.
+PYTEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
-# CI runs it after `make test`: the planner properties at 10,000 hypothesis examples (minutes).
+test: venv
+	$(PYTEST) -m "not slow" tests
+
+# CI runs it after `make test`: the planner properties at 10,000 hypothesis examples and the 4-8 rank launches.
 test-slow: venv
-	$(PY) -m pytest -q -m slow tests
+	$(PYTEST) -m slow tests
 
 simulate: venv
 	$(PY) tools/simulate.py --lengths builtin:wikipedia --model llama3-8b --cluster h200 --gpus 32 --tokens-per-step 4194304 --steps 10

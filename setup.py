@@ -17,7 +17,7 @@ setup(
         # apex is not on PyPI (build NVIDIA/apex with its CUDA extensions, or run without: --dcp turns
         # gradient-accumulation fusion off when apex's kernel is missing).
         "gpu": ["transformer-engine[pytorch,core_cu13]>=2.17.1,<2.18"],
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "matplotlib>=3.7", "highspy>=1.7",
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "hypothesis>=6", "matplotlib>=3.7", "highspy>=1.7",
                  "tensorboard>=2.14"],   # reads back the DCP scalars a --dcp run writes
     },
     entry_points={"console_scripts": ["dcp-simulate=dcp_megatron.simulate:main",

@@ -1,5 +1,38 @@
-"""`slow`: runs CI adds after the suite (`make test-slow`); `make test` deselects them."""
+"""`slow`: runs CI adds after the suite (`make test-slow`); `make test` deselects them.
+
+`DCP_TEST_PROFILE=FILE` appends one JSON line per test phase: wall seconds and CPU seconds of the pytest process
+plus every child it waited for (torchrun agents and their ranks, spawned gloo ranks). CPU seconds do not grow when
+the machine is busy, so a profile taken beside other work still says where the suite's work goes;
+`tools/test_profile.py FILE` sums it per file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+
+import pytest
+
+_PROFILE = os.environ.get("DCP_TEST_PROFILE")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long property runs (10,000 hypothesis examples); make test-slow")
+    config.addinivalue_line("markers", "slow: long runs (10,000 hypothesis examples, 4-8 rank launches); "
+                                       "make test-slow")
+
+
+def _cpu_s() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+if _PROFILE:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        wall, cpu = time.monotonic(), _cpu_s()
+        yield
+        record = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall, 3),
+                  "cpu_s": round(_cpu_s() - cpu, 3), "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
+        with open(_PROFILE, "a") as f:
+            f.write(json.dumps(record) + "\n")

@@ -164,3 +164,22 @@ def test_every_dispatcher_at_ep1_and_ep2_runs_padded_dcp_microbatches_and_matche
             assert got["rows"] == [18, 6], (rank, case, got)
             assert got["router_grad"] > 0, (rank, case)   # the balancing and z losses reach the router
             assert got["output"] < 1e-5 and got["grad"] < 1e-5, (rank, case, got)
+
+
+def test_flex_dispatcher_is_refused_without_a_gpu_and_gathering_dispatchers_under_ep_get_equal_rows():
+    from dcp_megatron.megatron.dcp_args import DcpUsageError
+    from dcp_megatron.megatron.moe_checks import check_moe_dispatcher, needs_equal_rows
+
+    def args(dispatcher, ep=1, experts=4):
+        return argparse.Namespace(num_experts=experts, moe_token_dispatcher_type=dispatcher,
+                                  expert_model_parallel_size=ep, moe_flex_dispatcher_backend="deepep")
+
+    with pytest.raises(DcpUsageError, match="--moe-token-dispatcher-type flex .*needs a GPU"):
+        check_moe_dispatcher(args("flex"), has_gpu=False)
+    check_moe_dispatcher(args("flex"), has_gpu=True)
+    for dispatcher in ("alltoall", "allgather"):
+        check_moe_dispatcher(args(dispatcher), has_gpu=False)
+    check_moe_dispatcher(args("flex", experts=None), has_gpu=False)   # a dense model never dispatches
+    assert [needs_equal_rows(args(d, ep)) for d in ("alltoall", "allgather", "flex") for ep in (1, 2)] == \
+        [False, False, False, True, False, True]
+    assert not needs_equal_rows(args("allgather", 2, experts=None))

@@ -60,6 +60,7 @@ def _with_dcp_validation(original):
         from dcp_megatron.megatron.dcp_args import (DcpUsageError, check_plannable, refuse_conflicting_flags,
                                                     validate_dcp_args)
         from dcp_megatron.megatron.flag_checks import check_megatron_flags
+        from dcp_megatron.megatron.moe_checks import check_moe_dispatcher
         from dcp_megatron.megatron.refusal import exit_refused
         from dcp_megatron.megatron.run_paths import check_run_paths
 
@@ -67,6 +68,7 @@ def _with_dcp_validation(original):
             _cpu_defaults(args)  # before Megatron's checks, which would take the GPU defaults
             refuse_conflicting_flags(args)  # first: Megatron's own checks may fail on what we refuse
             check_megatron_flags(args)      # mistakes Megatron meets with bare assertions, named by flag
+            check_moe_dispatcher(args)      # a token dispatcher this machine cannot run (moe_checks.py)
             result = original(args, defaults)
             validate_dcp_args(args)
             check_plannable(args)   # the profile and the longest document, before any model is built

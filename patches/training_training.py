@@ -44,6 +44,7 @@ def _with_dcp_schedule(original):
         import torch
 
         from dcp_megatron.megatron.dcp_args import dcp_config_from_args
+        from dcp_megatron.megatron.moe_checks import needs_equal_rows
         from dcp_megatron.megatron.planning import model_shape_from_args
         from dcp_megatron.megatron.schedule import DcpForwardBackward
 
@@ -51,7 +52,7 @@ def _with_dcp_schedule(original):
             inner, config=dcp_config_from_args(run_args), model_shape=model_shape_from_args(run_args),
             timeout=timedelta(minutes=run_args.distributed_timeout_minutes),
             is_logging_rank=torch.distributed.get_rank() == 0, has_gpu=torch.cuda.is_available(),
-            sequence_parallel=bool(run_args.sequence_parallel))
+            sequence_parallel=bool(run_args.sequence_parallel), equal_rows_per_wave=needs_equal_rows(run_args))
 
     get_forward_backward_func.dcp_original = original
     return get_forward_backward_func

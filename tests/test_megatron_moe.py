@@ -4,13 +4,18 @@ top-2, load-balancing aux loss 1e-2 and router z-loss 1e-3 on; CPU, gloo, fp32).
 Under --dcp the balancing loss is per document (dcp_megatron/megatron/moe_aux.py). So:
 - Without --dataloader-inter-document-masking a document is one of Megatron's samples and the objective is
   Megatron's own at --micro-batch-size 1: EP 2 (alltoall dispatcher) `--dcp` vs Megatron's plain path at the same
-  layout, every gradient at every step, the loss trace and the logged load-balancing and z losses. The budget
-  lets DCP pack two samples per micro-batch (a per-micro-batch loss would balance them together and differ).
+  layout (allgather dispatcher: the dispatcher changes nothing but the token exchange), every gradient at every
+  step, the loss trace and the logged load-balancing and z losses. The budget lets DCP pack two samples per
+  micro-batch (a per-micro-batch loss would balance them together and differ).
 - With it (DCP's usual input: documents of mixed lengths, plans mixing CP 1 and 2), the objective is the same
   whatever the plan (slow): EP 2 (plans in lockstep: one micro-batch per group per wave, no full recompute),
-  EP 1 (allgather dispatcher) and TP 2 with sequence parallelism (4 ranks; token counts summed over TP and CP) on
-  2-rank domains, each against one rank training the same global batch with `--dcp` (CP 1, its own packing), all
-  from one set of initial weights (a 1-rank checkpoint: EP and TP change Megatron's initial weights).
+  EP 2 with the allgather dispatcher and seq_aux_loss (under --dcp both balancing kinds are per document: the
+  same objective; the EP peers' micro-batches of a wave are padded to equal rows), EP 1 with either dispatcher
+  and TP 2 with sequence parallelism (4 ranks; token counts summed over TP and CP) on 2-rank domains, each
+  against one rank training the same global batch with `--dcp` (CP 1, its own packing, allgather), all from one
+  set of initial weights (a 1-rank checkpoint: EP and TP change Megatron's initial weights).
+Every dispatcher x EP size on padded micro-batches, with expert biases (issue 30's EP 1 crash), is also checked on
+one MoE layer in tests/test_megatron_moe_dispatchers.py (fast).
 The per-document loss itself is checked against upstream's router on each document alone in
 tests/test_megatron_moe_units.py.
 """
@@ -22,6 +27,7 @@ import pytest
 import torch
 
 from dcp_megatron.planner.plan import StepPlan
+from dcp_megatron.runtime.sharding import padded_length
 from tests.megatron_runs import LLAMA_TINY, OUR_SCRIPT, LazyRuns, flatten_state, read_plan_dumps, run_training
 
 pytestmark = pytest.mark.timeout(1500)
@@ -35,7 +41,10 @@ NUM_EXPERTS = 4
 MOE = ["--num-experts", str(NUM_EXPERTS), "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
        "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
 EP2 = [*MOE, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+EP2_ALLGATHER = [*EP2[:-1], "allgather"]
 EP1 = [*MOE, "--moe-token-dispatcher-type", "allgather"]
+EP1_ALLTOALL = [*EP1[:-1], "alltoall"]
+SEQ_AUX = ["--moe-router-load-balancing-type", "seq_aux_loss"]   # after MOE's aux_loss: the last one counts
 # TP 2 (Megatron requires sequence parallelism with MoE there): each TP rank routes its half of the rows
 TP2 = [*MOE, "--moe-token-dispatcher-type", "alltoall", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
 SAMPLES = [flag for flag in LLAMA_TINY if flag != "--dataloader-inter-document-masking"]
@@ -48,6 +57,7 @@ SKIP = ["--iterations-to-skip", str(SKIPPED)]
 ALL_STEPS = list(range(1, ITERS + 1))
 DOCUMENTS_BUDGET = {"ep2": ["--dcp-memory-budget-gb", "0.0094"], "ep1": ["--dcp-memory-budget-gb", "0.007"],
                     "tp2": ["--dcp-memory-budget-gb", "0.0035"]}
+DOCUMENTS_BUDGET.update(ep2_allgather=DOCUMENTS_BUDGET["ep2"], ep1_alltoall=DOCUMENTS_BUDGET["ep1"])
 
 
 def _wgrads(root, name) -> list[str]:
@@ -65,8 +75,8 @@ def runs(tmp_path_factory):
         return ["--dcp", *budget, "--dcp-dump-plans", str(root / f"{name}_plans")]
 
     runs.specs = specs = {
-        "samples_plain": lambda: run_training(OUR_SCRIPT, [*EP2, *SKIP, *_wgrads(root, "samples_plain")], nproc=2,
-                                              iters=ITERS, base=SAMPLES),
+        "samples_plain": lambda: run_training(OUR_SCRIPT, [*EP2_ALLGATHER, *SKIP, *_wgrads(root, "samples_plain")],
+                                              nproc=2, iters=ITERS, base=SAMPLES),
         "samples_dcp": lambda: run_training(OUR_SCRIPT, [*EP2, *SKIP, *_wgrads(root, "samples_dcp"),
                                                          *dcp_flags("samples_dcp", SAMPLES_BUDGET)],
                                             nproc=2, iters=ITERS, base=SAMPLES),
@@ -77,13 +87,20 @@ def runs(tmp_path_factory):
         "documents_one_rank": lambda: after("init", lambda: run_training(
             OUR_SCRIPT, [*EP1, *from_init, *_wgrads(root, "documents_one_rank"), "--dcp"], nproc=1, iters=ITERS)),
     }
-    for layout_name, layout, nproc in (("ep2", EP2, 2), ("ep1", EP1, 2), ("tp2", TP2, 4)):
+    for layout_name, layout, nproc in (("ep2", EP2, 2), ("ep2_allgather", [*EP2_ALLGATHER, *SEQ_AUX], 2),
+                                       ("ep1", EP1, 2), ("ep1_alltoall", EP1_ALLTOALL, 2), ("tp2", TP2, 4)):
         name = f"documents_{layout_name}"
         specs[name] = (lambda name=name, layout=layout, nproc=nproc, budget=DOCUMENTS_BUDGET[layout_name]: after(
             "init", lambda: run_training(OUR_SCRIPT, [*layout, *from_init, *_wgrads(root, name),
                                                       *dcp_flags(name, budget), "--dcp-check-plans"],
                                          nproc=nproc, iters=ITERS)))
     return runs
+
+
+def _local_rows(group) -> int:
+    """A group's local rows per rank before DCP pads a wave's micro-batches to equal rows (an idle one: 2)."""
+    lengths = [length for _, length in group.microbatches[0].sequences] or [1]
+    return sum(padded_length(n, group.size) for n in lengths) // group.size
 
 
 def _plans(directory) -> list[StepPlan]:
@@ -123,15 +140,15 @@ def _assert_same_gradients(root, name: str, reference: str, steps=ALL_STEPS) -> 
     return worst
 
 
-def _assert_same_trace(run, reference, what: str, steps=ALL_STEPS) -> None:
+def _assert_same_trace(run, reference, what: str, steps=ALL_STEPS, balancing: str = "load_balancing_loss") -> None:
     assert sorted(run.losses) == sorted(reference.losses) == steps, what
     for step, loss in reference.losses.items():
         assert run.losses[step] == pytest.approx(loss, rel=TOLERANCE), (what, "lm loss", step)
         assert run.grad_norms[step] == pytest.approx(reference.grad_norms[step], rel=2e-3, abs=2e-3), (what, step)
     # The model is an MoE one with both router losses on (our script once built a dense model for --num-experts,
     # silently), and they are logged as Megatron logs them: token-weighted means over the step.
-    for metric in ("load_balancing_loss", "z_loss"):
-        logged, expected = run.moe_metrics.get(metric, {}), reference.moe_metrics.get(metric, {})
+    for metric, logged_as in (("load_balancing_loss", balancing), ("z_loss", "z_loss")):
+        logged, expected = run.moe_metrics.get(logged_as, {}), reference.moe_metrics.get(metric, {})
         assert sorted(expected) == steps and all(v > 0 for v in expected.values()), metric
         for step, value in expected.items():
             assert logged.get(step) == pytest.approx(value, rel=TOLERANCE), (what, metric, step)
@@ -151,11 +168,12 @@ def test_ep2_samples_dcp_trains_megatrons_plain_objective_gradient_for_gradient_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ep2", "ep1", "tp2"])
+@pytest.mark.parametrize("layout", ["ep2", "ep2_allgather", "ep1", "ep1_alltoall", "tp2"])
 def test_documents_dcp_gradients_equal_one_rank_whatever_the_plan(runs, layout):
     name = f"documents_{layout}"
     dcp, one_rank = runs(name), runs("documents_one_rank")
-    _assert_same_trace(dcp, one_rank, f"MoE {layout}, documents: 2-rank domain vs 1 rank")
+    balancing = "seq_load_balancing_loss" if layout == "ep2_allgather" else "load_balancing_loss"
+    _assert_same_trace(dcp, one_rank, f"MoE {layout}, documents: 2-rank domain vs 1 rank", balancing=balancing)
     if layout != "tp2":   # TP 2 saves each rank's shards of every matrix: its grad norms are compared above
         _assert_same_gradients(runs.root, name, "documents_one_rank")
     plans = _plans(runs.root / f"{name}_plans")
@@ -164,7 +182,9 @@ def test_documents_dcp_gradients_equal_one_rank_whatever_the_plan(runs, layout):
     assert {g.size for plan in first for wave in plan.waves for g in wave.groups} == {1, 2}
     assert any(len(mb.sequences) >= 2 for plan in plans for wave in plan.waves for g in wave.groups
                for mb in g.microbatches)
-    if layout == "ep2":   # all-to-alls pair the EP ranks' micro-batches: lockstep, and no full recompute
+    if layout == "ep2_allgather":   # the all-gathers met EP peers' micro-batches of unequal rows, padded alike
+        assert any(len({_local_rows(g) for g in wave.groups}) > 1 for plan in plans for wave in plan.waves)
+    if layout.startswith("ep2"):   # all-to-alls pair the EP ranks' micro-batches: lockstep, and no full recompute
         assert all(len(g.microbatches) == 1 for plan in plans for wave in plan.waves for g in wave.groups)
         assert all(min(step["counts"]) == max(step["counts"]) for step in dcp.dcp_steps.values())
         kinds = {mb.recompute.kind for plan in plans for wave in plan.waves for g in wave.groups

@@ -3,6 +3,7 @@ against upstream's own router run on each document alone, on one process."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -22,7 +23,9 @@ def _router_worker(rank: int, world_size: int, kind: str) -> dict:
     - reference (each rank alike, no group): upstream's unpatched path on each document alone as its own
       micro-batch, per-token weighting, gradients summed over the documents;
     - DCP: one micro-batch of the three documents zig-zag sharded over a CP group of both ranks, with its
-      padding and a filler document, through the patched layer (gradients summed over the two ranks).
+      padding and a filler document, through the patched layer (gradients summed over the two ranks);
+    - DCP at TP 2 with sequence parallelism (same router weight): one CP-1 micro-batch of the three documents
+      on both ranks, each TP rank routing its half of the rows (the documents' token counts summed over TP).
     Padding and filler rows carry hidden states of their own (not zeros), so counting them would show."""
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -61,13 +64,13 @@ def _router_worker(rank: int, world_size: int, kind: str) -> dict:
         # row 0: what padding and filler rows hold; row 1 + i: the i-th real token (documents back to back)
         table = torch.randn(total + 1, HIDDEN)
 
-        def run(rows, packed_seq_params):
+        def run(rows, packed_seq_params, layer=layer):
             layer.zero_grad(set_to_none=True)
             tracker.clear()
             output = layer._forward_mlp(rows, padding_mask=None, packed_seq_params=packed_seq_params)
             (output * 0).sum().backward()   # only the balancing and z losses reach the router weight
             metrics = {name: float(entry.values.sum()) for name, entry in tracker.metrics.items()}
-            return router.weight.grad.clone(), metrics
+            return layer.mlp.router.weight.grad.clone(), metrics
 
         # reference: each document alone, upstream's path (no packed params: not a DCP micro-batch)
         reference_grad, reference_metrics, start = torch.zeros_like(router.weight), {}, 1
@@ -97,13 +100,36 @@ def _router_worker(rank: int, world_size: int, kind: str) -> dict:
         finally:
             forward_step._CURRENT_MICROBATCH.reset(token)
         dist.all_reduce(dcp_grad, group=pair)   # the micro-batch's gradient: its ranks' contributions summed
+
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+        model_parallel_cuda_manual_seed(1)
+        tp_config = dataclasses.replace(config, tensor_model_parallel_size=2, sequence_parallel=True)
+        tp_layer = TransformerLayer(tp_config, get_gpt_layer_local_spec(num_experts=4).submodules, layer_number=1)
+        tp_layer.mlp.router.weight.data.copy_(router.weight.data)
+        batch = build_batch(documents, cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE, wave_index=0,
+                            device="cpu", pad_multiple=2, row_multiple=ROW_MULTIPLE, step_num_tokens=total)
+        tp_tokens = batch["tokens"][0]
+        share = tp_tokens.numel() // 2
+        bounds = batch["cu_seqlens_padded"][0]
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                                 max_seqlen_q=int(batch["max_seqlen"]), max_seqlen_kv=int(batch["max_seqlen"]),
+                                 local_cp_size=1, cp_group=None)
+        token = forward_step._CURRENT_MICROBATCH.set(batch)
+        try:
+            tp_grad, tp_metrics = run(table[tp_tokens[rank * share:(rank + 1) * share]].unsqueeze(1), params,
+                                      layer=tp_layer)
+        finally:
+            forward_step._CURRENT_MICROBATCH.reset(token)
+        dist.all_reduce(tp_grad, group=pair)   # Megatron sums a sequence-parallel router's gradient over TP
         global_vars._GLOBAL_ARGS = None
         destroy_num_microbatches_calculator()
         parallel_state.destroy_model_parallel()
     # Plain lists: a tensor crosses the report queue as a shared-memory fd, which the parent cannot open once
     # this worker process has exited (ConnectionResetError).
     return {"reference": reference_grad.tolist(), "dcp": dcp_grad.tolist(), "reference_metrics": reference_metrics,
-            "dcp_metrics": dcp_metrics, "rows": int(tokens.numel()), "real": int((tokens > 0).sum())}
+            "dcp_metrics": dcp_metrics, "rows": int(tokens.numel()), "real": int((tokens > 0).sum()),
+            "tp": tp_grad.tolist(), "tp_metrics": tp_metrics, "tp_rows": int(tp_tokens.numel())}
 
 
 @pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
@@ -112,17 +138,21 @@ def test_moe_balancing_and_z_losses_of_a_packed_cp2_microbatch_are_upstreams_per
     (with padding and a filler document) gives the router the gradient of upstream's router run on each document
     alone, weighted per token; the logged metrics are the token-weighted means of upstream's per-document values.
     Fails with a per-micro-batch loss (the documents balanced together), without the group's all-reduce (each
-    rank's rows alone), or with padding or filler rows counted."""
+    rank's rows alone), or with padding or filler rows counted. The same at TP 2 with sequence parallelism
+    (moe_aux.RouterDocuments.sequence_parallel_share): fails without the token counts summed over the TP group."""
     results = run_distributed(_router_worker, 2, kind)
     assert [r["rows"] for r in results] == [16, 16] and sum(r["real"] for r in results) == sum(LENGTHS)
-    for result in results:
-        reference, dcp = torch.tensor(result["reference"]), torch.tensor(result["dcp"])
-        assert float(reference.abs().max()) > 0
-        err = float((dcp - reference).abs().max() / reference.abs().max())
-        assert err < 1e-5, f"{kind}: router gradient of the CP-2 micro-batch differs from per-document by {err:.2e}"
-    # logged: each rank's share, summed over the domain (the logger's reduce), times 1 / Megatron's 2 micro-batches
+    assert [r["tp_rows"] for r in results] == [32, 32]   # each TP rank routes 16
     expected = results[0]["reference_metrics"]
     assert set(expected) == {METRICS[kind], "z_loss"}, expected
-    for name, value in expected.items():
-        logged = sum(r["dcp_metrics"][name] for r in results) / 2
-        assert logged == pytest.approx(value, rel=1e-5), (name, logged, value)
+    for layout, what in (("dcp", "CP-2"), ("tp", "TP-2 sequence-parallel")):
+        for result in results:
+            reference, dcp = torch.tensor(result["reference"]), torch.tensor(result[layout])
+            assert float(reference.abs().max()) > 0
+            err = float((dcp - reference).abs().max() / reference.abs().max())
+            assert err < 1e-5, f"{kind}: router gradient of the {what} micro-batch differs from per-document by {err:.2e}"
+        # logged: each rank's share, summed over the domain (the logger's reduce), times 1 / Megatron's 2
+        # micro-batches
+        for name, value in expected.items():
+            logged = sum(r[f"{layout}_metrics"][name] for r in results) / 2
+            assert logged == pytest.approx(value, rel=1e-5), (what, name, logged, value)

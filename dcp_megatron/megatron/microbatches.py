@@ -18,7 +18,10 @@ A rank the plan gives no micro-batch runs one filler: a masked 1-token document,
 joins the step's gradient reduction. With `row_multiple` > 1 (FP8: TE's FP8 GEMMs need the token rows
 per TP shard divisible by 16, fp8_checks.py) a masked filler document is appended to a micro-batch whose
 local rows fall short of a multiple; it attends only to itself and carries no loss, so no loss or
-gradient changes.
+gradient changes. With `equal_rows` (MoE token exchanges that gather over the expert-parallel group: the
+allgather and flex dispatchers at EP > 1) the same filler brings every rank's micro-batch of a lockstep wave to
+the wave's most local rows, so the EP peers' gathers see equal shapes; MoE routers leave filler rows out of
+their balancing and z losses (moe_aux.py).
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import torch
 from dcp_megatron.megatron.global_batch import ROW_FIELDS
 from dcp_megatron.megatron.moe_aux import RouterDocuments, microbatch_documents
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute, StepPlan
-from dcp_megatron.runtime.sharding import shard_microbatch
+from dcp_megatron.runtime.sharding import padded_length, shard_microbatch
 
 MICROBATCH_KEY = "dcp_microbatch"
 
@@ -61,12 +64,16 @@ def _prefix(lengths) -> torch.Tensor:
 
 def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, group, recompute: Recompute,
                 wave_index: int, device, pad_multiple: int = 1, attention: str = "allgather",
-                row_multiple: int = 1, step_num_tokens: int = 0) -> dict:
+                row_multiple: int = 1, step_num_tokens: int = 0, local_rows: int | None = None,
+                longest_filler: int | None = None) -> dict:
     """One micro-batch dict from its documents' [L, 3] rows (token, label, loss mask).
 
     `pad_multiple`: every document's local rows become a multiple of it (the TP size under sequence
     parallelism, which splits the rows evenly over the TP group). `row_multiple`: the micro-batch's
-    local rows become a multiple of it, by a masked filler document at the end."""
+    local rows become a multiple of it, by a masked filler document at the end. `local_rows`: exactly that
+    many local rows, by the same filler (at least the aligned count; `wave_local_rows`), cut into documents
+    of at most `longest_filler` tokens (inside a learned position table, and attention no dearer than the
+    real documents')."""
     if documents:
         rows = torch.cat(documents)
         lengths = [int(d.shape[0]) for d in documents]
@@ -75,10 +82,16 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
         lengths = [1]
     shard = shard_microbatch(lengths, cp_size, cp_rank, pad_multiple=pad_multiple)
     filler_rows = aligned_filler_rows(shard.num_local_tokens, row_multiple=row_multiple, pad_multiple=pad_multiple)
+    if local_rows is not None:
+        filler_rows = local_rows - shard.num_local_tokens
+        if filler_rows < 0 or filler_rows % (2 * pad_multiple):
+            raise ValueError(f"cannot pad {shard.num_local_tokens} local rows to {local_rows} with a filler "
+                             f"document (its local rows must be a multiple of {2 * pad_multiple}, >= 0)")
     if filler_rows:
         # every rank of the group adds the same filler (c x its local rows): cu_seqlens stay identical
         rows = torch.cat([rows, torch.zeros(cp_size * filler_rows, ROW_FIELDS, dtype=rows.dtype)])
-        lengths = [*lengths, cp_size * filler_rows]
+        lengths = [*lengths, *_filler_documents(cp_size * filler_rows, unit=2 * cp_size * pad_multiple,
+                                                longest=longest_filler)]
         shard = shard_microbatch(lengths, cp_size, cp_rank, pad_multiple=pad_multiple)
     local = shard.take(rows)
     loss_mask = local[:, 2].to(torch.float32) * shard.valid_mask.to(torch.float32)
@@ -107,6 +120,14 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
     }
 
 
+def _filler_documents(total: int, *, unit: int, longest: int | None) -> list[int]:
+    """`total` filler tokens as documents of at most `longest` (each a multiple of `unit`, the zig-zag unit)."""
+    if longest is None or total <= longest:
+        return [total]
+    piece = max(unit, longest // unit * unit)
+    return [piece] * (total // piece) + ([total % piece] if total % piece else [])
+
+
 def aligned_filler_rows(local_rows: int, *, row_multiple: int, pad_multiple: int = 1) -> int:
     """Local rows of the filler document that make `local_rows` a multiple of `row_multiple` (0: none).
 
@@ -120,11 +141,33 @@ def aligned_filler_rows(local_rows: int, *, row_multiple: int, pad_multiple: int
     return -local_rows % unit
 
 
+def wave_local_rows(plan: StepPlan, *, pad_multiple: int = 1, row_multiple: int = 1) -> list[int]:
+    """Per wave, the most local rows any rank's micro-batch holds (documents padded and rows aligned as
+    `build_batch` does; an idle micro-batch is a 1-token filler)."""
+    most = []
+    for wave in plan.waves:
+        rows = [0]
+        for group in wave.groups:
+            for microbatch in group.microbatches:
+                lengths = [length for _, length in microbatch.sequences] or [1]
+                local = sum(padded_length(n, group.size, pad_multiple) for n in lengths) // group.size
+                rows.append(local + aligned_filler_rows(local, row_multiple=row_multiple, pad_multiple=pad_multiple))
+        most.append(max(rows))
+    return most
+
+
 def rank_batches(plan: StepPlan, documents: dict[int, torch.Tensor], *, pool, device,
-                 pad_multiple: int = 1, row_multiple: int = 1) -> list[dict]:
-    """This rank's micro-batch dicts in plan order (wave after wave); one filler if it has none."""
+                 pad_multiple: int = 1, row_multiple: int = 1, equal_rows: bool = False) -> list[dict]:
+    """This rank's micro-batch dicts in plan order (wave after wave); one filler if it has none.
+
+    `equal_rows` (a lockstep plan: one micro-batch per group per wave): every rank's micro-batch of a wave
+    gets the wave's most local rows (module docstring)."""
     rank = pool.domain_rank
     step_num_tokens = sum(length for _, length in plan.sequences())
+    if equal_rows and any(len(group.microbatches) != 1 for wave in plan.waves for group in wave.groups):
+        raise ValueError("equal rows per wave need a lockstep plan (one micro-batch per group per wave)")
+    targets = wave_local_rows(plan, pad_multiple=pad_multiple, row_multiple=row_multiple) if equal_rows else None
+    longest = max((length for _, length in plan.sequences()), default=1) if equal_rows else None
     batches = []
     for wave_index, group in plan.rank_schedule(rank):
         process_group = pool.group(group.first_rank, group.size)
@@ -134,7 +177,9 @@ def rank_batches(plan: StepPlan, documents: dict[int, torch.Tensor], *, pool, de
                                        group=process_group, recompute=microbatch.recompute,
                                        wave_index=wave_index, device=device, pad_multiple=pad_multiple,
                                        attention=microbatch.attention, row_multiple=row_multiple,
-                                       step_num_tokens=step_num_tokens))
+                                       step_num_tokens=step_num_tokens,
+                                       local_rows=None if targets is None else targets[wave_index],
+                                       longest_filler=longest))
     if not batches:
         batches.append(build_batch([], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE,
                                    wave_index=0, device=device, pad_multiple=pad_multiple,

@@ -70,7 +70,8 @@ class DcpForwardBackward:
     """Megatron's forward-backward function with the step planned by DCP (see the module docstring)."""
 
     def __init__(self, inner, *, config: DcpConfig, model_shape: ModelShape, timeout: timedelta,
-                 is_logging_rank: bool, has_gpu: bool, sequence_parallel: bool = False) -> None:
+                 is_logging_rank: bool, has_gpu: bool, sequence_parallel: bool = False,
+                 equal_rows_per_wave: bool = False) -> None:
         self.inner = inner
         self.config = config
         self.model_shape = model_shape
@@ -78,6 +79,7 @@ class DcpForwardBackward:
         self.is_logging_rank = is_logging_rank
         self.has_gpu = has_gpu
         self.sequence_parallel = sequence_parallel
+        self.equal_rows_per_wave = equal_rows_per_wave   # MoE token gathers over EP peers (moe_checks.py)
         self._pool = None
         self._cost = None
         self._dumper = None
@@ -144,7 +146,7 @@ class DcpForwardBackward:
         pool.ensure_groups(plan_blocks(plan))
         documents = exchange_documents(plan, local, index, domain_rank=pool.domain_rank, group=pool.domain_group)
         batches = rank_batches(plan, documents, pool=pool, device=device, pad_multiple=self._pad_multiple,
-                               row_multiple=self.config.row_multiple)
+                               row_multiple=self.config.row_multiple, equal_rows=self.equal_rows_per_wave)
         if len(model_chunks) > 1:   # virtual pipeline stages: the interleaved schedule's micro-batch groups
             group_size = get_model_config(model_chunks[0]).microbatch_group_size_per_vp_stage
             batches = with_fillers_to_multiple(batches, group_size, device=device, pad_multiple=self._pad_multiple)

@@ -1,8 +1,8 @@
-"""Megatron's training loop under --dcp (`DcpForwardBackward`) keeps its ranks on one plan, in one pytest process.
+"""Both training loops under --dcp keep their ranks on one plan (one pytest process, two gloo ranks).
 
-Two gloo ranks drive the real forward-backward function around a stand-in for Megatron's schedule (it calls the
-forward step once per micro-batch; the user's forward step only records what it was handed and takes a rank's
-own time), with Megatron's model-parallel state and a tiny GPT model:
+Megatron's (`DcpForwardBackward`): the real forward-backward function around a stand-in for Megatron's schedule
+(it calls the forward step once per micro-batch; the user's forward step only records what it was handed and
+takes a rank's own time), with Megatron's model-parallel state and a tiny GPT model:
 
 - a rank that plans differently (another --dcp-policy, as a rank started with other flags would) stops every
   rank at that step in one line naming the disagreement, before any document moves (no hang);
@@ -10,6 +10,9 @@ own time), with Megatron's model-parallel state and a tiny GPT model:
   runtime/measured_cost.py), so their plans keep agreeing;
 - a rerun of a step (Megatron's rerun state machine calls the function again for the same iteration, replaying
   its samples) runs the plan of the step's first run, and the cost model changes only once the step is accepted.
+
+DeepSpeed's (`DcpSteps`, around a stand-in ZeRO-0 engine): the same disagreement stops it the same way, and ranks
+timing differently keep one cost model.
 """
 from __future__ import annotations
 
@@ -120,3 +123,104 @@ def test_ranks_timing_differently_keep_one_cost_model_and_a_rerun_replays_its_pl
         used = result["factors_used"]
         assert used[rerun] == used[first], (rank, used)
         assert used[first] and used[-1] != used[first], (rank, used)
+
+
+class _Shares:
+    """Stands for deepspeed/samples.SampleShares: this rank's documents of each step, in order."""
+
+    global_batch_size = 8
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.consumed_samples = rank, 0
+
+    def next_share(self):
+        from dcp_megatron.megatron.global_batch import split_samples
+
+        step = self.consumed_samples // self.global_batch_size + 1
+        self.consumed_samples += self.global_batch_size
+        return split_samples(_samples(step, self.rank, 4))
+
+
+class _Engine:
+    """Stands for a ZeRO-0 DeepSpeed engine: backward on the loss, an update that only clears the gradients."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+
+    def zero_optimization_stage(self) -> int:
+        return 0
+
+    def no_sync(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def backward(self, loss, scale_wrt_gas=True) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+
+    def get_global_grad_norm(self):
+        return None
+
+
+def _deepspeed_loop_worker(rank: int, world_size: int, case: str) -> dict:
+    import time
+
+    from megatron.core import parallel_state
+
+    from dcp_megatron.deepspeed.steps import DcpSteps
+    from dcp_megatron.megatron.dcp_args import DcpConfig
+    from dcp_megatron.megatron.patch_set import megatron_patch_registry
+    from dcp_megatron.megatron.planning import build_cost_model
+    from dcp_megatron.planner.model import ModelShape
+    from dcp_megatron.runtime.group_pool import GroupPool
+    from tests.megatron_runs import tiny_local_gpt
+
+    slow_s = 0.02 if rank == 1 else 0.0
+
+    def forward_loss(engine, batch):
+        # the loss reaches every weight (a gradient to reduce) and counts the batch's real tokens
+        time.sleep(slow_s)
+        valid = int(batch["loss_mask"].sum())
+        touch = sum(p.sum() for p in engine.module.parameters()) * 0.0
+        return touch + float(valid), valid
+
+    with megatron_patch_registry():
+        parallel_state.initialize_model_parallel()
+        model = tiny_local_gpt(num_layers=2, max_sequence_length=SEQ)
+        policy = "static" if case == "disagree" and rank == 1 else "dcp"
+        config = DcpConfig(seq_length=SEQ, policy=policy, plan_ahead=False, refine=True, memory_budget_gb=0.0005)
+        shape = ModelShape(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=4, head_dim=8, ffn_hidden_size=128,
+                           vocab_size=64, gated_mlp=False)
+        cost = build_cost_model(config, shape, domain_size=2, has_gpu=False)
+        pool = GroupPool([[0, 1]], timeout=timedelta(seconds=20))
+        steps = DcpSteps(config=config, shares=_Shares(rank), cost=cost, pool=pool, model_config=model.config,
+                         forward_loss=forward_loss, device=torch.device("cpu"), is_logging_rank=False)
+        result = {"steps": 0}
+        try:
+            for _ in range(4):
+                steps.train_step(_Engine(model))
+                result["steps"] += 1
+        except RuntimeError as err:
+            result["error"] = str(err)
+        result["factors"] = sorted(steps.corrections.items())
+        steps.close()
+        parallel_state.destroy_model_parallel()
+    return result
+
+
+def test_deepspeed_steps_a_rank_with_another_plan_stops_every_rank_in_one_line_naming_it():
+    results = run_distributed(_deepspeed_loop_worker, 2, "disagree", timeout_s=240, group_timeout_s=30)
+    for rank, result in enumerate(results):
+        error = result.get("error", "")
+        assert error.startswith("iteration 1: ranks computed different plans") and "\n" not in error, (rank, result)
+        assert result["steps"] == 0
+
+
+def test_deepspeed_steps_ranks_timing_differently_keep_one_cost_model():
+    results = run_distributed(_deepspeed_loop_worker, 2, "refine", timeout_s=240, group_timeout_s=30)
+    assert all("error" not in r and r["steps"] == 4 for r in results), results
+    assert results[0]["factors"] and results[0]["factors"] == results[1]["factors"], results

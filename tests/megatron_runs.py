@@ -154,13 +154,15 @@ def strip_dcp_lines(source: str, destination: str) -> None:
 
 
 def microbatches_seen(directory, rank: int, iteration: int) -> list[tuple]:
-    """(CP group's global ranks or None, recompute) of each micro-batch a rank's decoder ran at an iteration,
-    from the trace --dcp-dump-plans writes next to the plans (dcp_megatron/megatron/microbatch_trace.py)."""
+    """(CP group's global ranks or None, recompute that RAN) of each micro-batch a rank's decoder ran at an
+    iteration, from the trace --dcp-dump-plans writes next to the plans (dcp_megatron/megatron/microbatch_trace.py:
+    the recompute is what its backward replayed, not what the model's switches said)."""
     import json
 
     with open(os.path.join(str(directory), f"microbatches_rank{rank}.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    return [(r["group_ranks"], r["recompute"]) for r in records if r["iteration"] == iteration]
+        records = [json.loads(line) for line in f if json.loads(line)["iteration"] == iteration]
+    assert not [r for r in records if "unattributed_replays" in r], (rank, iteration, records)
+    return [(r["group_ranks"], r["recompute"]) for r in records]
 
 
 def microbatches_planned(plan, rank: int) -> list[tuple]:

@@ -11,7 +11,8 @@
   --global-batch-size, --micro-batch-size, --tokenizer-type, --split, --mock-data; no CPU flags, which it
   defaults and names in one line): `--dcp` under ZeRO-1 and ZeRO-2 (with Ulysses CP attention), the static
   layout and a 1-rank run give the same loss trace and grad norms; the plans dumped
-  by `--dcp-dump-plans` mix CP sizes and give ranks different micro-batch counts; a resume from
+  by `--dcp-dump-plans` mix CP sizes and give ranks different micro-batch counts, and every micro-batch ran
+  the CP group and the recompute its plan named (the trace beside the plans); a resume from
   DeepSpeed's checkpoint continues the trace. (Bad settings and faults: tests/test_fault_matrix.py.)
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pytest
 
 from tests.deepspeed_runs import TINY_MODEL, blend_flags, ds_config, load_ds_script, run_deepspeed, write_blend
 from tests.dist_utils import group_timeout_s, group_timeouts_s, max_rel_err, run_distributed
-from tests.megatron_runs import read_plan_dumps
+from tests.megatron_runs import microbatches_planned, microbatches_seen, read_plan_dumps
 
 BUDGET = ["--dcp-memory-budget-gb", "0.004"]   # tight enough that long documents need CP 2 or recompute
 SGD_LR = 1e3   # large: the update lr x g dwarfs the weights, so (before - after) / lr is g to fp32 rounding
@@ -238,6 +239,16 @@ def test_loss_traces_agree_across_layouts(runs):
 def test_the_dynamic_path_ran(runs):
     plans = read_plan_dumps(runs["plans"])
     assert len(plans) == 10
+    # Per rank and micro-batch, what ran (the CP group handed to the decoder, the recompute its backward replayed)
+    # is what the plan named; some step runs different recompute kinds in its micro-batches.
+    mixed = []
+    for rank in range(2):
+        for step, plan in enumerate(plans, start=1):
+            seen = microbatches_seen(runs["plans"], rank, step)
+            assert seen == microbatches_planned(plan, rank), (rank, step, seen)
+            if len({recompute for _, recompute in seen}) > 1:
+                mixed.append((rank, step))
+    assert mixed, "no rank ran different recompute kinds in the micro-batches of one step"
     assert any(len(p.cp_size_histogram()) > 1 for p in plans), "no step mixed CP sizes"
     assert any(len({p.num_microbatches(r) for r in range(p.domain_size)}) > 1 for p in plans)
     assert any(mb.recompute.kind != "none" for p in plans for w in p.waves for g in w.groups for mb in g.microbatches)

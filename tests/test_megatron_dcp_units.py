@@ -278,13 +278,27 @@ def _recompute_worker(rank: int, world_size: int) -> dict:
             finally:
                 forward_step._CURRENT_MICROBATCH.reset(token)
 
+        import json
+        import tempfile
+
+        from dcp_megatron.megatron.microbatch_trace import MicrobatchTrace
+
+        # The trace --dcp-dump-plans writes records what each micro-batch's backward replayed, not the switches.
+        directory = tempfile.mkdtemp()
+        trace = MicrobatchTrace(directory, rank=0)
+        trace.attach([model], config, iteration=7)
         loss_a = forward(Recompute("full", 2))
         loss_b = forward(Recompute("selective"))
+        loss_c = forward(NO_RECOMPUTE)
         counts.clear()
         phase["now"] = "backward"
         loss_a.backward()
         results["full2 after selective"] = dict(counts)
+        loss_c.backward()
         loss_b.backward()
+        trace.detach()
+        with open(trace.path) as f:
+            results["trace"] = [json.loads(line) for line in f]
         parallel_state.destroy_model_parallel()
     return results
 
@@ -303,6 +317,12 @@ def test_the_recompute_a_microbatch_asks_for_really_runs_in_backward():
     # ranks replaying with different choices would issue different collectives and hang
     replay = results["full2 after selective"]
     assert replay.get("backward:layer0") == 1 and replay.get("backward:attn0") == 1, replay
+    # the trace names what each micro-batch's backward replayed (backwards out of forward order, as in 1F1B)
+    trace = results["trace"]
+    assert [(r["iteration"], r["recompute"], r["recompute_set"]) for r in trace] == [
+        (7, "full2", "full2"), (7, "selective", "selective"), (7, "none", "none")], trace
+    assert trace[0]["replayed"] == {"layer": 2, "core_attention": 2, "mlp": 2}, trace
+    assert trace[1]["replayed"] == {"layer": 0, "core_attention": 3, "mlp": 0}, trace
 
 
 def test_run_paths_are_checked_at_start_up(tmp_path):

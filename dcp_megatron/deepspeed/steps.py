@@ -13,7 +13,8 @@ A DeepSpeed script keeps its own loop, engine, checkpoints and logging; per iter
    batch dicts (`megatron/microbatches.py`: zig-zag shards, packed THD, CP group and recompute
    attached) and runs them on the engine (`engine_step.py`);
 4. folds the measured micro-batch times into the cost model (one all-reduce; `refine`), writes the
-   plan JSON (`dump_plans`, the Megatron path's format) and returns what the step did.
+   plan JSON (`dump_plans`, the Megatron path's format) with every rank's trace of what its micro-batches
+   ran (CP group, recompute replayed: `megatron/microbatch_trace.py`) and returns what the step did.
 
 The data position to checkpoint is Megatron's consumed-samples count of the first step not trained
 yet (`state_dict`), also when the next step has already been read for planning ahead.
@@ -29,6 +30,7 @@ from dcp_megatron.deepspeed.engine_step import StepOutcome, run_planned_step
 from dcp_megatron.deepspeed.scalar_writers import write_step_to_monitor
 from dcp_megatron.megatron.dcp_args import DcpConfig
 from dcp_megatron.megatron.global_batch import DocumentIndex, Documents, exchange_documents, gather_lengths
+from dcp_megatron.megatron.microbatch_trace import MicrobatchTrace
 from dcp_megatron.megatron.microbatches import rank_batches
 from dcp_megatron.megatron.plan_dump import PlanDumper
 from dcp_megatron.megatron.planning import check_longest_fits, check_same_plan, plan_global_batch
@@ -136,8 +138,16 @@ class DcpSteps:
         rank = self.pool.domain_rank
         documents = exchange_documents(plan, share.local, share.index, domain_rank=rank, group=self.pool.domain_group)
         batches = rank_batches(plan, documents, pool=self.pool, device=self.device)
-        outcome = run_planned_step(engine, batches, forward_loss=self.forward_loss, model_config=self.model_config,
-                                   num_tokens=share.num_tokens, world_size=self.pool.domain_size)
+        trace = None
+        if self.config.dump_plans:   # what each micro-batch ran, next to the plans (megatron/microbatch_trace.py)
+            trace = MicrobatchTrace(self.config.dump_plans, rank=dist.get_rank())
+            trace.attach([engine.module], self.model_config, iteration=share.step + 1)
+        try:
+            outcome = run_planned_step(engine, batches, forward_loss=self.forward_loss, model_config=self.model_config,
+                                       num_tokens=share.num_tokens, world_size=self.pool.domain_size)
+        finally:
+            if trace is not None:
+                trace.detach()
         if self._correction is not None and self._steps_run > 0:  # the first step pays one-off start-up costs
             self._cost = refined_cost(self._correction, self._base_cost, plan, domain_rank=rank,
                                       durations=list(outcome.durations), device=self.device)

@@ -21,7 +21,10 @@ Megatron's own schedule (no pipelining, or 1F1B with PP 2), which per training s
    `DcpForwardStep` (`forward_step.py`) that feeds the user's forward step each micro-batch on
    every TP rank and switches its recompute on the model just before its forward;
 4. times every micro-batch and, after one all-reduce of the sums, corrects the cost model the
-   next plans use, identically on every rank (`planner/refine.py`; PP 1; `--dcp-no-refine` keeps it);
+   next plans use, identically on every rank (`planner/refine.py`; PP 1; `--dcp-no-refine` keeps it).
+   Megatron's rerun state machine may run a step again (`--rerun-mode validate_results` on a suspect
+   result): the rerun must replay the step, so a step's plan is pinned for its reruns and its times
+   refine the cost model only once the step is accepted (when the next step starts);
 5. leaves the loss to Megatron's `--calculate-per-token-loss` path: each micro-batch backpropagates
    its unscaled token-loss sum, `finalize_model_grads` all-reduces the token count over the data-
    parallel group (with Megatron's CP kept at 1, exactly the DCP domain) and divides: gradients
@@ -32,7 +35,7 @@ Evaluation (`forward_only=True`) runs Megatron's schedule unchanged.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 import torch
 
@@ -64,6 +67,16 @@ class _ReadAhead:
     index: DocumentIndex
     read_ahead: bool = True   # read during the previous step (False: read when this step started)
     num_microbatches: int = 0   # Megatron's micro-batch count the share was read with (samples per DP rank)
+    planned: PlannedStep | None = None   # the step's plan once known: a rerun of the step runs it again
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """A step's plan and this rank's micro-batch times, kept until the step is accepted (refines then)."""
+
+    iteration: int
+    plan: object
+    durations: tuple[float, ...]
 
 
 class DcpForwardBackward:
@@ -89,7 +102,8 @@ class DcpForwardBackward:
         self._base_cost = None    # the cost model as configured; self._cost adds measured corrections
         self._correction = None   # TimeCorrection when refining
         self._errors: list[float] = []   # |predicted - measured| / measured step times, for the log
-        self._steps_run = 0
+        self._steps_accepted = 0
+        self._measured = None     # _Measured of the last step run, not yet folded into the cost model
 
     # Lazily, at the first training step: every rank of the world reaches it, in the same order.
     def _setup(self) -> None:
@@ -134,6 +148,7 @@ class DcpForwardBackward:
         model_chunks = model if isinstance(model, list) else [model]
         device = torch.device("cuda", torch.cuda.current_device()) if self.has_gpu else torch.device("cpu")
         iteration = self._iteration()
+        self._refine_with_accepted_step(iteration, device)
 
         local, index, planned = self._this_steps_plan(iteration, data_iterator, num_microbatches)
         plan = planned.plan
@@ -177,11 +192,8 @@ class DcpForwardBackward:
                                  f"micro-batches on {len(model_chunks)} model chunks")
         measured_s = time.perf_counter() - started
         self._errors = (self._errors + [relative_error(plan.est_step_time_s, measured_s)])[-10:]
-        if self._correction is not None and self._steps_run > 0:  # the first step also pays one-off start-up costs
-            # over the world: TP peers and stages must plan alike too, so every rank gets the same sums
-            self._cost = refined_cost(self._correction, self._base_cost, plan, domain_rank=pool.domain_rank,
-                                      durations=step.durations(), device=device)
-        self._steps_run += 1
+        # a rerun of this step replaces its first run's times
+        self._measured = _Measured(iteration=iteration, plan=plan, durations=tuple(step.durations()))
         if self._dumper is not None:
             self._dumper.write(iteration, plan)
         if self._writes_scalars:
@@ -200,6 +212,23 @@ class DcpForwardBackward:
                       f"{sorted({b[MICROBATCH_KEY].cp_size for b in batches})} |", flush=True)
         return losses_reduced
 
+    def _refine_with_accepted_step(self, iteration: int, device) -> None:
+        """Fold the last step's times into the cost model once Megatron has moved past it (a collective).
+
+        Refining right after a step would hand a rerun of it another cost model, so another plan: documents on
+        other ranks and other per-rank values for Megatron to compare; a reproducible fault would read as
+        transient. Every rank calls this at every training step, so the all-reduce inside stays matched."""
+        measured = self._measured
+        if measured is None or measured.iteration == iteration:
+            return
+        self._measured = None
+        if self._correction is not None and self._steps_accepted > 0:  # the first step pays one-off start-up costs
+            # over the world: TP peers and stages must plan alike too, so every rank gets the same sums
+            self._cost = refined_cost(self._correction, self._base_cost, measured.plan,
+                                      domain_rank=self._pool.domain_rank, durations=list(measured.durations),
+                                      device=device)
+        self._steps_accepted += 1
+
     def _factors_text(self) -> str:
         if self._correction is None or not self._correction.factors:
             return ""
@@ -212,27 +241,34 @@ class DcpForwardBackward:
 
         Megatron's rerun state machine may run a step again, replaying the samples pulled during its
         first run: a step that was read ahead pulled nothing of its own then (reuse what was read), one
-        read at its start pulled its share first (read it again from the replay)."""
+        read at its start pulled its share first (read it again from the replay). A rerun runs the plan of
+        the step's first run (pinned: a replay, not a new plan)."""
         ahead, self._read_ahead = self._read_ahead, None
         if ahead is not None and ahead.iteration == iteration:
             if ahead.num_microbatches != num_microbatches:
                 raise AssertionError(f"iteration {iteration}: read ahead with {ahead.num_microbatches} micro-batches "
                                      f"per data-parallel rank, Megatron runs {num_microbatches}")
-            self._current = ahead
-            return ahead.local, ahead.index, self._planner.result(iteration)
+            self._current = replace(ahead, planned=self._planner.result(iteration))
+            return ahead.local, ahead.index, self._current.planned
         if ahead is not None:
             self._planner.discard()
         current = self._current
-        if current is not None and current.iteration == iteration and current.read_ahead:
-            local, index = current.local, current.index
-        else:
-            local = self._read_share(data_iterator, num_microbatches)
-            if local is None:
-                raise StopIteration
-            index = self._gather_index(local)
-            self._current = _ReadAhead(iteration=iteration, local=local, index=index, read_ahead=False,
-                                       num_microbatches=num_microbatches)
-        return local, index, plan_synchronously(iteration, self._plan, index.sequences(), self._cost)
+        rerun = current is not None and current.iteration == iteration and current.planned is not None
+        if rerun and current.read_ahead:
+            return current.local, current.index, current.planned
+        local = self._read_share(data_iterator, num_microbatches)
+        if local is None:
+            raise StopIteration
+        index = self._gather_index(local)
+        if rerun:
+            if index.sequences() != current.index.sequences():
+                raise AssertionError(f"iteration {iteration}: the rerun read other documents than the step's first "
+                                     "run; Megatron's rerun must replay the same samples")
+            return local, index, current.planned
+        planned = plan_synchronously(iteration, self._plan, index.sequences(), self._cost)
+        self._current = _ReadAhead(iteration=iteration, local=local, index=index, read_ahead=False,
+                                   num_microbatches=num_microbatches, planned=planned)
+        return local, index, planned
 
     def _reads_ahead_for(self, iteration: int) -> bool:
         """Whether to read and plan `iteration` during the step before it: not past the last step, and not for a

@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     refuse_unrun_flags(argv, args)
     args.rank = int(os.environ.get("RANK", 0))
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
+    adopt_config_batch_size(args)
     check_before_megatron(args)   # what Megatron's bare asserts would report without naming the flag
     args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
     if not torch.cuda.is_available():
@@ -84,10 +85,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def adopt_config_batch_size(args: argparse.Namespace) -> None:
+    """The JSON's "train_batch_size" and --global-batch-size are one setting (config.batch_size_of_config)."""
+    from dcp_megatron.deepspeed.config import batch_size_of_config, load_deepspeed_config
+
+    given = args.global_batch_size
+    args.global_batch_size = batch_size_of_config(load_deepspeed_config(args.deepspeed_config),
+                                                  global_batch_size=given)
+    if given is None and args.global_batch_size is not None and args.rank == 0:
+        print(f'the DeepSpeed config\'s "train_batch_size": {args.global_batch_size} is the global batch (as '
+              f"--global-batch-size {args.global_batch_size})", flush=True)
+
+
 def check_before_megatron(args: argparse.Namespace) -> None:
     """Start-up checks that name their flag, before Megatron's validate_args (TP = PP = CP = 1 already checked,
     so the data-parallel size is the world size)."""
     from dcp_megatron.deepspeed.checkpoint import check_checkpoint_paths
+    from dcp_megatron.megatron.flag_checks import check_unrunnable_flags
 
     if args.train_iters is None or args.train_iters < 1:
         raise DcpUsageError("give --train-iters N (N >= 1): the DeepSpeed script counts its run in steps")
@@ -98,6 +112,7 @@ def check_before_megatron(args: argparse.Namespace) -> None:
                             f"{args.micro_batch_size} x {args.world_size} data-parallel ranks")
     if args.save_interval is not None and not args.save:
         raise DcpUsageError("--save-interval needs --save DIR")
+    check_unrunnable_flags(args, has_gpu=torch.cuda.is_available())   # --rampup-batch-size, wandb, yarn on CPU
     check_data_paths(args)
     check_checkpoint_paths(save=args.save, load=args.load, dump_plans=args.dcp_dump_plans)
 

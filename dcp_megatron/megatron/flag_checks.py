@@ -43,14 +43,14 @@ def check_unrunnable_flags(args: argparse.Namespace, *, has_gpu: bool) -> None:
                             f"--step-batch-size-schedule{_schedule_example(args, rampup)} (THRESHOLD:BATCH pairs, "
                             "thresholds in tokens), or drop the flag")
     if getattr(args, "wandb_project", None):
-        if importlib.util.find_spec("wandb") is None:
-            raise DcpUsageError(f"--wandb-project {args.wandb_project}: wandb is not installed (Megatron imports it "
-                                "when it sets up its writer); pip install wandb, or drop --wandb-project")
         if not getattr(args, "wandb_exp_name", None):
             raise DcpUsageError(f"--wandb-project {args.wandb_project} needs --wandb-exp-name NAME")
         if not (getattr(args, "wandb_save_dir", None) or getattr(args, "save", None)):
             raise DcpUsageError(f"--wandb-project {args.wandb_project} needs --wandb-save-dir DIR (or --save, "
                                 "under which wandb's files go by default)")
+        if importlib.util.find_spec("wandb") is None:
+            raise DcpUsageError(f"--wandb-project {args.wandb_project}: wandb is not installed (Megatron imports it "
+                                "when it sets up its writer); pip install wandb, or drop --wandb-project")
     if getattr(args, "position_embedding_type", None) == "yarn" and not has_gpu:
         raise DcpUsageError("--position-embedding-type yarn needs a GPU: megatron-core's YaRN rotary embedding "
                             "moves its tables to the current CUDA device in every forward; on CPU use "

@@ -182,9 +182,11 @@ def check_schedule_length(ds_config: dict, *, train_iters: int) -> None:
 
 
 def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int, log_interval: int,
-               dcp_flag: bool, default_cp_attention: tuple[str, ...] = DEFAULT_CP_ATTENTION) -> DcpConfig | None:
+               dcp_flag: bool, default_cp_attention: tuple[str, ...] = DEFAULT_CP_ATTENTION,
+               domain_size: int | None = None) -> DcpConfig | None:
     """The run's DcpConfig from the `"dcp"` block and the flags given on the command line (`cli`: DcpConfig
-    keyword arguments, None where a flag was not given), or None when DCP is off."""
+    keyword arguments, None where a flag was not given), or None when DCP is off; `domain_size` (the world
+    size) bounds max_cp_size, as on the Megatron path (the cost model would clamp it silently)."""
     settings = dcp_block_settings(ds_config.get("dcp"))
     enabled = bool(dcp_flag or settings.pop("enabled", False))
     settings.pop("enabled", None)
@@ -203,4 +205,8 @@ def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int,
     if settings.get("profile") and not os.path.isfile(settings["profile"]):
         kind = "is a directory; give the profile JSON file" if os.path.isdir(settings["profile"]) else "no such file"
         raise DcpUsageError(f"dcp profile {settings['profile']}: {kind}")
+    max_cp_size = settings.get("max_cp_size")
+    if domain_size is not None and max_cp_size is not None and max_cp_size > domain_size:
+        raise DcpUsageError(f"--dcp-max-cp-size (or \"dcp\" max_cp_size) {max_cp_size} exceeds the DCP domain of "
+                            f"{domain_size} ranks (the world size); give at most {domain_size}")
     return DcpConfig(seq_length=seq_length, train_iters=train_iters, log_interval=log_interval, **settings)

@@ -201,7 +201,7 @@ def test_deepspeed_train_batch_size_is_the_global_batch(tmp_path, monkeypatch, c
     assert args.global_batch_size == 6
 
 
-def test_empty_iteration_directories_of_interrupted_saves_are_removed_at_start(tmp_path, capsys):
+def test_empty_iteration_directories_of_interrupted_saves_are_removed_at_start(tmp_path, capsys, monkeypatch):
     """A save killed before it wrote leaves an empty iter_* (Megatron makes the directory first): removed at the
     next start by rank 0, never the tracker's iteration; a non-empty newer one is named, not touched."""
     from dcp_megatron.megatron.checkpoints import clear_interrupted_saves
@@ -217,6 +217,17 @@ def test_empty_iteration_directories_of_interrupted_saves_are_removed_at_start(t
     assert sorted(p.name for p in save.iterdir() if p.is_dir()) == ["iter_0000002", "iter_0000004", "iter_0000005"]
     out = capsys.readouterr().out
     assert "removed iter_0000003 from --save" in out and "iter_0000005 in --save" in out and "newer than" in out
+    # the start-up path (patched validate_args -> check_run_paths) does it, after taking the --save lock
+    import types
+
+    from dcp_megatron.megatron.run_paths import check_run_paths
+
+    (save / "iter_0000006").mkdir()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    check_run_paths(types.SimpleNamespace(save=str(save), tensorboard_dir=None, dcp_dump_plans=None, load=None,
+                                          rank=0))
+    assert not (save / "iter_0000006").exists() and (save / save_lock.LOCK_FILE).exists()
 
 
 # ----------------------------------------------------------------------------------------- the pieces

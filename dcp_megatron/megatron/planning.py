@@ -105,7 +105,8 @@ def check_longest_fits(config: DcpConfig, cost: CostModel) -> None:
 
     try:
         min_fitting_size(np.array([config.seq_length]), np.array([0]), candidate_sizes(cost.cluster), cost)
-    except ValueError as err:
+    except ValueError:
+        # (the planner's own advice, "e.g. full" recompute and its batcher's options, is not this run's to give)
         budget_gib = cost.cluster.mem_budget_bytes / GiB
         # Advise full recompute only where it may run: EP > 1 takes it out (layout_checks._without_full_recompute).
         if "full" in cost.allowed_recompute:
@@ -118,5 +119,5 @@ def check_longest_fits(config: DcpConfig, cost: CostModel) -> None:
             f"a --seq-length {config.seq_length} document fits no CP group of this {cost.cluster.domain_size}-rank "
             f"domain (largest allowed group {candidate_sizes(cost.cluster)[-1]}) within "
             f"{budget_gib:.3f} GiB per rank with recompute {'/'.join(cost.allowed_recompute)}: raise "
-            f"--dcp-memory-budget-gb{recompute}, raise --dcp-max-cp-size, lower --seq-length, or use more ranks"
-            f". (planner: {err})") from None
+            f"--dcp-memory-budget-gb{recompute}, raise --dcp-max-cp-size, lower --seq-length, or use more "
+            f"ranks") from None

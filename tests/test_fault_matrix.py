@@ -434,6 +434,8 @@ DS_CASES = {
                               ["partitioned over 2 data-parallel ranks and this run has 1", "resume on 2 ranks"]),
     "rampup_batch_size": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--rampup-batch-size", "2", "2", "100"]),
                           ["--rampup-batch-size 2 2 100 is ignored"]),
+    "megatron_writer_flag": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--tensorboard-dir", str(w.root)]),
+                             ["--tensorboard-dir", 'monitor blocks', '"tensorboard"']),
 }
 
 

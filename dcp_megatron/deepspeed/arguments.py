@@ -10,8 +10,9 @@ clipping) and `--override-optimizer-config`.
 
 What the DeepSpeed script cannot honour is refused by name (exit 2), never dropped: tensor, pipeline
 or context parallelism (DeepSpeed's data-parallel group is the DCP domain), Megatron's optimizer and
-learning-rate flags and `--fp16`/`--bf16`/`--use-distributed-optimizer` (the JSON sets those), and
-evaluation (`--eval-interval`; the script has no evaluation loop).
+learning-rate flags and `--fp16`/`--bf16`/`--use-distributed-optimizer` (the JSON sets those), Megatron's
+`--tensorboard-dir`/`--wandb-*` writers (the JSON's monitor blocks), and evaluation (`--eval-interval`; the
+script has no evaluation loop).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ _JSON_OWNS = ("--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-
               "--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--optimizer",
               "--fp16", "--bf16", "--use-distributed-optimizer")
 _NOT_RUN = ("--eval-interval", "--eval-iters", "--train-samples")
+# Megatron's writers are not built under DeepSpeed: its monitor (scalar_writers.py) writes what the JSON enables.
+_MONITOR_FLAGS = ("--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")
 
 
 def _add_deepspeed_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -150,6 +153,11 @@ def refuse_unrun_flags(argv: list[str], args: argparse.Namespace) -> None:
     if owned:
         raise DcpUsageError(f"{', '.join(owned)}: under DeepSpeed the --deepspeed-config JSON sets the optimizer, "
                             "learning-rate schedule, clipping, precision and ZeRO; move these settings there")
+    monitor = [flag for flag in _MONITOR_FLAGS if _given(argv, flag)]
+    if monitor:
+        raise DcpUsageError(f"{', '.join(monitor)}: under DeepSpeed the --deepspeed-config JSON's monitor blocks write "
+                            'the scalars ("tensorboard": {"enabled": true, "output_path": DIR}, "wandb": {"enabled": '
+                            'true, "project": P}); move these settings there')
     unrun = [flag for flag in _NOT_RUN if _given(argv, flag)]
     if unrun:
         raise DcpUsageError(f"{', '.join(unrun)}: the DeepSpeed script trains --train-iters steps and does not "

@@ -69,7 +69,8 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     # our torch attention's (the local spec), so on GPU plans use the all-gather flavour.
     config = dcp_config(user_config, cli=cli, seq_length=args.seq_length, train_iters=args.train_iters,
                         log_interval=args.log_interval, dcp_flag=args.dcp,
-                        default_cp_attention=("allgather",) if has_gpu else DEFAULT_CP_ATTENTION)
+                        default_cp_attention=("allgather",) if has_gpu else DEFAULT_CP_ATTENTION,
+                        domain_size=int(os.environ.get("WORLD_SIZE", 1)))
     if config is not None and has_gpu and "ulysses" in config.cp_attention:
         raise DcpUsageError("Ulysses CP attention (--dcp-cp-attention / \"cp_attention\") is not wired to Transformer "
                             "Engine's attention yet; on GPU use the all-gather flavour")

@@ -9,11 +9,12 @@ from dcp_megatron.megatron.dcp_args import DcpUsageError
 NO_FLAGS = {"policy": None, "max_cp_size": None, "recompute": None}
 
 
-def _config(block=None, *, flag=False, **cli):
+def _config(block=None, *, flag=False, domain_size=None, **cli):
     ds = {"zero_optimization": {"stage": 1}}
     if block is not None:
         ds["dcp"] = block
-    return dcp_config(ds, cli={**NO_FLAGS, **cli}, seq_length=1024, train_iters=10, log_interval=1, dcp_flag=flag)
+    return dcp_config(ds, cli={**NO_FLAGS, **cli}, seq_length=1024, train_iters=10, log_interval=1, dcp_flag=flag,
+                      domain_size=domain_size)
 
 
 def test_block_turns_dcp_on_and_flags_win_over_it():
@@ -62,6 +63,7 @@ def test_block_values_pass_through():
     ({"gradient_accumulation_steps": 8}, '"gradient_accumulation_steps": 8'),
     ({"train_micro_batch_size_per_gpu": 4}, '"train_micro_batch_size_per_gpu": 4'),
     ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation"),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, '"bf16" and "fp16" are both enabled'),
 ])
 def test_unsupported_engine_settings_are_refused(ds, message):
     with pytest.raises(DcpUsageError) as err:
@@ -76,3 +78,38 @@ def test_prepared_config_runs_one_micro_batch_per_engine_step():
     assert "dcp" not in prepared and "train_batch_size" not in prepared
     assert prepared["train_micro_batch_size_per_gpu"] == 1 and prepared["gradient_accumulation_steps"] == 1
     assert user["dcp"] == {"enabled": True}, "the user's dict must not be changed"
+
+
+def test_max_cp_size_over_the_world_is_refused_not_clamped():
+    with pytest.raises(DcpUsageError, match='"dcp" max_cp_size\\) 3 exceeds the DCP domain of 2 ranks'):
+        _config({"enabled": True, "max_cp_size": 3}, domain_size=2)
+    with pytest.raises(DcpUsageError, match="3 exceeds the DCP domain of 2 ranks"):
+        _config(flag=True, max_cp_size=3, domain_size=2)
+    assert _config({"enabled": True, "max_cp_size": 2}, domain_size=2).max_cp_size == 2
+
+
+def test_train_batch_size_and_global_batch_size_are_one_setting():
+    from dcp_megatron.deepspeed.config import batch_size_of_config
+
+    assert batch_size_of_config({"train_batch_size": 16}, global_batch_size=None) == 16
+    assert batch_size_of_config({"train_batch_size": 16}, global_batch_size=16) == 16
+    assert batch_size_of_config({}, global_batch_size=8) == 8 and batch_size_of_config({}, global_batch_size=None) is None
+    with pytest.raises(DcpUsageError, match='"train_batch_size": 16 in the DeepSpeed config disagrees with '
+                                            '--global-batch-size 8'):
+        batch_size_of_config({"train_batch_size": 16}, global_batch_size=8)
+    with pytest.raises(DcpUsageError, match="must be a positive integer"):
+        batch_size_of_config({"train_batch_size": "16"}, global_batch_size=None)
+
+
+def test_resume_of_zero_partitions_on_another_world_size_is_refused(tmp_path):
+    from dcp_megatron.deepspeed.checkpoint import check_zero_world_size
+
+    tag = tmp_path / "iter_0000002"
+    tag.mkdir()
+    for rank in range(2):
+        (tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"x")
+    stage1 = {"zero_optimization": {"stage": 1}}
+    with pytest.raises(DcpUsageError, match="partitioned over 2 data-parallel ranks and this run has 1"):
+        check_zero_world_size(str(tmp_path), str(tag), stage1, world_size=1)
+    check_zero_world_size(str(tmp_path), str(tag), stage1, world_size=2)
+    check_zero_world_size(str(tmp_path), str(tag), {"zero_optimization": {"stage": 0}}, world_size=1)

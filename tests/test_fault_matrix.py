@@ -35,6 +35,8 @@ MARGIN_S = 25              # heartbeat check (3 beats of 2 s), error handling an
 MEGATRON_DCP = ["--dcp", "--dcp-memory-budget-gb", "0.004"]
 DS_DCP = ["--dcp", "--dcp-memory-budget-gb", "0.004"]
 LONG_RUN = 200             # iterations: the faults come long before the end
+MOE_EP2 = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+           "--moe-aux-loss-coeff", "0.01", "--expert-model-parallel-size", "2"]
 
 
 def _megatron_flags(*extra: str) -> list[str]:
@@ -292,6 +294,19 @@ MEGATRON_CASES = {
     "resume_new_lr": (_megatron_changed("--lr", "2e-3"), ["max_lr 0.002 (checkpoint: 0.001", "--no-load-optim"]),
     "resume_new_warmup": (_megatron_changed("--lr-warmup-iters", "5"), ["lr_warmup_steps", "--lr-warmup-iters"]),
     "resume_new_decay_style": (_megatron_changed("--lr-decay-style", "linear"), ["lr_decay_style linear (checkpoint: cosine"]),
+    # issue 30: an empty recompute list is refused as on the DeepSpeed path (also where EP 2 bans full recompute)
+    "recompute_empty": (lambda w: ([*MEGATRON_DCP, "--dcp-recompute", ""], 0), ["--dcp-recompute: unknown empty list"]),
+    "recompute_comma_ep2": (lambda w: ([*MEGATRON_DCP, *MOE_EP2, "--dcp-recompute", ","], 0), ["--dcp-recompute: unknown empty list"]),
+    "fits_no_group_ep2": (lambda w: (["--dcp", "--dcp-memory-budget-gb", "0.0027", *MOE_EP2], 0),   # static state fits
+                          ["fits no CP group", "--dcp-memory-budget-gb (full recompute is off under --expert-model-parallel-size 2)"]),
+    "seq_not_divisible_by_tp_sp": (lambda w: ([*MEGATRON_DCP, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                               "--seq-length", "1001"], 0),
+                                   ["--seq-length 1001 is not divisible by --tensor-model-parallel-size 2", "evaluation",
+                                    "multiple of 2 (e.g. 1000)", "--eval-iters 0"]),
+    "tensorboard_not_writable": (lambda w: ([*MEGATRON_DCP, "--tensorboard-dir", "/sys/dcp-tensorboard"], 0),
+                                 ["--tensorboard-dir /sys/dcp-tensorboard", "/sys is not writable"]),
+    "rampup_batch_size": (lambda w: ([*MEGATRON_DCP, "--rampup-batch-size", "2", "2", "100"], 0),
+                          ["--rampup-batch-size 2 2 100 is ignored", '--step-batch-size-schedule "0:2 34816:4 68608:6 102400:8"']),
 }
 
 
@@ -408,6 +423,19 @@ DS_CASES = {
     "ckpt_file_missing": (lambda w: _ds_corrupt(w, os.remove, "model_states.pt"), ["model_states.pt is missing"]),
     "resume_new_lr": (_ds_changed(optimizer={"lr": 1e-3}), ['"optimizer"', "'lr': 0.001", "--override-optimizer-config"]),
     "resume_new_warmup": (_ds_changed(scheduler={"warmup_num_steps": 5}), ['"scheduler"', "--override-optimizer-config"]),
+    # issue 30 (these cases run as one rank: WORLD_SIZE unset)
+    "recompute_empty": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--dcp-recompute", ""]), ["--dcp-recompute: unknown empty list"]),
+    "block_max_cp_over_domain": (lambda w: (_block(max_cp_size=2), []), ['"dcp" max_cp_size) 2 exceeds the DCP domain of 1 ranks']),
+    "bf16_and_fp16": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN, bf16={"enabled": True}, fp16={"enabled": True}), ["--dcp"]),
+                      ['"bf16" and "fp16" are both enabled']),
+    "train_batch_size_disagrees": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN, train_batch_size=8), ["--dcp"]),
+                                   ['"train_batch_size": 8', "disagrees with --global-batch-size 4"]),
+    "resume_on_fewer_ranks": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), [*DS_DCP, "--load", w.ds_checkpoint()[0]]),
+                              ["partitioned over 2 data-parallel ranks and this run has 1", "resume on 2 ranks"]),
+    "rampup_batch_size": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--rampup-batch-size", "2", "2", "100"]),
+                          ["--rampup-batch-size 2 2 100 is ignored"]),
+    "megatron_writer_flag": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--tensorboard-dir", str(w.root)]),
+                             ["--tensorboard-dir", 'monitor blocks', '"tensorboard"']),
 }
 
 

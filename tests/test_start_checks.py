@@ -118,6 +118,14 @@ MEGATRON_CASES = {
                                          "does not exist", "iter_0000002"]),
     "ckpt_step_missing": (lambda r: [*MEGATRON_DCP, "--load", _tracker(r, "2"), "--ckpt-step", "5"],
                           ["--ckpt-step 5 names iter_0000005"]),
+    # issue 30, without --dcp: Megatron's bare assertion at step 1; flags upstream ignores or fails on later
+    "seq_not_divisible_by_tp_sp": (lambda r: ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "1001"],
+                                   ["--seq-length 1001 is not divisible by --tensor-model-parallel-size 2",
+                                    "multiple of 2 (e.g. 1000)", "drop --sequence-parallel"]),
+    "rampup_batch_size": (lambda r: ["--rampup-batch-size", "2", "2", "100"], ["--rampup-batch-size 2 2 100 is ignored"]),
+    "tensorboard_not_writable": (lambda r: ["--tensorboard-dir", "/sys/dcp-tensorboard/run"], ["--tensorboard-dir", "/sys is not writable"]),
+    "wandb_without_name": (lambda r: ["--wandb-project", "p", "--save", str(r / "ckpt"), "--save-interval", "2"],
+                           ["--wandb-project p needs --wandb-exp-name"]),
 }
 
 
@@ -157,6 +165,69 @@ def test_deepspeed_start_check_refuses_in_one_line(case, tmp_path, monkeypatch, 
     out = capsys.readouterr()
     _assert_refused(code, out.err, out.out, messages, prefix="error: ")
     assert not torch.distributed.is_initialized(), "no process group may exist before a refused start"
+
+
+@pytest.mark.parametrize("dcp", [[], MEGATRON_DCP], ids=["plain", "dcp"])
+def test_gpu_only_and_missing_module_flags_refuse_in_one_line(dcp, user_script, tmp_path, monkeypatch, capsys):
+    """--position-embedding-type yarn without a GPU (megatron-core's YaRN embedding moves its tables to CUDA in
+    every forward) and --wandb-project without wandb (as on a machine where it is not installed)."""
+    import importlib.util
+
+    base = [user_script, *LLAMA_TINY, *CPU_FLAGS, "--train-iters", str(LONG_RUN), *dcp]
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    launch_refused_in_one_line(monkeypatch, capsys, [*base, "--position-embedding-type", "yarn"],
+                               ["--position-embedding-type yarn needs a GPU", "rope"])
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    launch_refused_in_one_line(monkeypatch, capsys, [*base, "--wandb-project", "p", "--wandb-exp-name", "e",
+                                                     "--wandb-save-dir", str(tmp_path)],
+                               ["--wandb-project p: wandb is not installed"])
+
+
+def test_deepspeed_train_batch_size_is_the_global_batch(tmp_path, monkeypatch, capsys):
+    """One source of truth: the JSON's "train_batch_size" is --global-batch-size when the flag is not given (the
+    disagreeing pair is the fault matrix's train_batch_size_disagrees case)."""
+    from dcp_megatron.deepspeed.arguments import parse_args
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(ds_config(stage=1, total_steps=LONG_RUN, train_batch_size=6)))
+    model = [f for i, f in enumerate(TINY_MODEL) if "--global-batch-size" not in TINY_MODEL[max(i - 1, 0):i + 1]]
+    args = parse_args([*model, "--deepspeed-config", str(config), "--train-iters", str(LONG_RUN)])
+    assert args.global_batch_size == 6
+    assert '"train_batch_size": 6 is the global batch' in capsys.readouterr().out
+    args = parse_args([*model, "--global-batch-size", "6", "--deepspeed-config", str(config), "--train-iters", "9"])
+    assert args.global_batch_size == 6
+
+
+def test_empty_iteration_directories_of_interrupted_saves_are_removed_at_start(tmp_path, capsys, monkeypatch):
+    """A save killed before it wrote leaves an empty iter_* (Megatron makes the directory first): removed at the
+    next start by rank 0, never the tracker's iteration; a non-empty newer one is named, not touched."""
+    from dcp_megatron.megatron.checkpoints import clear_interrupted_saves
+
+    save = tmp_path / "ckpt"
+    for name in ("iter_0000002", "iter_0000003/sub", "iter_0000004", "iter_0000005"):
+        (save / name).mkdir(parents=True)
+    (save / "iter_0000002" / "__0_0.distcp").write_bytes(b"x")
+    (save / "iter_0000005" / "__0_0.distcp").write_bytes(b"x")
+    (save / "latest_checkpointed_iteration.txt").write_text("4")   # (an empty tracked one stays: Megatron's)
+    assert clear_interrupted_saves(str(save), rank=1) == [] and (save / "iter_0000003").exists()
+    assert clear_interrupted_saves(str(save), rank=0) == ["iter_0000003"]
+    assert sorted(p.name for p in save.iterdir() if p.is_dir()) == ["iter_0000002", "iter_0000004", "iter_0000005"]
+    out = capsys.readouterr().out
+    assert "removed iter_0000003 from --save" in out and "iter_0000005 in --save" in out and "newer than" in out
+    # the start-up path (patched validate_args -> check_run_paths) does it, after taking the --save lock
+    import types
+
+    from dcp_megatron.megatron.run_paths import check_run_paths
+
+    (save / "iter_0000006").mkdir()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    check_run_paths(types.SimpleNamespace(save=str(save), tensorboard_dir=None, dcp_dump_plans=None, load=None,
+                                          rank=0))
+    assert not (save / "iter_0000006").exists() and (save / save_lock.LOCK_FILE).exists()
 
 
 # ----------------------------------------------------------------------------------------- the pieces

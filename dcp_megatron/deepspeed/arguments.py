@@ -10,8 +10,9 @@ clipping) and `--override-optimizer-config`.
 
 What the DeepSpeed script cannot honour is refused by name (exit 2), never dropped: tensor, pipeline
 or context parallelism (DeepSpeed's data-parallel group is the DCP domain), Megatron's optimizer and
-learning-rate flags and `--fp16`/`--bf16`/`--use-distributed-optimizer` (the JSON sets those), and
-evaluation (`--eval-interval`; the script has no evaluation loop).
+learning-rate flags and `--fp16`/`--bf16`/`--use-distributed-optimizer` (the JSON sets those), Megatron's
+`--tensorboard-dir`/`--wandb-*` writers (the JSON's monitor blocks), and evaluation (`--eval-interval`; the
+script has no evaluation loop).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ _JSON_OWNS = ("--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-
               "--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--optimizer",
               "--fp16", "--bf16", "--use-distributed-optimizer")
 _NOT_RUN = ("--eval-interval", "--eval-iters", "--train-samples")
+# Megatron's writers are not built under DeepSpeed: its monitor (scalar_writers.py) writes what the JSON enables.
+_MONITOR_FLAGS = ("--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")
 
 
 def _add_deepspeed_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -71,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     refuse_unrun_flags(argv, args)
     args.rank = int(os.environ.get("RANK", 0))
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
+    adopt_config_batch_size(args)
     check_before_megatron(args)   # what Megatron's bare asserts would report without naming the flag
     args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
     if not torch.cuda.is_available():
@@ -84,10 +88,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def adopt_config_batch_size(args: argparse.Namespace) -> None:
+    """The JSON's "train_batch_size" and --global-batch-size are one setting (config.batch_size_of_config)."""
+    from dcp_megatron.deepspeed.config import batch_size_of_config, load_deepspeed_config
+
+    given = args.global_batch_size
+    args.global_batch_size = batch_size_of_config(load_deepspeed_config(args.deepspeed_config),
+                                                  global_batch_size=given)
+    if given is None and args.global_batch_size is not None and args.rank == 0:
+        print(f'the DeepSpeed config\'s "train_batch_size": {args.global_batch_size} is the global batch (as '
+              f"--global-batch-size {args.global_batch_size})", flush=True)
+
+
 def check_before_megatron(args: argparse.Namespace) -> None:
     """Start-up checks that name their flag, before Megatron's validate_args (TP = PP = CP = 1 already checked,
     so the data-parallel size is the world size)."""
     from dcp_megatron.deepspeed.checkpoint import check_checkpoint_paths
+    from dcp_megatron.megatron.flag_checks import check_unrunnable_flags
 
     if args.train_iters is None or args.train_iters < 1:
         raise DcpUsageError("give --train-iters N (N >= 1): the DeepSpeed script counts its run in steps")
@@ -98,6 +115,7 @@ def check_before_megatron(args: argparse.Namespace) -> None:
                             f"{args.micro_batch_size} x {args.world_size} data-parallel ranks")
     if args.save_interval is not None and not args.save:
         raise DcpUsageError("--save-interval needs --save DIR")
+    check_unrunnable_flags(args, has_gpu=torch.cuda.is_available())   # --rampup-batch-size, wandb, yarn on CPU
     check_data_paths(args)
     check_checkpoint_paths(save=args.save, load=args.load, dump_plans=args.dcp_dump_plans)
 
@@ -135,6 +153,11 @@ def refuse_unrun_flags(argv: list[str], args: argparse.Namespace) -> None:
     if owned:
         raise DcpUsageError(f"{', '.join(owned)}: under DeepSpeed the --deepspeed-config JSON sets the optimizer, "
                             "learning-rate schedule, clipping, precision and ZeRO; move these settings there")
+    monitor = [flag for flag in _MONITOR_FLAGS if _given(argv, flag)]
+    if monitor:
+        raise DcpUsageError(f"{', '.join(monitor)}: under DeepSpeed the --deepspeed-config JSON's monitor blocks write "
+                            'the scalars ("tensorboard": {"enabled": true, "output_path": DIR}, "wandb": {"enabled": '
+                            'true, "project": P}); move these settings there')
     unrun = [flag for flag in _NOT_RUN if _given(argv, flag)]
     if unrun:
         raise DcpUsageError(f"{', '.join(unrun)}: the DeepSpeed script trains --train-iters steps and does not "

@@ -9,7 +9,8 @@ checkpoint_manifest.py) with the run's optimizer and scheduler blocks.
 Checked at start (before any process group): a `--save` that is a file or not writable would otherwise
 fail at the first save, after training; a `--load` without a checkpoint would make DeepSpeed warn and
 train from scratch; the checkpoint `latest` names is verified against its manifest (a flipped byte or a
-truncated file stops the run naming the file); changed optimizer/scheduler settings are refused unless
+truncated file stops the run naming the file), and its ZeRO partitions against this run's world size;
+changed optimizer/scheduler settings are refused unless
 `--override-optimizer-config` asks for them: DeepSpeed would silently keep the checkpoint's
 hyperparameters in the optimizer's param groups (the learning rate until the scheduler's next step,
 betas and weight decay for good).
@@ -81,10 +82,24 @@ def check_resume(load: str, ds_config: dict, *, override: bool, rank: int, world
             f"--load {load}: the DeepSpeed config's optimizer/scheduler settings changed since the checkpoint: "
             f"{listed}. DeepSpeed would keep the checkpoint's values in the optimizer; add --override-optimizer-config "
             f"to train with the new ones (optimizer moments are kept), or restore the old values")
+    check_zero_world_size(load, directory, ds_config, world_size=world_size)
     if rank == 0:
         note = f"; following the new {', '.join(changed)} settings" if changed else ""
         print(f"{directory} verified against its checksum manifest ({len(manifest['files'])} files){note}",
               flush=True)
+
+
+def check_zero_world_size(load: str, directory: str, ds_config: dict, *, world_size: int) -> None:
+    """ZeRO 1/2 save one optimizer partition per data-parallel rank; DeepSpeed 0.19.8 loads them only on as many
+    ranks (`ZeRORuntimeException` in engine._load_zero_checkpoint, after the engine is built)."""
+    zero = ds_config.get("zero_optimization") or {}
+    if zero.get("stage", 0) not in (1, 2) or (ds_config.get("checkpoint") or {}).get("load_universal"):
+        return
+    saved_ranks = len(glob.glob(os.path.join(directory, "*zero_pp_rank_*_mp_rank_00_optim_states.pt")))
+    if saved_ranks and saved_ranks != world_size:
+        raise DcpUsageError(f"--load {load}: {os.path.basename(directory)}'s ZeRO optimizer state is partitioned over "
+                            f"{saved_ranks} data-parallel ranks and this run has {world_size}; DeepSpeed cannot "
+                            f"re-partition it: resume on {saved_ranks} ranks")
 
 
 class SaveFailed(RuntimeError):

@@ -9,6 +9,7 @@ A DeepSpeed user turns DCP on with `--dcp` or with a `"dcp"` block in the DeepSp
 `prepare_deepspeed_config` checks the block and the ZeRO settings against what DCP can run, removes the
 block (DeepSpeed does not know it) and sets what the planned step needs of the engine:
 
+- `"train_batch_size"` is the global batch (`--global-batch-size` when that is not given; the two must agree);
 - `train_micro_batch_size_per_gpu: 1`, `gradient_accumulation_steps: 1`: the plan, not the config,
   decides how many micro-batches each rank runs per step; the engine's step is the accumulation
   boundary (`engine_step.py`), so a config that asks for another accumulation count is refused;
@@ -113,7 +114,12 @@ def prepare_deepspeed_config(ds_config: dict) -> dict:
             raise DcpUsageError(
                 f'"{key}": {json.dumps(config[key])}: the step plan decides how many micro-batches each rank runs '
                 f'and what each holds (the batch is --global-batch-size samples); remove "{key}" or set it to 1')
-    config.pop("train_batch_size", None)  # DeepSpeed derives it: world size x 1 x 1
+    # The batch is --global-batch-size (batch_size_of_config made a "train_batch_size" agree with it);
+    # DeepSpeed's own count is world size x 1 x 1, which it derives.
+    config.pop("train_batch_size", None)
+    if (config.get("bf16") or {}).get("enabled") and (config.get("fp16") or {}).get("enabled"):
+        raise DcpUsageError('"bf16" and "fp16" are both enabled in the DeepSpeed config (DeepSpeed asserts on '
+                            'it after start-up): enable one of them')
     config["train_micro_batch_size_per_gpu"] = 1
     config["gradient_accumulation_steps"] = 1
     refuse_bf16_optimizer(config, stage=stage)
@@ -121,6 +127,21 @@ def prepare_deepspeed_config(ds_config: dict) -> dict:
         raise DcpUsageError('"managed_gradient_accumulation": false: the planned step coalesces each rank\'s '
                             "gradient reduction itself (engine_step.py); remove the key")
     return config
+
+
+def batch_size_of_config(ds_config: dict, *, global_batch_size: int | None) -> int | None:
+    """One source of truth for the batch: the JSON's "train_batch_size" (samples per step, as in DeepSpeed) is
+    --global-batch-size when the flag is not given, and must equal it when it is."""
+    value = ds_config.get("train_batch_size")
+    if value is None:
+        return global_batch_size
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DcpUsageError(f'"train_batch_size": {json.dumps(value)} must be a positive integer (samples per step)')
+    if global_batch_size is not None and global_batch_size != value:
+        raise DcpUsageError(f'"train_batch_size": {value} in the DeepSpeed config disagrees with --global-batch-size '
+                            f"{global_batch_size}: both give the samples per step; give one of them, or the same "
+                            "value in both")
+    return value
 
 
 def refuse_bf16_optimizer(config: dict, *, stage: int) -> None:
@@ -161,9 +182,11 @@ def check_schedule_length(ds_config: dict, *, train_iters: int) -> None:
 
 
 def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int, log_interval: int,
-               dcp_flag: bool, default_cp_attention: tuple[str, ...] = DEFAULT_CP_ATTENTION) -> DcpConfig | None:
+               dcp_flag: bool, default_cp_attention: tuple[str, ...] = DEFAULT_CP_ATTENTION,
+               domain_size: int | None = None) -> DcpConfig | None:
     """The run's DcpConfig from the `"dcp"` block and the flags given on the command line (`cli`: DcpConfig
-    keyword arguments, None where a flag was not given), or None when DCP is off."""
+    keyword arguments, None where a flag was not given), or None when DCP is off; `domain_size` (the world
+    size) bounds max_cp_size, as on the Megatron path (the cost model would clamp it silently)."""
     settings = dcp_block_settings(ds_config.get("dcp"))
     enabled = bool(dcp_flag or settings.pop("enabled", False))
     settings.pop("enabled", None)
@@ -182,4 +205,8 @@ def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int,
     if settings.get("profile") and not os.path.isfile(settings["profile"]):
         kind = "is a directory; give the profile JSON file" if os.path.isdir(settings["profile"]) else "no such file"
         raise DcpUsageError(f"dcp profile {settings['profile']}: {kind}")
+    max_cp_size = settings.get("max_cp_size")
+    if domain_size is not None and max_cp_size is not None and max_cp_size > domain_size:
+        raise DcpUsageError(f"--dcp-max-cp-size (or \"dcp\" max_cp_size) {max_cp_size} exceeds the DCP domain of "
+                            f"{domain_size} ranks (the world size); give at most {domain_size}")
     return DcpConfig(seq_length=seq_length, train_iters=train_iters, log_interval=log_interval, **settings)

@@ -2,8 +2,8 @@
 
 Planning ahead reads step k+1's share of the global batch while step k trains. Megatron changes the
 number of samples per step only at the start of a step (`update_num_microbatches(consumed_train_samples)`
-in train(), for --step-batch-size-schedule; megatron.training 0.19 has no --rampup-batch-size flag any
-more), after our read-ahead ran: reading with step k's count trained the old batch size at the step
+in train(), for --step-batch-size-schedule; megatron-core 0.19 ignores --rampup-batch-size, which
+flag_checks.py refuses), after our read-ahead ran: reading with step k's count trained the old batch size at the step
 where it grows, and shifted every later step's data. The next count is the schedule's value at the
 samples consumed once step k ends, asked of a copy of Megatron's calculator (the live one is left alone).
 """

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 
 from dcp_megatron.megatron.dcp_args import DcpUsageError
 from dcp_megatron.megatron.run_paths import TRACKER_FILE
@@ -140,6 +141,44 @@ def check_resume(args: argparse.Namespace) -> None:
         _check_schedule(args, saved, directory)
     if getattr(args, "rank", 0) == 0:
         print(f"dcp: {directory} verified against its checksum manifest ({len(manifest['files'])} files)", flush=True)
+
+
+def clear_interrupted_saves(save: str, *, rank: int) -> list[str]:
+    """Rank 0, holding `save`'s lock: remove the empty `iter_*` directories a save killed before writing left
+    behind (Megatron makes the directory first; they hold no checkpoint, but read as one to a `--load` check),
+    never the tracker's iteration; say so, and name a newer non-empty one the tracker does not point at yet."""
+    if rank != 0 or not os.path.isdir(save):
+        return []
+    tracked = _tracked_iteration(save)
+    removed, newer = [], []
+    for name in sorted(os.listdir(save)):
+        directory = os.path.join(save, name)
+        iteration = name[len("iter_"):]
+        if not (name.startswith("iter_") and iteration.isdigit() and os.path.isdir(directory)) \
+                or int(iteration) == tracked:
+            continue
+        if not any(files for _, _, files in os.walk(directory)):
+            shutil.rmtree(directory)
+            removed.append(name)
+        elif tracked is not None and int(iteration) > tracked:
+            newer.append(name)
+    if removed:
+        print(f"dcp: removed {', '.join(removed)} from --save {save}: empty directories of saves interrupted "
+              f"before they wrote anything (the tracker names iteration {tracked})", flush=True)
+    if newer:
+        print(f"dcp: {', '.join(newer)} in --save {save} is newer than the tracker's iteration {tracked}: a save "
+              "that did not finish; the run resumes from the tracker's iteration and overwrites it when it saves "
+              "there", flush=True)
+    return removed
+
+
+def _tracked_iteration(save: str) -> int | None:
+    try:
+        with open(os.path.join(save, TRACKER_FILE)) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _saved_iterations(load: str) -> str:

@@ -101,10 +101,7 @@ class DcpConfig:
         if self.memory_budget_gb is not None and not (math.isfinite(self.memory_budget_gb)
                                                       and self.memory_budget_gb > 0):
             raise DcpUsageError(f"--dcp-memory-budget-gb must be a positive number of GiB, got {self.memory_budget_gb}")
-        bad = [r for r in self.recompute if r not in RECOMPUTE_CHOICES]
-        if bad or not self.recompute:
-            raise DcpUsageError(f"--dcp-recompute: unknown {bad or 'empty list'}; give a comma list from "
-                             f"{','.join(RECOMPUTE_CHOICES)}")
+        refuse_bad_recompute(self.recompute)
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise DcpUsageError(f"--dcp-gpus-per-node must be >= 1, got {self.gpus_per_node}")
         bad = [a for a in self.cp_attention if a not in CP_ATTENTION_CHOICES]
@@ -117,8 +114,24 @@ class DcpConfig:
             raise DcpUsageError(f"--seq-length must be positive, got {self.seq_length}")
 
 
+def refuse_bad_recompute(kinds: tuple[str, ...]) -> None:
+    """Both paths' one check of the recompute kinds: known names, and at least one (`""` is not "all")."""
+    bad = [r for r in kinds if r not in RECOMPUTE_CHOICES]
+    if bad or not kinds:
+        raise DcpUsageError(f"--dcp-recompute: unknown {bad or 'empty list'}; give a comma list from "
+                            f"{','.join(RECOMPUTE_CHOICES)}")
+
+
+def recompute_choices(value: str | None) -> tuple[str, ...] | None:
+    """--dcp-recompute as a checked tuple (None when the flag is not given)."""
+    kinds = parse_comma_list(value)
+    if kinds is not None:
+        refuse_bad_recompute(kinds)
+    return kinds
+
+
 def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
-    recompute = parse_comma_list(args.dcp_recompute) or RECOMPUTE_CHOICES
+    recompute = recompute_choices(args.dcp_recompute) or RECOMPUTE_CHOICES
     return DcpConfig(policy=args.dcp_policy or "dcp", max_cp_size=args.dcp_max_cp_size,
                      memory_budget_gb=args.dcp_memory_budget_gb, recompute=recompute, profile=args.dcp_profile,
                      dump_plans=args.dcp_dump_plans, check_plans=not getattr(args, "dcp_no_check_plans", False),

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from dcp_megatron.megatron.dcp_args import DcpUsageError
+from dcp_megatron.megatron.dcp_args import DcpUsageError, recompute_choices
 
 _NO_PER_MICROBATCH_BALANCING = ("global_aux_loss", "quantile_balancing")
 
@@ -69,8 +69,9 @@ def _without_full_recompute(args: argparse.Namespace) -> None:
     """EP > 1: a recomputing rank would replay its MoE all-to-alls in backward alone (module docstring)."""
     reason = (f"--expert-model-parallel-size {args.expert_model_parallel_size}: full recompute would replay MoE "
               "all-to-alls in backward on the recomputing ranks only")
-    if args.dcp_recompute is not None:
-        if "full" in [kind.strip() for kind in args.dcp_recompute.split(",")]:
+    kinds = recompute_choices(args.dcp_recompute)   # "" or "," is refused, not read as every kind
+    if kinds is not None:
+        if "full" in kinds:
             raise DcpUsageError(f"--dcp-recompute {args.dcp_recompute}: drop 'full' ({reason})")
         return
     args.dcp_recompute = "none,selective"

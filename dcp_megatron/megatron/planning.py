@@ -101,15 +101,28 @@ def check_longest_fits(config: DcpConfig, cost: CostModel) -> None:
     import numpy as np
 
     from dcp_megatron.megatron.dcp_args import DcpUsageError
-    from dcp_megatron.planner.policies.common import candidate_sizes, min_fitting_size
+    from dcp_megatron.planner.policies.common import candidate_sizes, check_static_memory, min_fitting_size
 
     try:
-        min_fitting_size(np.array([config.seq_length]), np.array([0]), candidate_sizes(cost.cluster), cost)
+        check_static_memory(cost)   # its line names the flags (budget, optimizer sharding, TP/PP): kept whole
+        static_problem = ""
     except ValueError as err:
+        static_problem = f" ({err})"
+    try:
+        min_fitting_size(np.array([config.seq_length]), np.array([0]), candidate_sizes(cost.cluster), cost)
+    except ValueError:
+        # (not the planner's own advice: "e.g. full" recompute, which EP > 1 forbids, and its batcher's options)
         budget_gib = cost.cluster.mem_budget_bytes / GiB
+        # Advise full recompute only where it may run: EP > 1 takes it out (layout_checks._without_full_recompute).
+        if "full" in cost.allowed_recompute:
+            recompute = ""
+        elif cost.model.ep > 1:
+            recompute = f" (full recompute is off under --expert-model-parallel-size {cost.model.ep})"
+        else:
+            recompute = ", allow full recompute (--dcp-recompute)"
         raise DcpUsageError(
             f"a --seq-length {config.seq_length} document fits no CP group of this {cost.cluster.domain_size}-rank "
             f"domain (largest allowed group {candidate_sizes(cost.cluster)[-1]}) within "
             f"{budget_gib:.3f} GiB per rank with recompute {'/'.join(cost.allowed_recompute)}: raise "
-            f"--dcp-memory-budget-gb, allow full recompute (--dcp-recompute), raise --dcp-max-cp-size, lower "
-            f"--seq-length, or use more ranks. (planner: {err})") from None
+            f"--dcp-memory-budget-gb{recompute}, raise --dcp-max-cp-size, lower --seq-length, or use more "
+            f"ranks{static_problem}") from None

@@ -12,13 +12,15 @@ no checkpoint only draws a warning before training starts from scratch. Through 
 - the checkpoint either resolves to is verified against its checksum manifest and its schedule flags
   (dcp_megatron.megatron.checkpoints.py);
 - `--save`: this run holds it (a lock naming the run), so a second run on it is refused
-  (dcp_megatron/runtime/save_lock.py).
+  (dcp_megatron/runtime/save_lock.py); then the empty `iter_*` directories of interrupted saves are
+  removed from it (checkpoints.clear_interrupted_saves).
 """
 from __future__ import annotations
 
 import argparse
 import glob
 import os
+import tempfile
 
 from dcp_megatron.megatron.dcp_args import DcpUsageError
 
@@ -35,8 +37,14 @@ def check_writable_dir(path: str, flag: str) -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise DcpUsageError(f"{flag} {path}: {parent} is a file, so the directory cannot be created")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise DcpUsageError(f"{flag} {path}: {parent} is not writable")
+    # os.access trusts the permission bits (root passes them everywhere, also on /sys): create and remove a file.
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".dcp-write-check-", dir=parent)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise DcpUsageError(f"{flag} {path}: {parent} is not writable ({err.strerror or err}); give a directory "
+                            "this run can write") from None
 
 
 def holds_checkpoint(path: str) -> bool:
@@ -59,6 +67,9 @@ def check_run_paths(args: argparse.Namespace) -> None:
     check_resume(args)   # the checkpoint it resolves to: checksums and schedule flags
     if save:
         hold_save_dir_or_refuse(save)   # last: a refusal above must not leave a lock behind
+        from dcp_megatron.megatron.checkpoints import clear_interrupted_saves
+
+        clear_interrupted_saves(save, rank=getattr(args, "rank", 0))   # holding the lock: no save is running
 
 
 def hold_save_dir_or_refuse(save: str, flag: str = "--save") -> None:

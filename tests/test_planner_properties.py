@@ -1,6 +1,8 @@
 """Property tests over random batches, domain sizes (incl. 1, 3, 6, 12) and PP on/off:
 every policy's plan validates and fits memory, dcp never loses to a baseline, plans are
 deterministic, and no plan beats the (memory-aware) lower bound, whatever recompute is allowed."""
+import os
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -53,7 +55,8 @@ def scenarios(draw):
     return cost, batch, cap
 
 
-_SLOW = 10_000   # examples in the slow run (`make test-slow`, run by CI after the suite)
+# examples in the slow run (`make test-slow`, run by CI after the suite); DCP_SLOW_EXAMPLES only for timing runs
+_SLOW = int(os.environ.get("DCP_SLOW_EXAMPLES", 10_000))
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
 

@@ -395,16 +395,31 @@ class CostModel:
         return k + 1 if k < len(self._full_options) else None
 
     # ---- the public API ------------------------------------------------------------------
-    def _sums(self, lengths: Sequence[int], cp_size: int) -> tuple[float, float, float]:
+    @staticmethod
+    def _checked_lengths(lengths: Sequence[int], cp_size: int) -> np.ndarray | None:
         if not isinstance(cp_size, int) or cp_size <= 0:
             raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
         if len(lengths) == 0:
-            return 0.0, 0.0, 0.0
+            return None
         arr = np.asarray(lengths, dtype=np.int64)
         if arr.min() <= 0:
             raise ValueError(f"document lengths must be positive, got {int(arr.min())}")
+        return arr
+
+    def _sums(self, lengths: Sequence[int], cp_size: int) -> tuple[float, float, float]:
+        arr = self._checked_lengths(lengths, cp_size)
+        if arr is None:
+            return 0.0, 0.0, 0.0
         local, compute, attn = self.doc_terms(arr, cp_size)
         return float(local.sum()), float(compute.sum()), float(attn.sum())
+
+    def _local_sum(self, lengths: Sequence[int], cp_size: int) -> float:
+        """`_sums(...)[0]` without the time terms (validate calls it per micro-batch): each document's
+        padded tokens per rank are 2·ceil(L / 2c), whole numbers, so the float sum is exact in any order."""
+        arr = self._checked_lengths(lengths, cp_size)
+        if arr is None:
+            return 0.0
+        return float(2 * int((-(-arr // (2 * cp_size))).sum()))
 
     def microbatch_time(self, lengths: Sequence[int], cp_size: int, *, first_rank: int = 0,
                         recompute: Recompute = NO_RECOMPUTE) -> float:
@@ -434,7 +449,7 @@ class CostModel:
     def microbatch_memory(self, lengths: Sequence[int], cp_size: int, *,
                           recompute: Recompute = NO_RECOMPUTE) -> int:
         """Peak bytes per rank: static state + this micro-batch's activations and logits."""
-        return self.memory_from_tokens(self._sums(lengths, cp_size)[0], recompute)
+        return self.memory_from_tokens(self._local_sum(lengths, cp_size), recompute)
 
     def fits(self, lengths: Sequence[int], cp_size: int, *, recompute: Recompute = NO_RECOMPUTE) -> bool:
         return self.microbatch_memory(lengths, cp_size, recompute=recompute) <= self.cluster.mem_budget_bytes

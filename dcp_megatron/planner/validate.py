@@ -34,6 +34,8 @@ def validate(plan: StepPlan, batch: Sequence[tuple[int, int]], cluster: ClusterS
     layers = cost.layers_per_stage
     budget = cluster.mem_budget_bytes
     limit = cluster.cp_size_limit
+    allowed = getattr(cost, "allowed_recompute", None)
+    flavours = getattr(cost, "cp_attention", ("allgather",))
     seen: Counter = Counter()
     for w, wave in enumerate(plan.waves):
         next_rank = 0
@@ -57,11 +59,9 @@ def validate(plan: StepPlan, batch: Sequence[tuple[int, int]], cluster: ClusterS
                                 f"every group runs exactly one per wave")
             for i, mb in enumerate(g.microbatches):
                 rc = mb.recompute
-                allowed = getattr(cost, "allowed_recompute", None)
                 if mb.sequences and allowed is not None and rc.kind not in allowed:   # idle: runs nothing
                     raise PlanError(f"recompute: {where} micro-batch {i} uses {rc}, the cost model allows "
                                     f"only {list(allowed)}")
-                flavours = getattr(cost, "cp_attention", ("allgather",))
                 if mb.attention not in flavours or (mb.attention != "allgather" and g.size == 1):
                     raise PlanError(f"cp attention: {where} micro-batch {i} uses {mb.attention!r}, allowed "
                                     f"{list(flavours)} (and only on a CP group of 2 or more)")

@@ -145,8 +145,10 @@ def _place(bucket_sizes: list[int], D: int, limit: int) -> tuple[list[int], list
     else:
         wave_of, first_of, busy = _first_fit(bucket_sizes, D)
     size_of = list(bucket_sizes)
-    for w, occupied in enumerate(busy):
-        members = [b for b in range(len(bucket_sizes)) if wave_of[b] == w]
+    members_of: list[list[int]] = [[] for _ in busy]   # per wave, its buckets in order (one pass, not one per wave)
+    for b, w in enumerate(wave_of):
+        members_of[w].append(b)
+    for occupied, members in zip(busy, members_of):
         _double_into_free(members, first_of, size_of, occupied, D, limit)
     return wave_of, first_of, size_of
 

@@ -200,9 +200,11 @@ def _one_microbatch(order, t: _Tables, D: int, cap: int):
 
 def _to_waves(waves_of_groups, ids, lengths, cost, D: int) -> tuple[Wave, ...]:
     seqs = list(zip(ids.tolist(), lengths.tolist()))
+    # per document, once per CP size used (elementwise, so a group's slice sums to the same floats)
+    terms = {s: cost.doc_terms(lengths, s) for s in {s for groups in waves_of_groups for s, _ in groups}}
     sums = []                                         # per wave, per group: (local, compute, attn)
     for groups in waves_of_groups:
-        sums.append([tuple(float(x.sum()) for x in cost.doc_terms(lengths[members], s)) for s, members in groups])
+        sums.append([tuple(float(x[members].sum()) for x in terms[s]) for s, members in groups])
     fullest = max(t[0] for w in sums for t in w)
     recompute = next((r for r in cost.recompute_options()
                       if cost.memory_from_tokens(fullest, r) <= cost.cluster.mem_budget_bytes), None)

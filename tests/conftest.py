@@ -14,6 +14,12 @@ import time
 
 import pytest
 
+# Megatron decorates its fusions with torch.compile (megatron.core.jit); on a CPU every rank of every launch then
+# builds and loads inductor C++ kernels (~3 s per rank with a warm cache, more on a fresh machine: measured in
+# docs/benchmarks.md). The suite runs them eagerly: every run and its reference alike, so parity is unaffected. Set
+# before torch is imported here; launches and spawned ranks inherit it. TORCH_COMPILE_DISABLE=0 keeps compiling.
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
 _PROFILE = os.environ.get("DCP_TEST_PROFILE")
 
 

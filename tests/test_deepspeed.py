@@ -7,7 +7,7 @@
   corpora, `--data-path 0.7 A 0.3 B --split 90,5,5`) with and without `--dcp` (the same losses, and one
   device's); every process group (DeepSpeed's own included) has the run's --distributed-timeout-minutes;
   a ZeRO step whose block raised does not flush its reduction;
-- the real script (pretrain_scripts/pretrain_gpt_deepspeed.py, torchrun, 10 steps, Megatron's flags:
+- the real script (pretrain_scripts/pretrain_gpt_deepspeed.py, torchrun, 6 steps, Megatron's flags:
   --global-batch-size, --micro-batch-size, --tokenizer-type, --split, --mock-data; no CPU flags, which it
   defaults and names in one line): `--dcp` under ZeRO-1 and ZeRO-2 (with Ulysses CP attention), the static
   layout and a 1-rank run give the same loss trace and grad norms; the plans dumped
@@ -28,6 +28,8 @@ from tests.dist_utils import group_timeout_s, group_timeouts_s, max_rel_err, run
 from tests.megatron_runs import microbatches_planned, microbatches_seen, read_plan_dumps
 
 BUDGET = ["--dcp-memory-budget-gb", "0.004"]   # tight enough that long documents need CP 2 or recompute
+ITERS = 6      # the trace runs' steps; refinement may change plans from step 4 (steps 1-3: lengths alone)
+HALF = 3       # the resumed run loads the checkpoint of this step
 SGD_LR = 1e3   # large: the update lr x g dwarfs the weights, so (before - after) / lr is g to fp32 rounding
 
 
@@ -192,12 +194,13 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
     plans, save = root / "plans", root / "ckpt"
     dcp_z1 = run_deepspeed(ds_config(stage=1), ["--dcp", *BUDGET, "--dcp-dump-plans", str(plans), "--save",
-                                                str(save), "--save-interval", "5"], directory=str(root))
-    # Resume from the step-5 checkpoint (the run also saved at its end): its own directory, `latest` -> it.
-    step5 = root / "ckpt5"
+                                                str(save), "--save-interval", str(HALF)], iters=ITERS,
+                         directory=str(root))
+    # Resume from the step-HALF checkpoint (the run also saved at its end): its own directory, `latest` -> it.
+    half, tag = root / "ckpt_half", f"iter_{HALF:07d}"
     if dcp_z1.returncode == 0:
-        shutil.copytree(save / "iter_0000005", step5 / "iter_0000005")
-        (step5 / "latest").write_text("iter_0000005")
+        shutil.copytree(save / tag, half / tag)
+        (half / "latest").write_text(tag)
     return {
         "root": root, "plans": plans, "save": save, "dcp_z1": dcp_z1,
         # ZeRO-2 with Ulysses on every CP micro-batch whose heads split (the cost model never prefers it on
@@ -206,15 +209,16 @@ def runs(tmp_path_factory):
         "dcp_z2": run_deepspeed(ds_config(stage=2, tensorboard={"enabled": True, "output_path": str(root / "ds_tb"),
                                                                 "job_name": "dcp"}),
                                 ["--dcp", *BUDGET, "--dcp-cp-attention", "ulysses",
-                                                     "--dcp-dump-plans", str(root / "plans_z2")], directory=str(root)),
-        "static": run_deepspeed(ds_config(stage=1), [], directory=str(root)),
-        "one_rank": run_deepspeed(ds_config(stage=0), [], nproc=1, directory=str(root), torchrun=False),
-        "resumed": run_deepspeed(ds_config(stage=1), ["--dcp", *BUDGET, "--load", str(step5)], directory=str(root)),
+                                                     "--dcp-dump-plans", str(root / "plans_z2")], iters=ITERS, directory=str(root)),
+        "static": run_deepspeed(ds_config(stage=1), [], iters=ITERS, directory=str(root)),
+        "one_rank": run_deepspeed(ds_config(stage=0), [], nproc=1, iters=ITERS, directory=str(root), torchrun=False),
+        "resumed": run_deepspeed(ds_config(stage=1), ["--dcp", *BUDGET, "--load", str(half)], iters=ITERS,
+                                 directory=str(root)),
     }
 
 
 def _close(trace, reference, tolerance=1e-5):
-    assert len(trace) == len(reference) == 10, (trace, reference)
+    assert len(trace) == len(reference) == ITERS, (trace, reference)
     worst = max(abs(a - b) / abs(b) for a, b in zip(trace, reference))
     assert worst <= tolerance, (worst, trace, reference)
     return worst
@@ -238,7 +242,7 @@ def test_loss_traces_agree_across_layouts(runs):
 
 def test_the_dynamic_path_ran(runs):
     plans = read_plan_dumps(runs["plans"])
-    assert len(plans) == 10
+    assert len(plans) == ITERS
     # Per rank and micro-batch, what ran (the CP group handed to the decoder, the recompute its backward replayed)
     # is what the plan named; some step runs different recompute kinds in its micro-batches.
     mixed = []
@@ -259,10 +263,10 @@ def test_the_dynamic_path_ran(runs):
     dynamic = runs["dcp_z2"].dcp_steps
     # The label names a fallback (dcp(fallback:static)). Refinement is on: from step 4 measured times may make a
     # baseline's plan win; the first three steps are planned by the model as configured (lengths alone), and dcp's own.
-    assert sorted(dynamic) == list(range(1, 11)) and all(s["policy"].startswith("dcp") for s in dynamic.values())
+    assert sorted(dynamic) == list(range(1, ITERS + 1)) and all(s["policy"].startswith("dcp") for s in dynamic.values())
     assert all(dynamic[step]["policy"] == "dcp" for step in (1, 2, 3)), {k: s["policy"] for k, s in dynamic.items()}
     ulysses = read_plan_dumps(runs["root"] / "plans_z2")
-    assert len(ulysses) == 10 and all(mb.attention == "ulysses" for p in ulysses for w in p.waves for g in w.groups
+    assert len(ulysses) == ITERS and all(mb.attention == "ulysses" for p in ulysses for w in p.waves for g in w.groups
                                       if g.size > 1 for mb in g.microbatches if mb.sequences)
     assert any(g.size > 1 for p in ulysses for w in p.waves for g in w.groups)
     assert all(mb.attention == "allgather" for p in plans for w in p.waves for g in w.groups for mb in g.microbatches)
@@ -270,8 +274,8 @@ def test_the_dynamic_path_ran(runs):
 
 def test_resume_continues_the_trace(runs):
     resumed = runs["resumed"].check()
-    assert "resumed from" in resumed.output and "at iteration 5" in resumed.output
-    assert sorted(resumed.losses) == list(range(6, 11))
+    assert "resumed from" in resumed.output and f"at iteration {HALF}" in resumed.output
+    assert sorted(resumed.losses) == list(range(HALF + 1, ITERS + 1))
     full = runs["dcp_z1"].losses
     for iteration, loss in resumed.losses.items():
         assert abs(loss - full[iteration]) <= 1e-5 * abs(full[iteration]), (iteration, loss, full[iteration])
@@ -290,7 +294,7 @@ def test_deepspeed_monitor_holds_the_dcp_scalars(runs):
     for tag in ("dcp/predicted_step_s", "dcp/measured_step_s", "dcp/microbatches_per_rank_max", "dcp/tokens_padded",
                 "dcp/recompute_share", "dcp/planning_s", "dcp/predicted_unrefined_s"):
         assert tag in tags, (tag, tags)
-        assert [e.step for e in events.Scalars(tag)] == list(range(1, 11)), tag
+        assert [e.step for e in events.Scalars(tag)] == list(range(1, ITERS + 1)), tag
     predicted = [e.value for e in events.Scalars("dcp/predicted_step_s")]
     assert predicted == pytest.approx([p.est_step_time_s for p in plans], rel=1e-6)
     counts = [max(p.num_microbatches(r) for r in range(p.domain_size)) for p in plans]

@@ -4,7 +4,7 @@ Three ways in: a user's unmodified megatron.training script through `-m dcp_mega
 (our script with its two DCP lines stripped), our `pretrain_scripts/pretrain_gpt.py` run
 directly (it carries the two lines), stopped half way and resumed from Megatron's checkpoint, and
 the same script on two torchrun agents (`--nnodes 2` on localhost, one rank each). Every
-run trains the same 8 global batches of Megatron's mock dataset (documents separated by
+run trains the same 6 global batches of Megatron's mock dataset (documents separated by
 `--dataloader-inter-document-masking`), so loss traces must agree whatever the layout.
 The reference is independent of DCP: one rank, Megatron's own plain path (8 micro-batches of
 one sample, per-token loss). DCP runs other micro-batch counts per rank (8/9, 4/5, ...), so a
@@ -31,7 +31,8 @@ pytestmark = pytest.mark.timeout(1500)
 # 4 MiB per rank: with this tiny model, 480 local tokens fit without recompute, so 1,024-token
 # documents need CP 2 or recompute and short ones run alone: plans mix CP sizes and recompute.
 SMALL_BUDGET = ["--dcp-memory-budget-gb", "0.004"]
-ITERS = 10
+ITERS = 6
+HALF = 3    # the direct run stops here (saving) and the resumed run continues from its checkpoint
 TOLERANCE = 1e-5
 # Resume runs: evaluated after every step (the validation loss depends on the weights alone) and without
 # --use-distributed-optimizer: resuming Megatron's distributed optimizer on CPU (torch Adam, no Apex/TE)
@@ -110,14 +111,14 @@ _RUNS = {
         script, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--dcp-dump-plans", str(root / "plans"), "--dcp-check-plans",
                  "--dcp-no-refine", "--tensorboard-dir", str(root / "tb"), *_wgrads(root, "dcp")],
         iters=ITERS, base=RESUME_BASE),
-    # Way 3 (and 2: the script carries the two lines): our script run directly, stopped at 5 and resumed from
+    # Way 3 (and 2: the script carries the two lines): our script run directly, stopped at step 3 and resumed from
     # Megatron's checkpoint. These two plan each step when it starts (--dcp-sync-planning); all others plan one
     # step ahead.
     "dcp_direct_first_half": lambda root, script: run_training(
-        OUR_SCRIPT, [*_DIRECT, "--save", str(root / "ckpt"), "--save-interval", "5", "--exit-interval", "5",
+        OUR_SCRIPT, [*_DIRECT, "--save", str(root / "ckpt"), "--save-interval", str(HALF), "--exit-interval", str(HALF),
                      "--dcp-dump-plans", str(root / "plans_sync")], launcher=False, iters=ITERS, base=RESUME_BASE),
     "dcp_direct_resumed": lambda root, script: run_training(
-        OUR_SCRIPT, [*_DIRECT, "--load", str(root / "ckpt"), "--save", str(root / "ckpt"), "--save-interval", "5",
+        OUR_SCRIPT, [*_DIRECT, "--load", str(root / "ckpt"), "--save", str(root / "ckpt"), "--save-interval", str(HALF),
                      "--dcp-dump-plans", str(root / "plans_sync")], launcher=False, iters=ITERS, base=RESUME_BASE),
     "two_agents": _two_agents,
     # Megatron's static layout (CP 2 for every document, one recompute setting) run by the same runtime.
@@ -152,8 +153,8 @@ def test_resumed_dcp_run_continues_the_trace(runs):
     loss it prints for the second step after a resume differs, also without --dcp, while that step's
     gradient norm and every later loss match (an upstream logging quirk, docs/megatron.md "Not yet")."""
     full, first, resumed = runs("dcp_launcher"), runs("dcp_direct_first_half"), runs("dcp_direct_resumed")
-    assert sorted(first.losses) == list(range(1, 6)) and sorted(resumed.losses) == list(range(6, ITERS + 1))
-    assert "successfully loaded checkpoint" in resumed.output and "at iteration 5" in resumed.output
+    assert sorted(first.losses) == list(range(1, HALF + 1)) and sorted(resumed.losses) == list(range(HALF + 1, ITERS + 1))
+    assert "successfully loaded checkpoint" in resumed.output and f"at iteration {HALF}" in resumed.output
     combined_eval = {**first.eval_losses, **resumed.eval_losses}
     assert sorted(combined_eval) == sorted(full.eval_losses) and len(combined_eval) >= ITERS
     for step, loss in full.eval_losses.items():
@@ -162,7 +163,7 @@ def test_resumed_dcp_run_continues_the_trace(runs):
     assert norms == full.grad_norms
     losses = {**first.losses, **resumed.losses}
     for step, loss in full.losses.items():
-        if step != 7:
+        if step != HALF + 2:
             assert losses[step] == pytest.approx(loss, rel=TOLERANCE), ("training", step)
 
 
@@ -308,7 +309,7 @@ _PLANNING = re.compile(r" dcp iteration\s+(\d+) \|.*?\| planning \(ms\): ([0-9.]
 
 def test_plans_made_one_step_ahead_equal_plans_made_at_each_step(runs, work):
     """Planning off the critical path changes when a plan is made, never what: the launcher run planned each
-    step during the previous one, the direct runs (stopped at 5, resumed) at each step's start; their plan files
+    step during the previous one, the direct runs (stopped at 3, resumed) at each step's start; their plan files
     are identical."""
     root, _ = work
     ahead, sync = runs("dcp_launcher"), [runs("dcp_direct_first_half"), runs("dcp_direct_resumed")]

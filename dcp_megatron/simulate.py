@@ -9,7 +9,9 @@ in `dcp_megatron.simulate_report`.
 
 Sizes: `--gpus` is the total number of GPUs; the DCP domain (the DP×CP ranks of one TP/PP
 coordinate) has gpus / (tp·pp) ranks, and a node holds gpus_per_node / tp of them (TP
-stays inside a node). `--ep` (expert parallelism of an MoE preset) carves EP groups of ep consecutive
+stays inside a node). `--zero-stage 3` (ZeRO-3 / FSDP: weights sharded over the domain) makes every policy plan
+in lockstep and charges each micro-batch its weight all-gathers and gradient reduce-scatters
+(planner/param_sharding.py); stages 0-2 change only the static memory. `--ep` (expert parallelism of an MoE preset) carves EP groups of ep consecutive
 ranks out of the domain: it must divide the domain (and the model's experts); every policy then plans in
 lockstep (one micro-batch per group per wave: the EP all-to-alls pair the ranks' micro-batches) and the cost
 model charges the all-to-alls.
@@ -65,6 +67,7 @@ class SimulationConfig:
     overlong: str = "error"
     profile: str | None = None        # cost-model profile JSON
     recompute: tuple[str, ...] = RECOMPUTE_KINDS   # the kinds every policy may use (--dcp-recompute's choice)
+    zero_stage: int | None = None     # None: ZeRO-1 (the distributed optimizer); 3: lockstep, weight gathers
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node", "tp", "pp", "ep", "tokens_per_step", "steps"):
@@ -96,6 +99,8 @@ class SimulationConfig:
             raise ValueError(f"--recompute: {err}") from None
         if not self.lengths:
             raise ValueError("--lengths is empty; give a file or builtin:NAME")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
 
     @property
     def domain_size(self) -> int:
@@ -166,7 +171,8 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
     unknown = [p for p in config.policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policy {unknown[0]!r} in --policies; choose from {', '.join(POLICIES)}")
-    model = model_preset(config.model, tp=config.tp, pp=config.pp, ep=config.ep)
+    model = dataclasses.replace(model_preset(config.model, tp=config.tp, pp=config.pp, ep=config.ep),
+                                zero_stage=config.zero_stage)
     cluster = cluster_preset(config.cluster, domain_size=config.domain_size,
                              gpus_per_node=config.domain_ranks_per_node)
     profile = load_profile(config.profile) if config.profile else None
@@ -227,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of the recompute kinds policies may use (a run's --dcp-recompute; under EP > 1 "
                    "--dcp takes out full)")
     p.add_argument("--profile", default=None, help="cost-model profile JSON (overrides the preset's constants)")
+    p.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3),
+                   help="ZeRO stage over the domain (default: 1, the distributed optimizer); 3 shards the weights: "
+                   "every policy plans in lockstep and pays the per-micro-batch weight gathers")
     p.add_argument("--json", default=None, metavar="OUT", help="write the metrics as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="draw one step's per-rank timelines")
     p.add_argument("--plot-step", type=int, default=0, help="which step --plot draws")
@@ -240,7 +249,7 @@ def config_from_args(args: argparse.Namespace) -> SimulationConfig:
                             gpus_per_node=args.gpus_per_node, tp=args.tp, pp=args.pp, ep=args.ep,
                             tokens_per_step=args.tokens_per_step, steps=args.steps, policies=policies,
                             seed=args.seed, max_seq_len=args.max_seq_len, overlong=args.overlong,
-                            profile=args.profile,
+                            profile=args.profile, zero_stage=args.zero_stage,
                             recompute=tuple(k.strip() for k in args.recompute.split(",") if k.strip()))
 
 
@@ -260,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = result.to_json()
     print(f"{config.lengths}: {len(result.batches)} steps of <= {config.tokens_per_step} tokens, "
           f"max_seq_len={result.max_seq_len}, {config.model} on {config.gpus}x{config.cluster} "
-          f"(tp={config.tp} pp={config.pp} ep={config.ep}, domain {config.domain_size})")
+          f"(tp={config.tp} pp={config.pp} ep={config.ep}, domain {config.domain_size}"
+          f"{'' if config.zero_stage is None else f', ZeRO-{config.zero_stage}'})")
     print(format_table(report["policies"]))
     if args.json:
         with open(args.json, "w") as f:

@@ -7,6 +7,7 @@ time = overhead
      + compute            Σ_docs (a·Lp + b(Lp)·Lp²) / c + d per document, per pipeline stage
      + recompute          full k of n layers: (k/n)·(1/3)·compute; selective: attention forward
      + MoE all-to-alls    EP token dispatch + combine, per MoE layer and pass, not overlapped (moe_cost.py)
+     + ZeRO-3 gathers     weight all-gathers and gradient reduce-scatters, what the compute does not hide
      + exposed CP comm    K/V bytes each rank receives ((c-1)/c of the group's K/V per layer and
                           pass; 3 passes fwd+bwd: K/V gather, again in backward, dK/dV reduce),
                           overlapped with attention so only the excess shows, + per-collective latency
@@ -15,7 +16,8 @@ the attention kernel works on the rank's chunk, so short chunks run at the short
 
 memory per rank = static (bf16 weights 2 B + fp32 grads 4 B per parameter, Adam fp32 master +
 two moments 12 B sharded over the domain with the distributed optimizer; all /(tp·pp); an MoE's experts
-/(tp·pp·ep), their optimizer states sharded over the domain / ep, their expert-data-parallel ranks)
+/(tp·pp·ep), their optimizer states sharded over the domain / ep, their expert-data-parallel ranks;
+ZeRO-2 / ZeRO-3 shard gradients / weights too, and ZeRO-3 gathers weights per micro-batch: param_sharding.py)
 + activations per token per layer: 34·h/tp bytes (flash attention: no s² term; sequence
 parallel divides by tp); selective recompute drops the attention output (32·h); full recompute
 of k layers keeps 2·h for those layers plus one layer's working set (34·h) while recomputing
@@ -57,6 +59,7 @@ from dcp_megatron.planner.cost_profile import (PROFILE_SCALARS, RECOMPUTE_KINDS,
 from dcp_megatron.planner.gpu_costs import GpuCosts
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.moe_cost import MoeComm, moe_activation_factors
+from dcp_megatron.planner.param_sharding import ParamGathers, static_state_bytes
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 
 ACT_BYTES_PER_TOKEN_LAYER = 34      # × hidden, bf16, Korthikanti et al. without the s² term
@@ -127,12 +130,9 @@ class CostModel:
         self._act_factors.update((profile or {}).get("activation_bytes_per_hidden", {}))
         self._logit_bytes_per_token = (profile or {}).get("output_bytes_per_vocab", 4.0) * m.vocab_size / m.tp
         self._latency_per_mb = cluster.collective_latency_s * self.layers_per_stage * CP_PASSES
-        params = (m.num_params - m.expert_params) / split
-        expert_params = m.expert_params / (split * m.ep)     # num_experts / ep experts per rank
-        opt = 12.0 / cluster.domain_size if cluster.distributed_optimizer else 12.0
-        expert_opt = opt * m.ep if cluster.distributed_optimizer else opt   # over domain / ep replicas
-        self.static_bytes = (int(params * (2.0 + 4.0 + opt) + expert_params * (2.0 + 4.0 + expert_opt))
-                             + gpu.static_bytes(m, cluster))
+        # weights, gradients, optimizer states as the ZeRO stage shards them; stage 3's weight gathers
+        self.static_bytes = static_state_bytes(m, cluster) + gpu.static_bytes(m, cluster)
+        self.param_gathers = ParamGathers.of(m, cluster)
         self._none_bytes_per_token = self._bytes_per_local_token(NO_RECOMPUTE)
         self._full_options = [Recompute("full", k) for k in range(1, self.layers_per_stage + 1)]
         allowed = self.allowed_recompute
@@ -263,6 +263,8 @@ class CostModel:
         extra, passes = self.recompute_extra(compute_s, attn_s, recompute)
         t = (self.cluster.microbatch_overhead_s + compute_s + extra
              + self.moe.seconds(local_tokens, recompute.full_layers))
+        if self.param_gathers.active:
+            t += self.param_gathers.seconds(compute_s + extra)
         if cp_size > 1:
             bw = (self.cluster.intra_node_bw if self.cluster.same_node(first_rank, cp_size)
                   else self.cluster.inter_node_bw)
@@ -278,6 +280,8 @@ class CostModel:
         extra, passes = self.recompute_extra(compute_s, attn_s, recompute)
         t = (self.cluster.microbatch_overhead_s + compute_s + extra
              + self.moe.seconds(local_tokens, recompute.full_layers))
+        if self.param_gathers.active:
+            t = t + self.param_gathers.seconds(compute_s + extra)
         cp_sizes = np.broadcast_to(np.asarray(cp_sizes, dtype=np.int64), t.shape)
         if (cp_sizes > 1).any():
             per_node = self.cluster.gpus_per_node

@@ -21,6 +21,8 @@ class ModelShape:
     num_experts: int | None = None        # 0 / None: a dense model
     moe_topk: int = 2                     # experts each token is routed to
     moe_ffn_hidden_size: int | None = None   # one expert's FFN width; None: ffn_hidden_size
+    # ZeRO stage over the DCP domain (param_sharding.py); None: the cluster's distributed_optimizer (1 or 0)
+    zero_stage: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -29,6 +31,8 @@ class ModelShape:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelShape.{name} must be a positive int, got {value!r}")
         self._check_moe()
+        if self.zero_stage is not None and (isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3)):
+            raise ValueError(f"ModelShape.zero_stage must be None or 0-3, got {self.zero_stage!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.num_heads % self.tp:
@@ -59,8 +63,9 @@ class ModelShape:
     def lockstep(self) -> bool:
         """Every rank of the domain must run the same number of micro-batches, one per group per wave: PP's 1F1B
         interleaves them across stages, and EP's all-to-alls (per MoE layer, forward and backward) pair the
-        micro-batches of the EP group's ranks, whatever CP group each belongs to."""
-        return self.pp > 1 or self.ep > 1
+        micro-batches of the EP group's ranks, whatever CP group each belongs to; ZeRO-3 / FSDP all-gathers
+        every layer's weights over the whole domain in every forward and backward."""
+        return self.pp > 1 or self.ep > 1 or self.zero_stage == 3
 
     # ---- parameter counts (whole model, before TP/PP split) ------------------------------
     @property
@@ -164,6 +169,9 @@ MODEL_PRESETS: dict[str, ModelShape] = {
                             ffn_hidden_size=14336, vocab_size=128256),
     "llama3-70b": ModelShape(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
                              ffn_hidden_size=28672, vocab_size=128256),
+    # Qwen2.5-32B public config (32.8B parameters): the 32B-class dense model of the ZeRO-3 tables.
+    "qwen2.5-32b": ModelShape(num_layers=64, hidden_size=5120, num_heads=40, num_kv_heads=8, head_dim=128,
+                              ffn_hidden_size=27648, vocab_size=152064),
     # Mixtral-8x7B public config: 8 experts of Mistral-7B's MLP per layer, top-2 routing (46.7B parameters,
     # 12.9B active per token).
     "mixtral-8x7b": ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,

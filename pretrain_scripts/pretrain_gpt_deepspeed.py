@@ -23,6 +23,7 @@ layout and world size agree. Without a GPU the CPU flags are defaulted (dcp_mega
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -49,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     """The DeepSpeed config the engine gets and the run's DcpConfig (policy "static" without --dcp)."""
     from dcp_megatron.deepspeed.config import (DEFAULT_CP_ATTENTION, check_schedule_length, dcp_config,
-                                               load_deepspeed_config, prepare_deepspeed_config, torch_adam_params)
+                                               load_deepspeed_config, prepare_deepspeed_config, torch_adam_params,
+                                               zero_stage)
     from dcp_megatron.megatron.dcp_args import DcpConfig, parse_comma_list
     from dcp_megatron.megatron.run_paths import check_writable_dir
 
@@ -70,7 +72,7 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     config = dcp_config(user_config, cli=cli, seq_length=args.seq_length, train_iters=args.train_iters,
                         log_interval=args.log_interval, dcp_flag=args.dcp,
                         default_cp_attention=("allgather",) if has_gpu else DEFAULT_CP_ATTENTION,
-                        domain_size=int(os.environ.get("WORLD_SIZE", 1)))
+                        domain_size=int(os.environ.get("WORLD_SIZE", 1)), stage=zero_stage(ds_config))
     if config is not None and has_gpu and "ulysses" in config.cp_attention:
         raise DcpUsageError("Ulysses CP attention (--dcp-cp-attention / \"cp_attention\") is not wired to Transformer "
                             "Engine's attention yet; on GPU use the all-gather flavour")
@@ -160,6 +162,7 @@ def setup_training(args: argparse.Namespace) -> Training:
     ds_config, config = deepspeed_setup(args, has_gpu=has_gpu)
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
+    from dcp_megatron.deepspeed.config import zero_stage
     from dcp_megatron.deepspeed.samples import SampleShares, build_train_dataset
     from dcp_megatron.deepspeed.steps import DcpSteps
     from dcp_megatron.megatron.planning import checked_cost_model, model_shape_from_args
@@ -172,7 +175,9 @@ def setup_training(args: argparse.Namespace) -> Training:
         tokenizer = build_tokenizer(args)   # also sets args.padded_vocab_size, as Megatron pads it
     except (ValueError, OSError, AssertionError) as err:
         raise DcpUsageError(f"--tokenizer-type {args.tokenizer_type}: {err}") from None
-    cost = checked_cost_model(config, model_shape_from_args(args), domain_size=world_size, has_gpu=has_gpu)
+    # the ZeRO stage shards the static memory; stage 3 gathers weights per micro-batch: lockstep plans
+    shape = dataclasses.replace(model_shape_from_args(args), zero_stage=zero_stage(ds_config))
+    cost = checked_cost_model(config, shape, domain_size=world_size, has_gpu=has_gpu)
 
     import deepspeed
     from megatron.core import parallel_state

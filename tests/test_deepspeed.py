@@ -3,17 +3,18 @@
 - gradient parity (one 2-rank launch, many cases): after each of two steps, the update a DeepSpeed
   engine applied (SGD, so update = lr x gradient) equals lr x the gradient of one device on the
   whole global batch, for ZeRO 0 and 2 with planned steps (mixed CP sizes, unequal micro-batch
-  counts) and for ZeRO 2 with Ulysses CP attention, and on Megatron's blended GPT datasets (two .bin/.idx
+  counts), for ZeRO 2 with Ulysses CP attention and for ZeRO-3 (lockstep plans, dcp's own; all-gather
+  and Ulysses), and on Megatron's blended GPT datasets (two .bin/.idx
   corpora, `--data-path 0.7 A 0.3 B --split 90,5,5`) with and without `--dcp` (the same losses, and one
   device's); every process group (DeepSpeed's own included) has the run's --distributed-timeout-minutes;
   a ZeRO step whose block raised does not flush its reduction;
 - the real script (pretrain_scripts/pretrain_gpt_deepspeed.py, torchrun, 6 steps, Megatron's flags:
   --global-batch-size, --micro-batch-size, --tokenizer-type, --split, --mock-data; no CPU flags, which it
-  defaults and names in one line): `--dcp` under ZeRO-1 and ZeRO-2 (with Ulysses CP attention), the static
+  defaults and names in one line): `--dcp` under ZeRO-1 and ZeRO-3 (with Ulysses CP attention), the static
   layout and a 1-rank run give the same loss trace and grad norms; the plans dumped
   by `--dcp-dump-plans` mix CP sizes and give ranks different micro-batch counts, and every micro-batch ran
-  the CP group and the recompute its plan named (the trace beside the plans); a resume from
-  DeepSpeed's checkpoint continues the trace. (Bad settings and faults: tests/test_fault_matrix.py.)
+  the CP group and the recompute its plan named (the trace beside the plans); ZeRO-3's plans are lockstep;
+  a resume from DeepSpeed's checkpoint (ZeRO-1 and ZeRO-3) continues the trace. (Bad settings and faults: tests/test_fault_matrix.py.)
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from tests.dist_utils import group_timeout_s, group_timeouts_s, max_rel_err, run
 from tests.megatron_runs import microbatches_planned, microbatches_seen, read_plan_dumps
 
 BUDGET = ["--dcp-memory-budget-gb", "0.004"]   # tight enough that long documents need CP 2 or recompute
+# ZeRO-3 (no full recompute, weights gathered per layer): the longest documents need CP 2, shorter ones run alone
+Z3_BUDGET = ["--dcp-memory-budget-gb", "0.006"]
 ITERS = 6      # the trace runs' steps; refinement may change plans from step 4 (steps 1-3: lengths alone)
 HALF = 3       # the resumed run loads the checkpoint of this step
 SGD_LR = 1e3   # large: the update lr x g dwarfs the weights, so (before - after) / lr is g to fp32 rounding
@@ -50,6 +53,17 @@ def _reference_gradients(script, args, state, documents) -> dict:
         total = total + loss_sum
     (total / num_tokens).backward()
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}, float(total) / num_tokens
+
+
+def _parameters(engine) -> dict:
+    """Every parameter's full value (ZeRO-3 holds a partition per rank: gathered for the read)."""
+    params = dict(engine.module.named_parameters())
+    if engine.zero_optimization_stage() != 3:
+        return {name: p.detach().clone() for name, p in params.items()}
+    from deepspeed.runtime.zero import GatheredParameters
+
+    with GatheredParameters(list(params.values())):
+        return {name: p.detach().clone() for name, p in params.items()}
 
 
 def _abandoned_scope_case(engine) -> dict:
@@ -96,7 +110,9 @@ def _parity_worker(rank, world_size, directory):
     blend = blend or blend_flags(directory)
     # ZeRO-1 with planned steps and the static layout run in the loss-trace and resume runs below; the blend
     # cases read Megatron's GPT datasets (two .bin/.idx corpora, weighted, --split) with and without --dcp.
-    for stage, policy in ((0, "dcp"), (2, "dcp"), (2, "ulysses"), (1, "blend_dcp"), (1, "blend_static")):
+    # ZeRO-3 plans in lockstep (every rank the same count: the weight gathers pair up), without full recompute.
+    for stage, policy in ((0, "dcp"), (2, "dcp"), (2, "ulysses"), (1, "blend_dcp"), (1, "blend_static"), (3, "dcp"),
+                          (3, "ulysses")):
         path = os.path.join(directory, f"sgd_z{stage}_{policy}.json")
         if rank == 0:
             config = ds_config(stage=stage, gradient_clipping=0.0, zero_allow_untested_optimizer=True,
@@ -108,8 +124,9 @@ def _parity_worker(rank, world_size, directory):
         flags = TINY_MODEL + ["--deepspeed-config", path, "--train-iters", "2"]
         if policy.startswith("blend"):
             flags = [f for f in flags if f != "--mock-data"] + blend
-        flags += ["--dcp", *BUDGET, "--dcp-sync-planning"] if not policy.endswith("static") else []
+        flags += ["--dcp", *(Z3_BUDGET if stage == 3 else BUDGET), "--dcp-sync-planning"] if not policy.endswith("static") else []
         flags += ["--dcp-cp-attention", "ulysses"] if policy == "ulysses" else []
+        flags += ["--dcp-cp-attention", "allgather"] if (stage, policy) == (3, "dcp") else []
         args = script.parse_args(flags)
         training = script.setup_training(args)
         engine = training.engine
@@ -119,18 +136,21 @@ def _parity_worker(rank, world_size, directory):
         # Two steps: with lr 1e3 a third would start from weights so large that attention saturates and fp32
         # summation order (CP attention merges blocks) decides the gradient, for any layout.
         for step in range(2):
-            before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+            before = _parameters(engine)
             expected, expected_loss = _reference_gradients(script, args, before, references.next_share())
             outcome = training.steps.train_step(engine)
             plan = training.steps.last_plan
-            errors = [max_rel_err((before[name] - p.detach()) / SGD_LR, expected[name])
-                      for name, p in engine.module.named_parameters()]
+            errors = [max_rel_err((before[name] - after) / SGD_LR, expected[name])
+                      for name, after in _parameters(engine).items()]
             scale = max(float(g.abs().max()) for g in expected.values())
             assert 0 < scale < float("inf"), f"degenerate reference gradient (max |g| = {scale})"
             results.append({"stage": stage, "policy": policy, "step": step, "max_rel_err": max(errors),
                             "loss": outcome.loss, "loss_rel_err": abs(outcome.loss - expected_loss) / expected_loss,
                             "counts": [plan.num_microbatches(r) for r in range(plan.domain_size)],
                             "cp_sizes": sorted(plan.cp_size_histogram()), "ran": outcome.num_microbatches,
+                            "lockstep": all(len(g.microbatches) == 1 for w in plan.waves for g in w.groups),
+                            "fallback": plan.extra.get("fallback"), "recompute": sorted({
+                                mb.recompute.kind for w in plan.waves for g in w.groups for mb in g.microbatches}),
                             "ulysses": sum(mb.attention == "ulysses" for w in plan.waves for g in w.groups
                                            for mb in g.microbatches)})
         if stage == 2 and policy == "dcp":
@@ -187,6 +207,21 @@ def test_gradients_equal_one_device_on_the_whole_batch(tmp_path):
     assert all(c["ulysses"] > 0 for c in rank0 if c["policy"] == "ulysses"), "no micro-batch ran Ulysses"
     assert any(len(set(c["counts"])) > 1 for c in dcp), "no planned step gave the ranks different counts"
     assert any(len(c["cp_sizes"]) > 1 for c in dcp), "no planned step mixed CP sizes"
+    # ZeRO-3: dcp's own plans (no baseline's fallback), lockstep: every rank the same count, one per group per wave
+    zero3 = [c for c in rank0 if c["stage"] == 3]
+    assert len(zero3) == 4 and all(c["lockstep"] and len(set(c["counts"])) == 1 and c["fallback"] is None
+                                   and "full" not in c["recompute"] for c in zero3), zero3
+    assert any(len(c["cp_sizes"]) > 1 for c in zero3) and any(c["ulysses"] > 0 for c in zero3), zero3
+    assert all(c["ulysses"] == 0 and 2 in c["cp_sizes"] for c in zero3 if c["policy"] == "dcp"), zero3  # all-gather CP
+
+
+def _half_checkpoint(run, save, half):
+    """The step-HALF checkpoint of a run (which also saved at its end) in its own directory, `latest` -> it."""
+    tag = f"iter_{HALF:07d}"
+    if run.returncode == 0:
+        shutil.copytree(save / tag, half / tag)
+        (half / "latest").write_text(tag)
+    return half
 
 
 @pytest.fixture(scope="module")
@@ -196,24 +231,25 @@ def runs(tmp_path_factory):
     dcp_z1 = run_deepspeed(ds_config(stage=1), ["--dcp", *BUDGET, "--dcp-dump-plans", str(plans), "--save",
                                                 str(save), "--save-interval", str(HALF)], iters=ITERS,
                          directory=str(root))
-    # Resume from the step-HALF checkpoint (the run also saved at its end): its own directory, `latest` -> it.
-    half, tag = root / "ckpt_half", f"iter_{HALF:07d}"
-    if dcp_z1.returncode == 0:
-        shutil.copytree(save / tag, half / tag)
-        (half / "latest").write_text(tag)
+    half = _half_checkpoint(dcp_z1, save, root / "ckpt_half")
+    # ZeRO-3 (lockstep plans, weights gathered per layer) with Ulysses on every CP micro-batch whose heads split
+    # (the cost model never prefers it on 2 CPU ranks with GQA: the all-gather moves fewer bytes and hides them);
+    # also DeepSpeed's TensorBoard monitor (the dcp/* scalars go through it) and ZeRO-3's checkpoint, resumed below
+    save_z3 = root / "ckpt_z3"
+    dcp_z3 = run_deepspeed(ds_config(stage=3, tensorboard={"enabled": True, "output_path": str(root / "ds_tb"),
+                                                           "job_name": "dcp"}),
+                           ["--dcp", *Z3_BUDGET, "--dcp-cp-attention", "ulysses", "--dcp-dump-plans",
+                            str(root / "plans_z3"), "--save", str(save_z3), "--save-interval", str(HALF)],
+                           iters=ITERS, directory=str(root))
+    half_z3 = _half_checkpoint(dcp_z3, save_z3, root / "ckpt_z3_half")
     return {
-        "root": root, "plans": plans, "save": save, "dcp_z1": dcp_z1,
-        # ZeRO-2 with Ulysses on every CP micro-batch whose heads split (the cost model never prefers it on
-        # 2 CPU ranks with GQA: the all-gather moves fewer bytes and hides them)
-        # (also DeepSpeed's TensorBoard monitor: the dcp/* scalars go through it)
-        "dcp_z2": run_deepspeed(ds_config(stage=2, tensorboard={"enabled": True, "output_path": str(root / "ds_tb"),
-                                                                "job_name": "dcp"}),
-                                ["--dcp", *BUDGET, "--dcp-cp-attention", "ulysses",
-                                                     "--dcp-dump-plans", str(root / "plans_z2")], iters=ITERS, directory=str(root)),
+        "root": root, "plans": plans, "save": save, "dcp_z1": dcp_z1, "dcp_z3": dcp_z3,
         "static": run_deepspeed(ds_config(stage=1), [], iters=ITERS, directory=str(root)),
         "one_rank": run_deepspeed(ds_config(stage=0), [], nproc=1, iters=ITERS, directory=str(root), torchrun=False),
         "resumed": run_deepspeed(ds_config(stage=1), ["--dcp", *BUDGET, "--load", str(half)], iters=ITERS,
                                  directory=str(root)),
+        "resumed_z3": run_deepspeed(ds_config(stage=3), ["--dcp", *Z3_BUDGET, "--dcp-cp-attention", "ulysses",
+                                                         "--load", str(half_z3)], iters=ITERS, directory=str(root)),
     }
 
 
@@ -228,7 +264,7 @@ def test_loss_traces_agree_across_layouts(runs):
     reference = runs["one_rank"].check().loss_trace()
     # ZeRO-0 (gradients exact at every checked step, above) has no trace run of its own: the suite's 20 minutes.
     reference_norms = [runs["one_rank"].grad_norms[i] for i in sorted(runs["one_rank"].grad_norms)]
-    for name in ("dcp_z1", "dcp_z2", "static"):
+    for name in ("dcp_z1", "dcp_z3", "static"):
         print(name, _close(runs[name].check().loss_trace(), reference))
         # grad norms (printed to 6 digits) beside the losses: the same gradients, not only the same loss
         norms = [runs[name].grad_norms[i] for i in sorted(runs[name].grad_norms)]
@@ -260,23 +296,28 @@ def test_the_dynamic_path_ran(runs):
     # Megatron's layout: one CP size for the run, packed micro-batches dealt in order (counts differ by <= 1)
     assert static and all(s["policy"] == "static" and max(s["counts"]) - min(s["counts"]) <= 1 for s in static.values())
     assert len({s["cp_sizes"].split("x")[0] for s in static.values()}) == 1
-    dynamic = runs["dcp_z2"].dcp_steps
+    dynamic = runs["dcp_z3"].dcp_steps
     # The label names a fallback (dcp(fallback:static)). Refinement is on: from step 4 measured times may make a
     # baseline's plan win; the first three steps are planned by the model as configured (lengths alone), and dcp's own.
     assert sorted(dynamic) == list(range(1, ITERS + 1)) and all(s["policy"].startswith("dcp") for s in dynamic.values())
     assert all(dynamic[step]["policy"] == "dcp" for step in (1, 2, 3)), {k: s["policy"] for k, s in dynamic.items()}
-    ulysses = read_plan_dumps(runs["root"] / "plans_z2")
+    ulysses = read_plan_dumps(runs["root"] / "plans_z3")
     assert len(ulysses) == ITERS and all(mb.attention == "ulysses" for p in ulysses for w in p.waves for g in w.groups
                                       if g.size > 1 for mb in g.microbatches if mb.sequences)
     assert any(g.size > 1 for p in ulysses for w in p.waves for g in w.groups)
+    # ZeRO-3's plans are lockstep: one micro-batch per group per wave, so every rank runs the same count
+    assert all(len(g.microbatches) == 1 for p in ulysses for w in p.waves for g in w.groups)
+    assert all(len({p.num_microbatches(r) for r in range(p.domain_size)}) == 1 for p in ulysses)
+    assert not any(mb.recompute.kind == "full" for p in ulysses for w in p.waves for g in w.groups for mb in g.microbatches)
     assert all(mb.attention == "allgather" for p in plans for w in p.waves for g in w.groups for mb in g.microbatches)
 
 
-def test_resume_continues_the_trace(runs):
-    resumed = runs["resumed"].check()
+@pytest.mark.parametrize("resumed_run, full_run", [("resumed", "dcp_z1"), ("resumed_z3", "dcp_z3")])
+def test_resume_continues_the_trace(runs, resumed_run, full_run):
+    resumed = runs[resumed_run].check()
     assert "resumed from" in resumed.output and f"at iteration {HALF}" in resumed.output
     assert sorted(resumed.losses) == list(range(HALF + 1, ITERS + 1))
-    full = runs["dcp_z1"].losses
+    full = runs[full_run].check().losses
     for iteration, loss in resumed.losses.items():
         assert abs(loss - full[iteration]) <= 1e-5 * abs(full[iteration]), (iteration, loss, full[iteration])
 
@@ -286,11 +327,11 @@ def test_deepspeed_monitor_holds_the_dcp_scalars(runs):
     every step; the predicted step time is the dumped plan's."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    runs["dcp_z2"].check()
+    runs["dcp_z3"].check()
     events = EventAccumulator(str(runs["root"] / "ds_tb" / "dcp"), size_guidance={"scalars": 0})
     events.Reload()
     tags = events.Tags()["scalars"]
-    plans = read_plan_dumps(runs["root"] / "plans_z2")
+    plans = read_plan_dumps(runs["root"] / "plans_z3")
     for tag in ("dcp/predicted_step_s", "dcp/measured_step_s", "dcp/microbatches_per_rank_max", "dcp/tokens_padded",
                 "dcp/recompute_share", "dcp/planning_s", "dcp/predicted_unrefined_s"):
         assert tag in tags, (tag, tags)

@@ -57,7 +57,6 @@ def test_block_values_pass_through():
 
 
 @pytest.mark.parametrize("ds, message", [
-    ({"zero_optimization": {"stage": 3}}, "ZeRO stage 3 is not supported"),
     ({"zero_optimization": {"stage": 7}}, "is not a ZeRO stage"),
     ({"zero_optimization": "1"}, "must be an object"),
     ({"gradient_accumulation_steps": 8}, '"gradient_accumulation_steps": 8'),
@@ -69,6 +68,24 @@ def test_unsupported_engine_settings_are_refused(ds, message):
     with pytest.raises(DcpUsageError) as err:
         prepare_deepspeed_config(ds)
     assert message in str(err.value)
+
+
+def test_zero3_runs_without_full_recompute(capsys):
+    """ZeRO-3 is prepared as given (lockstep plans carry it); full recompute is refused when asked for and left
+    out, in one line, when --dcp-recompute is not given (config.stage3_recompute)."""
+    ds = {"zero_optimization": {"stage": 3}, "dcp": {"enabled": True}}
+    assert prepare_deepspeed_config(ds)["zero_optimization"] == {"stage": 3}
+
+    def config(**cli):
+        return dcp_config(ds, cli={**NO_FLAGS, **cli}, seq_length=1024, train_iters=10, log_interval=1,
+                          dcp_flag=False, stage=3)
+
+    assert config().recompute == ("none", "selective")
+    assert "dcp: --dcp-recompute none,selective (ZeRO stage 3" in capsys.readouterr().out
+    assert config(recompute=("selective",)).recompute == ("selective",)
+    with pytest.raises(DcpUsageError, match="--dcp-recompute \\(or \"dcp\" recompute\\) none,full: drop 'full'"):
+        config(recompute=("none", "full"))
+    assert _config(flag=True).recompute == ("none", "selective", "full")   # other stages: every kind
 
 
 def test_prepared_config_runs_one_micro_batch_per_engine_step():

@@ -116,6 +116,10 @@ MEGATRON_CASES = {
     "tracker_names_missing_iteration": (lambda r: [*MEGATRON_DCP, "--load", _tracker(r, "9")],
                                         ["--load", "latest_checkpointed_iteration.txt names iter_0000009",
                                          "does not exist", "iter_0000002"]),
+    # sharded weights: refused under --dcp, by flag (layout_checks.py; docs/megatron.md gives the upstream reason)
+    "megatron_fsdp": (lambda r: [*MEGATRON_DCP, "--use-megatron-fsdp", "--use-distributed-optimizer"],
+                      ["--use-megatron-fsdp is not supported with --dcp", "DeepSpeed ZeRO-3"]),
+    "torch_fsdp2": (lambda r: [*MEGATRON_DCP, "--use-torch-fsdp2"], ["--use-torch-fsdp2 is not supported with --dcp"]),
     "ckpt_step_missing": (lambda r: [*MEGATRON_DCP, "--load", _tracker(r, "2"), "--ckpt-step", "5"],
                           ["--ckpt-step 5 names iter_0000005"]),
     # issue 30, without --dcp: Megatron's bare assertion at step 1; flags upstream ignores or fails on later

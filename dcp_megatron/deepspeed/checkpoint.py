@@ -90,10 +90,10 @@ def check_resume(load: str, ds_config: dict, *, override: bool, rank: int, world
 
 
 def check_zero_world_size(load: str, directory: str, ds_config: dict, *, world_size: int) -> None:
-    """ZeRO 1/2 save one optimizer partition per data-parallel rank; DeepSpeed 0.19.8 loads them only on as many
+    """ZeRO 1-3 save one optimizer partition per data-parallel rank; DeepSpeed 0.19.8 loads them only on as many
     ranks (`ZeRORuntimeException` in engine._load_zero_checkpoint, after the engine is built)."""
     zero = ds_config.get("zero_optimization") or {}
-    if zero.get("stage", 0) not in (1, 2) or (ds_config.get("checkpoint") or {}).get("load_universal"):
+    if zero.get("stage", 0) not in (1, 2, 3) or (ds_config.get("checkpoint") or {}).get("load_universal"):
         return
     saved_ranks = len(glob.glob(os.path.join(directory, "*zero_pp_rank_*_mp_rank_00_optim_states.pt")))
     if saved_ranks and saved_ranks != world_size:

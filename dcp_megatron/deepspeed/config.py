@@ -13,9 +13,12 @@ block (DeepSpeed does not know it) and sets what the planned step needs of the e
 - `train_micro_batch_size_per_gpu: 1`, `gradient_accumulation_steps: 1`: the plan, not the config,
   decides how many micro-batches each rank runs per step; the engine's step is the accumulation
   boundary (`engine_step.py`), so a config that asks for another accumulation count is refused;
-- ZeRO stage 0, 1 or 2. Stage 3 is refused: it all-gathers every layer's parameters over the
-  data-parallel group in every forward, so ranks running different numbers of micro-batches issue
-  different numbers of gathers and hang (measured on 0.19.8, 2 CPU ranks: 1 vs 3 forwards time out).
+- ZeRO stage 0-3. Stage 3 all-gathers every layer's parameters over the data-parallel group (the DCP
+  domain) in every forward and backward, so ranks running different numbers of micro-batches would
+  issue different numbers of gathers and hang (measured on 0.19.8, 2 CPU ranks: 1 vs 3 forwards time
+  out, with and without `coalesce_grad_reduction`): the planner plans stage 3 in lockstep (one
+  micro-batch per group per wave, a masked filler on idle ranks; planner/param_sharding.py), and full
+  recompute is taken out of its choices (`stage3_recompute`).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import os
 from dcp_megatron.megatron.dcp_args import (RECOMPUTE_CHOICES, DcpConfig, DcpUsageError, check_gpus_per_node,
                                             local_world_size)
 
-SUPPORTED_ZERO_STAGES = (0, 1, 2)
+NO_FULL_RECOMPUTE = ("none", "selective")   # ZeRO-3's recompute choices (stage3_recompute)
 
 # "dcp" block key -> (DcpConfig field, expected JSON type(s)).
 _BLOCK_KEYS = {
@@ -104,11 +107,6 @@ def prepare_deepspeed_config(ds_config: dict) -> dict:
     config = copy.deepcopy(ds_config)
     config.pop("dcp", None)
     stage = zero_stage(config)
-    if stage not in SUPPORTED_ZERO_STAGES:
-        raise DcpUsageError(
-            f"ZeRO stage {stage} is not supported: it gathers parameters over the data-parallel group in every "
-            "forward, and planned steps run different numbers of micro-batches per rank (the gathers would not "
-            "match and the run would hang); use ZeRO stage 0, 1 or 2")
     for key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu"):
         if config.get(key, 1) != 1:
             raise DcpUsageError(
@@ -183,10 +181,11 @@ def check_schedule_length(ds_config: dict, *, train_iters: int) -> None:
 
 def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int, log_interval: int,
                dcp_flag: bool, default_cp_attention: tuple[str, ...] = DEFAULT_CP_ATTENTION,
-               domain_size: int | None = None) -> DcpConfig | None:
+               domain_size: int | None = None, stage: int = 0) -> DcpConfig | None:
     """The run's DcpConfig from the `"dcp"` block and the flags given on the command line (`cli`: DcpConfig
     keyword arguments, None where a flag was not given), or None when DCP is off; `domain_size` (the world
-    size) bounds max_cp_size, as on the Megatron path (the cost model would clamp it silently)."""
+    size) bounds max_cp_size, as on the Megatron path (the cost model would clamp it silently); `stage`: the
+    ZeRO stage (3 narrows the recompute choices, stage3_recompute)."""
     settings = dcp_block_settings(ds_config.get("dcp"))
     enabled = bool(dcp_flag or settings.pop("enabled", False))
     settings.pop("enabled", None)
@@ -197,6 +196,8 @@ def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int,
             raise DcpUsageError(f"{', '.join(names)} only take effect with --dcp (or \"dcp\": {{\"enabled\": true}})")
         return None
     settings.update(given)
+    if stage == 3:
+        settings["recompute"] = stage3_recompute(settings.get("recompute"))
     if settings.get("cp_attention") is None:
         settings["cp_attention"] = default_cp_attention
     if settings.get("gpus_per_node") is None:
@@ -210,3 +211,18 @@ def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int,
         raise DcpUsageError(f"--dcp-max-cp-size (or \"dcp\" max_cp_size) {max_cp_size} exceeds the DCP domain of "
                             f"{domain_size} ranks (the world size); give at most {domain_size}")
     return DcpConfig(seq_length=seq_length, train_iters=train_iters, log_interval=log_interval, **settings)
+
+
+def stage3_recompute(kinds: tuple[str, ...] | None) -> tuple[str, ...]:
+    """ZeRO-3's recompute choices: full recompute replays a layer's forward in backward, whose pre-forward hook
+    gathers the layer's weights again on the recomputing ranks only, so the domain's gathers would not pair up
+    (a rank's peers in a wave may not recompute). Given with "full": refused; not given: none and selective."""
+    reason = ('ZeRO stage 3: full recompute re-gathers a layer\'s weights on the recomputing ranks only, and every '
+              'rank of the domain joins each gather')
+    if kinds is None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"dcp: --dcp-recompute {','.join(NO_FULL_RECOMPUTE)} ({reason})", flush=True)
+        return NO_FULL_RECOMPUTE
+    if "full" in kinds:
+        raise DcpUsageError(f"--dcp-recompute (or \"dcp\" recompute) {','.join(kinds)}: drop 'full' ({reason})")
+    return tuple(kinds)

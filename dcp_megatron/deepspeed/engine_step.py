@@ -9,6 +9,9 @@ engine is driven so that this is exactly one optimizer step on the whole global 
   the parameters, one reduction pass when the block closes, the same collectives on every rank); with
   stage 0, every backward but the last runs under `engine.no_sync()`. (Without either, ZeRO-2 reduces
   in every backward and a rank with more micro-batches issues reductions the others never join.)
+  Stage 3 gathers weights in every forward and backward, so its plans are lockstep (every rank the same
+  count); each backward reduce-scatters into the rank's gradient partition, where DeepSpeed accumulates
+  until `step()` (coalescing would hold every full gradient on every rank until the step's end).
 - the loss is per token: each micro-batch backpropagates its local token-loss sum times
   `world / global tokens`; DeepSpeed averages gradients over the world, so the result is the sum over
   all tokens divided by the global token count: one device's gradient on the whole batch.
@@ -46,7 +49,12 @@ class StepOutcome:
 
 
 def _reduction_scopes(engine, count: int):
-    """One context per micro-batch such that the step's gradient reduction happens once, at the end."""
+    """One context per micro-batch such that the step's gradients are reduced exactly once (module docstring)."""
+    if engine.zero_optimization_stage() == 3:
+        # Every backward reduce-scatters into this rank's partition and accumulates there until step()
+        # (stage3.partition_grads, micro_step_id > 0): sharded gradients, and the same collectives on
+        # every rank because the plan is lockstep (one micro-batch per wave on every rank).
+        return contextlib.nullcontext(), [contextlib.nullcontext() for _ in range(count)]
     if engine.zero_optimization_stage() in (1, 2):
         return engine.coalesce_grad_reduction(), [contextlib.nullcontext() for _ in range(count)]
     # Stage 0: DeepSpeed all-reduces at the end of a boundary backward outside no_sync.

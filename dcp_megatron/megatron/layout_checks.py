@@ -1,4 +1,4 @@
-"""What `--dcp` cannot yet do in a model-parallel layout (Mixture-of-Experts; deep and virtual pipelines run).
+"""What `--dcp` cannot yet do in a model-parallel layout (Mixture-of-Experts, FSDP; deep and virtual pipelines run).
 
 Called from dcp_args.refuse_conflicting_flags (one line) under `--dcp`, before Megatron builds anything: every
 refusal names the flag to change and says why. The layout facts behind each:
@@ -15,6 +15,11 @@ refusal names the flag to change and says why. The layout facts behind each:
   the per-document token counts are summed over the TP group and the micro-batch's CP group in turn.
 - Multi-token prediction (`--mtp-num-layers`): its layers shift labels and hidden states along the packed rows
   and run their own routers; not yet carried through DCP's per-micro-batch groups and documents: refused.
+- Sharded weights (`--use-megatron-fsdp`, `--use-torch-fsdp2`): every module's forward and backward all-gather
+  its weights over the DP x CP group, so every rank would have to run the same micro-batches in lockstep (as
+  ZeRO-3 does under DeepSpeed); megatron-core 0.19.2's implementations need CUDA (Megatron-FSDP creates
+  `torch.cuda.Stream`s, megatron_fsdp.py; the FSDP2 wrapper builds a "cuda" DeviceMesh,
+  torch_fully_sharded_data_parallel.py), so their exactness under --dcp is not verified: refused.
 - `global_aux_loss` reduces per micro-batch over the whole TP x DP x CP group, which ranks running different
   micro-batch counts cannot join; `quantile_balancing` gathers router logits per micro-batch and is untested
   with per-micro-batch groups.
@@ -41,6 +46,15 @@ def check_dcp_layout(args: argparse.Namespace) -> None:
          "without it Megatron-LM's get_batch hands middle stages no batch, so their attention would run without "
          "the micro-batch's documents and CP group"),
     )
+    for flag, sharded in (("--use-megatron-fsdp", getattr(args, "use_megatron_fsdp", False)),
+                          ("--use-torch-fsdp2", getattr(args, "use_torch_fsdp2", False))):
+        refusals += (
+            (bool(sharded),
+             f"{flag} is not supported with --dcp: it all-gathers every module's weights over the DP x CP group in "
+             "each forward and backward, which ranks running their own micro-batches do not pair up, and "
+             "megatron-core 0.19.2's implementation needs CUDA, so it is not verified exact; use "
+             "--use-distributed-optimizer, or DeepSpeed ZeRO-3 under --dcp (pretrain_gpt_deepspeed.py)"),
+        )
     num_experts = getattr(args, "num_experts", None)
     if num_experts:
         balancing = args.moe_router_load_balancing_type

@@ -19,7 +19,7 @@ layer (a transformer layer or the embedding / output layer) twice, the one compu
 
 Per micro-batch, stage 3 all-gathers every weight of the stage in forward and again in backward, and
 reduce-scatters the gradients in backward (DeepSpeed 0.19.8 reduces into the rank's partition in every
-backward; measured, notes/zero3); each moves (D - 1)/D of the stage's bf16 weights per rank over the slowest
+backward; docs/deepspeed.md); each moves (D - 1)/D of the stage's bf16 weights per rank over the slowest
 link of the domain (inter-node when the domain spans nodes). The forward gather hides behind the forward
 (1/3 of the micro-batch's compute), the backward gather and reduce-scatter behind the backward (2/3), as the
 prefetch overlaps them; what does not hide is charged, plus the cluster's collective latency per layer and

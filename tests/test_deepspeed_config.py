@@ -129,4 +129,7 @@ def test_resume_of_zero_partitions_on_another_world_size_is_refused(tmp_path):
     with pytest.raises(DcpUsageError, match="partitioned over 2 data-parallel ranks and this run has 1"):
         check_zero_world_size(str(tmp_path), str(tag), stage1, world_size=1)
     check_zero_world_size(str(tmp_path), str(tag), stage1, world_size=2)
+    # ZeRO-3's weights and optimizer states are partitioned alike (saved as the same per-rank files)
+    with pytest.raises(DcpUsageError, match="partitioned over 2 data-parallel ranks and this run has 1"):
+        check_zero_world_size(str(tmp_path), str(tag), {"zero_optimization": {"stage": 3}}, world_size=1)
     check_zero_world_size(str(tmp_path), str(tag), {"zero_optimization": {"stage": 0}}, world_size=1)

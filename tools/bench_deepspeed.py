@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2))
+    parser.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3))
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--global-batch-size", type=int, default=4, help="samples of --seq-length tokens per step")
     parser.add_argument("--memory-budget-gb", type=float, default=0.02)

@@ -55,7 +55,11 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     from dcp_megatron.megatron.dcp_args import DcpConfig, parse_comma_list
     from dcp_megatron.megatron.run_paths import check_writable_dir
 
-    user_config = load_deepspeed_config(args.deepspeed_config)
+    from dcp_megatron.deepspeed.megatron_flags import apply_megatron_flags
+
+    # Megatron's optimizer, clipping and precision flags and the JSON: one setting (megatron_flags.py)
+    user_config = apply_megatron_flags(load_deepspeed_config(args.deepspeed_config),
+                                       getattr(args, "deepspeed_megatron_flags", {}), sgd_momentum=args.sgd_momentum)
     ds_config = prepare_deepspeed_config(user_config)
     check_schedule_length(ds_config, train_iters=args.train_iters)
     if "optimizer" not in ds_config:

@@ -133,3 +133,42 @@ def test_resume_of_zero_partitions_on_another_world_size_is_refused(tmp_path):
     with pytest.raises(DcpUsageError, match="partitioned over 2 data-parallel ranks and this run has 1"):
         check_zero_world_size(str(tmp_path), str(tag), {"zero_optimization": {"stage": 3}}, world_size=1)
     check_zero_world_size(str(tmp_path), str(tag), {"zero_optimization": {"stage": 0}}, world_size=1)
+
+
+def test_megatron_optimizer_flags_are_written_into_the_json():
+    """megatron_flags.py: a given flag writes its key where the JSON has none, agrees where it has one."""
+    from dcp_megatron.deepspeed.megatron_flags import apply_megatron_flags
+
+    user = {"zero_optimization": {"stage": 1}, "scheduler": {"type": "WarmupCosineLR", "params": {}}}
+    config = apply_megatron_flags(user, {"--lr": 2e-4, "--adam-beta2": 0.95, "--weight-decay": 0.1,
+                                         "--clip-grad": 0.5, "--bf16": True})
+    assert config["optimizer"] == {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}}
+    assert config["gradient_clipping"] == 0.5 and config["bf16"] == {"enabled": True}
+    assert "optimizer" not in user, "the user's dict must not be changed"
+    # the same value in both: accepted; the JSON's Adam (decoupled by default) is Megatron's adam
+    same = {"optimizer": {"type": "Adam", "params": {"lr": 2e-4, "betas": [0.9, 0.95]}}, "gradient_clipping": 1.0}
+    assert apply_megatron_flags(same, {"--lr": 2e-4, "--adam-beta1": 0.9, "--clip-grad": 1.0, "--optimizer": "adam"}) == same
+    # --optimizer sgd takes Megatron's momentum where the JSON has none
+    sgd = apply_megatron_flags({}, {"--optimizer": "sgd", "--lr": 0.1}, sgd_momentum=0.9)
+    assert sgd["optimizer"] == {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+    assert apply_megatron_flags(same, {}) == same   # no flag: the JSON as it is
+
+
+@pytest.mark.parametrize("ds, flags, message", [
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}, {"--lr": 1e-3},
+     '--lr 0.001 disagrees with the DeepSpeed config\'s "optimizer" "params" "lr": 0.0003'),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}}, {"--adam-beta2": 0.999}, '"betas"[1]: 0.95'),
+    ({"gradient_clipping": 1.0}, {"--clip-grad": 0.0}, '--clip-grad 0.0 disagrees with the DeepSpeed config\'s '
+                                                       '"gradient_clipping": 1.0'),
+    ({"optimizer": {"type": "SGD"}}, {"--optimizer": "adam"}, '--optimizer adam disagrees'),
+    ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, {"--optimizer": "adam"}, '"type": "Adam"'),
+    ({}, {"--optimizer": "lion"}, "maps only adam and sgd"),
+    ({"fp16": {"enabled": True}}, {"--bf16": True}, '--bf16 disagrees with the DeepSpeed config\'s "fp16"'),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}}, {"--lr": 2e-3}, '"warmup_max_lr": 0.001'),
+])
+def test_megatron_flags_that_disagree_with_the_json_are_refused(ds, flags, message):
+    from dcp_megatron.deepspeed.megatron_flags import apply_megatron_flags
+
+    with pytest.raises(DcpUsageError) as err:
+        apply_megatron_flags(ds, flags)
+    assert message in str(err.value)

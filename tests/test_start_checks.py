@@ -205,6 +205,25 @@ def test_deepspeed_train_batch_size_is_the_global_batch(tmp_path, monkeypatch, c
     assert args.global_batch_size == 6
 
 
+def test_deepspeed_megatron_optimizer_flags_reach_the_engines_json(tmp_path, monkeypatch):
+    """--lr, --adam-beta2, --clip-grad and --optimizer sgd through the script's own parse and set-up: written into
+    the JSON the engine gets (the disagreeing pair is the fault matrix's megatron_lr_flag case)."""
+    script = load_ds_script()
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    config = dict(ds_config(stage=1, total_steps=LONG_RUN))
+    del config["optimizer"], config["gradient_clipping"]
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    flags = [*TINY_MODEL, "--deepspeed-config", str(path), "--train-iters", "9"]
+    args = script.parse_args([*flags, "--lr", "2e-4", "--adam-beta2", "0.95", "--clip-grad", "0.5"])
+    ds, _ = script.deepspeed_setup(args, has_gpu=False)
+    assert ds["optimizer"]["type"] == "AdamW" and ds["gradient_clipping"] == 0.5
+    assert {k: ds["optimizer"]["params"][k] for k in ("lr", "betas")} == {"lr": 2e-4, "betas": [0.9, 0.95]}
+    ds, _ = script.deepspeed_setup(script.parse_args([*flags, "--optimizer", "sgd", "--lr", "0.1"]), has_gpu=False)
+    assert ds["optimizer"] == {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}   # Megatron's SGD momentum
+
+
 def test_empty_iteration_directories_of_interrupted_saves_are_removed_at_start(tmp_path, capsys, monkeypatch):
     """A save killed before it wrote leaves an empty iter_* (Megatron makes the directory first): removed at the
     next start by rank 0, never the tracker's iteration; a non-empty newer one is named, not touched."""

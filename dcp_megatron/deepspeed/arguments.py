@@ -10,7 +10,8 @@ clipping) and `--override-optimizer-config`.
 
 What the DeepSpeed script cannot honour is refused by name (exit 2), never dropped: tensor, pipeline
 or context parallelism (DeepSpeed's data-parallel group is the DCP domain), Megatron's optimizer and
-learning-rate flags and `--fp16`/`--bf16`/`--use-distributed-optimizer` (the JSON sets those), Megatron's
+learning-rate schedule flags and `--use-distributed-optimizer` (the JSON sets those; `--lr`, `--optimizer`,
+`--adam-*`, `--weight-decay`, `--clip-grad`, `--bf16`/`--fp16` are written into it: megatron_flags.py), Megatron's
 `--tensorboard-dir`/`--wandb-*` writers (the JSON's monitor blocks), and evaluation (`--eval-interval`; the
 script has no evaluation loop).
 """
@@ -24,10 +25,10 @@ import torch
 
 from dcp_megatron.megatron.dcp_args import DcpUsageError
 
-# Megatron flags the JSON decides under DeepSpeed (refused when given, with where to put them instead).
-_JSON_OWNS = ("--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-warmup-iters", "--lr-warmup-fraction",
-              "--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--optimizer",
-              "--fp16", "--bf16", "--use-distributed-optimizer")
+# Megatron flags the JSON decides under DeepSpeed (refused when given, with where to put them instead); the
+# optimizer, clipping and precision flags are mapped onto the JSON instead (megatron_flags.py).
+_JSON_OWNS = ("--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-warmup-iters", "--lr-warmup-fraction",
+              "--use-distributed-optimizer")
 _NOT_RUN = ("--eval-interval", "--eval-iters", "--train-samples")
 # Megatron's writers are not built under DeepSpeed: its monitor (scalar_writers.py) writes what the JSON enables.
 _MONITOR_FLAGS = ("--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")
@@ -72,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise
         raise DcpUsageError("the command line above is not valid (see the usage line)") from None
     refuse_unrun_flags(argv, args)
+    from dcp_megatron.deepspeed.megatron_flags import given_megatron_flags
+
+    args.deepspeed_megatron_flags = given_megatron_flags(argv, args)   # written into the JSON (deepspeed_setup)
     args.rank = int(os.environ.get("RANK", 0))
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
     adopt_config_batch_size(args)
@@ -151,8 +155,10 @@ def _unwrapped_validate(arguments):
 def refuse_unrun_flags(argv: list[str], args: argparse.Namespace) -> None:
     owned = [flag for flag in _JSON_OWNS if _given(argv, flag)]
     if owned:
-        raise DcpUsageError(f"{', '.join(owned)}: under DeepSpeed the --deepspeed-config JSON sets the optimizer, "
-                            "learning-rate schedule, clipping, precision and ZeRO; move these settings there")
+        raise DcpUsageError(f"{', '.join(owned)}: under DeepSpeed the --deepspeed-config JSON's \"scheduler\" block sets "
+                            "the learning-rate schedule (DeepSpeed's warm-up runs one update behind Megatron's, so no "
+                            "JSON reproduces these flags) and its ZeRO stage shards the optimizer; move these settings "
+                            "there")
     monitor = [flag for flag in _MONITOR_FLAGS if _given(argv, flag)]
     if monitor:
         raise DcpUsageError(f"{', '.join(monitor)}: under DeepSpeed the --deepspeed-config JSON's monitor blocks write "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -150,6 +151,7 @@ class Training:
     rank: int
     ds_config: dict    # as the engine got it (its optimizer/scheduler blocks go into each checkpoint's manifest)
     registry: object   # the megatron-core patches applied for this run (removed by close())
+    evaluation: object = None   # evaluation.Evaluation with --eval-interval / --eval-iters
 
     def close(self) -> None:
         from megatron.core import parallel_state
@@ -167,6 +169,7 @@ def setup_training(args: argparse.Namespace) -> Training:
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
     from dcp_megatron.deepspeed.config import zero_stage
+    from dcp_megatron.deepspeed.evaluation import Evaluation, validation_samples
     from dcp_megatron.deepspeed.samples import SampleShares, build_train_dataset
     from dcp_megatron.deepspeed.steps import DcpSteps
     from dcp_megatron.megatron.planning import checked_cost_model, model_shape_from_args
@@ -201,10 +204,12 @@ def setup_training(args: argparse.Namespace) -> Training:
         # TP = PP = 1: Megatron's groups the model reads; DeepSpeed's data-parallel group is the world.
         parallel_state.initialize_model_parallel(1, 1, distributed_timeout_minutes=args.distributed_timeout_minutes)
         rank = torch.distributed.get_rank()
+        evaluate = getattr(args, "deepspeed_evaluate", False) and args.eval_iters > 0
         try:
-            dataset = build_train_dataset(args, tokenizer)
+            datasets = build_train_dataset(args, tokenizer, valid_samples=validation_samples(args) if evaluate else 0)
         except (ValueError, OSError, AssertionError) as err:   # a missing or inconsistent --data-path names itself
             raise DcpUsageError(f"--data-path {args.data_path}: {err}") from None
+        dataset, valid = datasets if evaluate else (datasets, None)
         shares = SampleShares(dataset, global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                               data_parallel_rank=rank, data_parallel_size=world_size)
         bf16 = bool((ds_config.get("bf16") or {}).get("enabled"))
@@ -215,12 +220,19 @@ def setup_training(args: argparse.Namespace) -> Training:
         pool = GroupPool([list(range(world_size))], timeout=timeout)
         steps = DcpSteps(config=config, shares=shares, cost=cost, pool=pool, model_config=model_config,
                          forward_loss=forward_loss, device=device, is_logging_rank=rank == 0)
+        evaluation = None if valid is None else Evaluation(
+            shares=SampleShares(valid, global_batch_size=args.eval_global_batch_size,
+                                micro_batch_size=args.eval_micro_batch_size, data_parallel_rank=rank,
+                                data_parallel_size=world_size),
+            config=config, cost=cost, pool=pool, model_config=model_config, forward_loss=forward_loss, device=device,
+            eval_iters=args.eval_iters)
     except BaseException:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         registry.remove()
         raise
-    return Training(engine=engine, steps=steps, rank=rank, ds_config=ds_config, registry=registry)
+    return Training(engine=engine, steps=steps, rank=rank, ds_config=ds_config, registry=registry,
+                    evaluation=evaluation)
 
 
 def log_step(training: Training, outcome, *, iteration: int, train_iters: int, consumed: int) -> None:
@@ -241,6 +253,14 @@ def log_step(training: Training, outcome, *, iteration: int, train_iters: int, c
           f"{list(outcome.cp_sizes)} |", flush=True)
 
 
+def log_validation(training: Training, where: str) -> None:
+    """Megatron's validation line (megatron.training's evaluate_and_print_results)."""
+    loss = training.evaluation.evaluate(training.engine)
+    if training.rank == 0:
+        print(f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {math.exp(min(20, loss)):.6E} |",
+              flush=True)
+
+
 def train(args: argparse.Namespace) -> None:
     from dcp_megatron.deepspeed import checkpoint
     from dcp_megatron.runtime.heartbeat import Heartbeat, connect_store, is_collective_timeout, timeout_message
@@ -256,6 +276,8 @@ def train(args: argparse.Namespace) -> None:
             raise DcpUsageError(f"--load {args.load}: the checkpoint's data position does not fit this run "
                                 f"({err})") from None
         consumed = int(data_state["consumed_tokens"])
+        if training.evaluation is not None:
+            training.evaluation.shares.start(int(data_state.get("valid_samples", 0)))
         if rank == 0:
             print(f"resumed from {args.load} at iteration {iteration} ({consumed} tokens trained)", flush=True)
     store = connect_store()
@@ -271,13 +293,21 @@ def train(args: argparse.Namespace) -> None:
             consumed += outcome.num_tokens
             if rank == 0 and iteration % args.log_interval == 0:
                 log_step(training, outcome, iteration=iteration, train_iters=args.train_iters, consumed=consumed)
+            if training.evaluation is not None and iteration % args.eval_interval == 0:
+                where = f"evaluating at iteration {iteration}"
+                log_validation(training, f"iteration {iteration} on validation set")   # before the save, as Megatron
             if args.save and args.save_interval and (iteration % args.save_interval == 0
                                                      or iteration == args.train_iters):
                 where = f"saving iteration {iteration}"
                 if rank == 0:
                     print(f"saving checkpoint at iteration {iteration} to {args.save}", flush=True)
+                valid = {} if training.evaluation is None else {
+                    "valid_samples": training.evaluation.shares.consumed_samples}   # as Megatron's consumed_valid_samples
                 checkpoint.save(engine, args.save, iteration=iteration, ds_config=training.ds_config,
-                                data_state={"samples": steps.state_dict(), "consumed_tokens": consumed})
+                                data_state={"samples": steps.state_dict(), "consumed_tokens": consumed, **valid})
+        if training.evaluation is not None:
+            where = "evaluating at the end of training"
+            log_validation(training, "the end of training for val data")
     except (FloatingPointError, RuntimeError) as err:  # non-finite loss, lost tokens, a collective timed out
         if is_collective_timeout(err):
             message = timeout_message(heartbeat, rank=rank, where=where,

@@ -14,7 +14,8 @@
   layout and a 1-rank run give the same loss trace and grad norms; the plans dumped
   by `--dcp-dump-plans` mix CP sizes and give ranks different micro-batch counts, and every micro-batch ran
   the CP group and the recompute its plan named (the trace beside the plans); ZeRO-3's plans are lockstep;
-  a resume from DeepSpeed's checkpoint (ZeRO-1 and ZeRO-3) continues the trace. (Bad settings and faults: tests/test_fault_matrix.py.)
+  a resume from DeepSpeed's checkpoint (ZeRO-1 and ZeRO-3) continues the trace; evaluation (Megatron's
+  --eval-interval / --eval-iters) gives every layout one device's validation loss, also after a resume. (Bad settings and faults: tests/test_fault_matrix.py.)
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ BUDGET = ["--dcp-memory-budget-gb", "0.004"]   # tight enough that long document
 Z3_BUDGET = ["--dcp-memory-budget-gb", "0.006"]
 ITERS = 6      # the trace runs' steps; refinement may change plans from step 4 (steps 1-3: lengths alone)
 HALF = 3       # the resumed run loads the checkpoint of this step
+EVAL = ["--eval-interval", str(HALF), "--eval-iters", "1"]   # Megatron's flags: validation at steps 3, 6 and the end
 SGD_LR = 1e3   # large: the update lr x g dwarfs the weights, so (before - after) / lr is g to fp32 rounding
 
 
@@ -228,7 +230,7 @@ def _half_checkpoint(run, save, half):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
     plans, save = root / "plans", root / "ckpt"
-    dcp_z1 = run_deepspeed(ds_config(stage=1), ["--dcp", *BUDGET, "--dcp-dump-plans", str(plans), "--save",
+    dcp_z1 = run_deepspeed(ds_config(stage=1), ["--dcp", *BUDGET, *EVAL, "--dcp-dump-plans", str(plans), "--save",
                                                 str(save), "--save-interval", str(HALF)], iters=ITERS,
                          directory=str(root))
     half = _half_checkpoint(dcp_z1, save, root / "ckpt_half")
@@ -238,17 +240,17 @@ def runs(tmp_path_factory):
     save_z3 = root / "ckpt_z3"
     dcp_z3 = run_deepspeed(ds_config(stage=3, tensorboard={"enabled": True, "output_path": str(root / "ds_tb"),
                                                            "job_name": "dcp"}),
-                           ["--dcp", *Z3_BUDGET, "--dcp-cp-attention", "ulysses", "--dcp-dump-plans",
+                           ["--dcp", *Z3_BUDGET, *EVAL, "--dcp-cp-attention", "ulysses", "--dcp-dump-plans",
                             str(root / "plans_z3"), "--save", str(save_z3), "--save-interval", str(HALF)],
                            iters=ITERS, directory=str(root))
     half_z3 = _half_checkpoint(dcp_z3, save_z3, root / "ckpt_z3_half")
     return {
         "root": root, "plans": plans, "save": save, "dcp_z1": dcp_z1, "dcp_z3": dcp_z3,
-        "static": run_deepspeed(ds_config(stage=1), [], iters=ITERS, directory=str(root)),
-        "one_rank": run_deepspeed(ds_config(stage=0), [], nproc=1, iters=ITERS, directory=str(root), torchrun=False),
-        "resumed": run_deepspeed(ds_config(stage=1), ["--dcp", *BUDGET, "--load", str(half)], iters=ITERS,
+        "static": run_deepspeed(ds_config(stage=1), EVAL, iters=ITERS, directory=str(root)),
+        "one_rank": run_deepspeed(ds_config(stage=0), EVAL, nproc=1, iters=ITERS, directory=str(root), torchrun=False),
+        "resumed": run_deepspeed(ds_config(stage=1), ["--dcp", *BUDGET, *EVAL, "--load", str(half)], iters=ITERS,
                                  directory=str(root)),
-        "resumed_z3": run_deepspeed(ds_config(stage=3), ["--dcp", *Z3_BUDGET, "--dcp-cp-attention", "ulysses",
+        "resumed_z3": run_deepspeed(ds_config(stage=3), ["--dcp", *Z3_BUDGET, *EVAL, "--dcp-cp-attention", "ulysses",
                                                          "--load", str(half_z3)], iters=ITERS, directory=str(root)),
     }
 
@@ -320,6 +322,22 @@ def test_resume_continues_the_trace(runs, resumed_run, full_run):
     full = runs[full_run].check().losses
     for iteration, loss in resumed.losses.items():
         assert abs(loss - full[iteration]) <= 1e-5 * abs(full[iteration]), (iteration, loss, full[iteration])
+    # the validation data continues where the checkpoint left it (Megatron's consumed_valid_samples)
+    evals, full_evals = resumed.eval_losses, runs[full_run].eval_losses
+    assert sorted(evals) == [ITERS] and abs(evals[ITERS] - full_evals[ITERS]) <= 1e-5 * full_evals[ITERS], (evals,
+                                                                                                     full_evals)
+
+
+def test_evaluation_is_the_same_for_every_layout(runs):
+    """--eval-interval / --eval-iters (Megatron's flags): the validation split's batches, planned as training steps
+    (dcp's plans, ZeRO-3's lockstep ones, the static layout) and run forward only, give one device's loss."""
+    reference = runs["one_rank"].check().eval_losses
+    assert sorted(reference) == [HALF, ITERS] and len(set(reference.values())) == 2, reference
+    for name in ("dcp_z1", "dcp_z3", "static"):
+        evals = runs[name].check().eval_losses
+        assert sorted(evals) == [HALF, ITERS], (name, evals)
+        assert all(abs(evals[i] - reference[i]) <= 1e-5 * reference[i] for i in evals), (name, evals, reference)
+        assert "validation loss at the end of training for val data" in runs[name].output, name
 
 
 def test_deepspeed_monitor_holds_the_dcp_scalars(runs):

@@ -407,7 +407,7 @@ DS_CASES = {
     "profile_nan": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--dcp-profile", w.profile('{"gemm_flops": NaN}')]), ["--dcp-profile", "positive finite"]),
     "megatron_lr_flag": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--lr", "1e-3"]), ["--lr 0.001 disagrees", '"lr": 0.003']),
     "megatron_schedule_flag": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--lr-decay-style", "cosine"]), ["--lr-decay-style", '"scheduler" block']),
-    "megatron_eval_flag": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--eval-interval", "5"]), ["--eval-interval", "does not evaluate"]),
+    "megatron_train_samples": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--train-samples", "800"]), ["--train-samples", "give --train-iters instead"]),
     "tensor_parallel": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--tensor-model-parallel-size", "2"]), ["--tensor-model-parallel-size 2", "TP = PP = 1"]),
     "batch_not_divisible": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--global-batch-size", "3", "--micro-batch-size", "2"]), ["--global-batch-size"]),
     "data_path_missing": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--data-path", "1", str(w.root / "x")]), ["--data-path", "x.bin"]),

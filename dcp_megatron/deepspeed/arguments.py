@@ -12,8 +12,8 @@ What the DeepSpeed script cannot honour is refused by name (exit 2), never dropp
 or context parallelism (DeepSpeed's data-parallel group is the DCP domain), Megatron's optimizer and
 learning-rate schedule flags and `--use-distributed-optimizer` (the JSON sets those; `--lr`, `--optimizer`,
 `--adam-*`, `--weight-decay`, `--clip-grad`, `--bf16`/`--fp16` are written into it: megatron_flags.py), Megatron's
-`--tensorboard-dir`/`--wandb-*` writers (the JSON's monitor blocks), and evaluation (`--eval-interval`; the
-script has no evaluation loop).
+`--tensorboard-dir`/`--wandb-*` writers (the JSON's monitor blocks), and `--train-samples` (the run counts
+steps). Evaluation (`--eval-interval`, `--eval-iters`) runs once either is given (evaluation.py).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from dcp_megatron.megatron.dcp_args import DcpUsageError
 # optimizer, clipping and precision flags are mapped onto the JSON instead (megatron_flags.py).
 _JSON_OWNS = ("--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-warmup-iters", "--lr-warmup-fraction",
               "--use-distributed-optimizer")
-_NOT_RUN = ("--eval-interval", "--eval-iters", "--train-samples")
+_NOT_RUN = ("--train-samples",)
+_EVAL_FLAGS = ("--eval-interval", "--eval-iters")   # evaluation runs once either is given (evaluation.py)
 # Megatron's writers are not built under DeepSpeed: its monitor (scalar_writers.py) writes what the JSON enables.
 _MONITOR_FLAGS = ("--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")
 
@@ -76,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from dcp_megatron.deepspeed.megatron_flags import given_megatron_flags
 
     args.deepspeed_megatron_flags = given_megatron_flags(argv, args)   # written into the JSON (deepspeed_setup)
+    args.deepspeed_evaluate = any(_given(argv, flag) for flag in _EVAL_FLAGS)
     args.rank = int(os.environ.get("RANK", 0))
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
     adopt_config_batch_size(args)
@@ -166,8 +168,8 @@ def refuse_unrun_flags(argv: list[str], args: argparse.Namespace) -> None:
                             'true, "project": P}); move these settings there')
     unrun = [flag for flag in _NOT_RUN if _given(argv, flag)]
     if unrun:
-        raise DcpUsageError(f"{', '.join(unrun)}: the DeepSpeed script trains --train-iters steps and does not "
-                            "evaluate; remove these flags (evaluation runs on the Megatron path)")
+        raise DcpUsageError(f"{', '.join(unrun)}: the DeepSpeed script counts its run in --train-iters steps; give "
+                            "--train-iters instead")
     for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         if getattr(args, flag) != 1:
             raise DcpUsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: the DeepSpeed script runs "

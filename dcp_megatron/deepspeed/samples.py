@@ -18,9 +18,9 @@ import torch
 from dcp_megatron.megatron.global_batch import Documents, split_samples
 
 
-def build_train_dataset(args: argparse.Namespace, tokenizer):
+def build_train_dataset(args: argparse.Namespace, tokenizer, *, valid_samples: int = 0):
     """Megatron's train dataset for --train-iters x --global-batch-size samples (`tokenizer`: Megatron's
-    `build_tokenizer(args)`)."""
+    `build_tokenizer(args)`); with `valid_samples` > 0, (train, validation) datasets."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.training.utils import get_blend_and_blend_per_split
@@ -34,11 +34,16 @@ def build_train_dataset(args: argparse.Namespace, tokenizer):
         inter_document_masking=args.dataloader_inter_document_masking, context_parallel_size=1,
         data_parallel_size=args.data_parallel_size)
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
-    num_samples = [args.train_iters * args.global_batch_size, 0, 0]
-    train, _, _ = BlendedMegatronDatasetBuilder(dataset_type, num_samples, lambda: True, config).build()
+    num_samples = [args.train_iters * args.global_batch_size, valid_samples, 0]
+    train, valid, _ = BlendedMegatronDatasetBuilder(dataset_type, num_samples, lambda: True, config).build()
     if train is None:
         raise ValueError("the --split gives the train split no documents")
-    return train
+    if not valid_samples:
+        return train
+    if valid is None:
+        raise ValueError("the --split gives the validation split no documents, and --eval-interval / --eval-iters "
+                         "ask for evaluation")
+    return train, valid
 
 
 class SampleShares:

@@ -34,7 +34,7 @@ def model_flags(args) -> list[str]:
             str(args.seq_length), "--max-position-embeddings", str(args.seq_length), "--micro-batch-size", "1",
             "--global-batch-size", str(args.global_batch_size), "--mock-data", "--tokenizer-type", "NullTokenizer",
             "--vocab-size", "256", "--dataloader-inter-document-masking", "--attention-dropout", "0",
-            "--hidden-dropout", "0", "--distributed-timeout-minutes", "5", "--seed", "1234"]
+            "--hidden-dropout", "0", "--distributed-timeout-minutes", "5", "--seed", "1234", "--log-interval", "1"]
 
 
 def main(argv=None) -> int:

@@ -30,7 +30,7 @@ from tests.dist_utils import group_timeout_s, group_timeouts_s, max_rel_err, run
 from tests.megatron_runs import microbatches_planned, microbatches_seen, read_plan_dumps
 
 BUDGET = ["--dcp-memory-budget-gb", "0.004"]   # tight enough that long documents need CP 2 or recompute
-# ZeRO-3 (no full recompute, weights gathered per layer): the longest documents need CP 2, shorter ones run alone
+# ZeRO-3 (no recompute, weights gathered per layer): the longest documents need CP 2, shorter ones run alone
 Z3_BUDGET = ["--dcp-memory-budget-gb", "0.006"]
 ITERS = 6      # the trace runs' steps; refinement may change plans from step 4 (steps 1-3: lengths alone)
 HALF = 3       # the resumed run loads the checkpoint of this step
@@ -112,7 +112,7 @@ def _parity_worker(rank, world_size, directory):
     blend = blend or blend_flags(directory)
     # ZeRO-1 with planned steps and the static layout run in the loss-trace and resume runs below; the blend
     # cases read Megatron's GPT datasets (two .bin/.idx corpora, weighted, --split) with and without --dcp.
-    # ZeRO-3 plans in lockstep (every rank the same count: the weight gathers pair up), without full recompute.
+    # ZeRO-3 plans in lockstep (every rank the same count: the weight gathers pair up), without recompute.
     for stage, policy in ((0, "dcp"), (2, "dcp"), (2, "ulysses"), (1, "blend_dcp"), (1, "blend_static"), (3, "dcp"),
                           (3, "ulysses")):
         path = os.path.join(directory, f"sgd_z{stage}_{policy}.json")
@@ -212,7 +212,7 @@ def test_gradients_equal_one_device_on_the_whole_batch(tmp_path):
     # ZeRO-3: dcp's own plans (no baseline's fallback), lockstep: every rank the same count, one per group per wave
     zero3 = [c for c in rank0 if c["stage"] == 3]
     assert len(zero3) == 4 and all(c["lockstep"] and len(set(c["counts"])) == 1 and c["fallback"] is None
-                                   and "full" not in c["recompute"] for c in zero3), zero3
+                                   and c["recompute"] == ["none"] for c in zero3), zero3
     assert any(len(c["cp_sizes"]) > 1 for c in zero3) and any(c["ulysses"] > 0 for c in zero3), zero3
     assert all(c["ulysses"] == 0 and 2 in c["cp_sizes"] for c in zero3 if c["policy"] == "dcp"), zero3  # all-gather CP
 
@@ -310,7 +310,7 @@ def test_the_dynamic_path_ran(runs):
     # ZeRO-3's plans are lockstep: one micro-batch per group per wave, so every rank runs the same count
     assert all(len(g.microbatches) == 1 for p in ulysses for w in p.waves for g in w.groups)
     assert all(len({p.num_microbatches(r) for r in range(p.domain_size)}) == 1 for p in ulysses)
-    assert not any(mb.recompute.kind == "full" for p in ulysses for w in p.waves for g in w.groups for mb in g.microbatches)
+    assert all(mb.recompute.kind == "none" for p in ulysses for w in p.waves for g in w.groups for mb in g.microbatches)
     assert all(mb.attention == "allgather" for p in plans for w in p.waves for g in w.groups for mb in g.microbatches)
 
 

@@ -70,9 +70,9 @@ def test_unsupported_engine_settings_are_refused(ds, message):
     assert message in str(err.value)
 
 
-def test_zero3_runs_without_full_recompute(capsys):
-    """ZeRO-3 is prepared as given (lockstep plans carry it); full recompute is refused when asked for and left
-    out, in one line, when --dcp-recompute is not given (config.stage3_recompute)."""
+def test_zero3_runs_without_recompute(capsys):
+    """ZeRO-3 is prepared as given (lockstep plans carry it); recompute is refused when asked for and left out,
+    in one line, when --dcp-recompute is not given (config.stage3_recompute)."""
     ds = {"zero_optimization": {"stage": 3}, "dcp": {"enabled": True}}
     assert prepare_deepspeed_config(ds)["zero_optimization"] == {"stage": 3}
 
@@ -80,11 +80,13 @@ def test_zero3_runs_without_full_recompute(capsys):
         return dcp_config(ds, cli={**NO_FLAGS, **cli}, seq_length=1024, train_iters=10, log_interval=1,
                           dcp_flag=False, stage=3)
 
-    assert config().recompute == ("none", "selective")
-    assert "dcp: --dcp-recompute none,selective (ZeRO stage 3" in capsys.readouterr().out
-    assert config(recompute=("selective",)).recompute == ("selective",)
+    assert config().recompute == ("none",)
+    assert "dcp: --dcp-recompute none (ZeRO stage 3" in capsys.readouterr().out
+    assert config(recompute=("none",)).recompute == ("none",)
     with pytest.raises(DcpUsageError, match="--dcp-recompute \\(or \"dcp\" recompute\\) none,full: drop 'full'"):
         config(recompute=("none", "full"))
+    with pytest.raises(DcpUsageError, match="drop 'selective' \\(ZeRO stage 3"):
+        config(recompute=("selective",))
     assert _config(flag=True).recompute == ("none", "selective", "full")   # other stages: every kind
 
 

@@ -17,8 +17,8 @@ block (DeepSpeed does not know it) and sets what the planned step needs of the e
   domain) in every forward and backward, so ranks running different numbers of micro-batches would
   issue different numbers of gathers and hang (measured on 0.19.8, 2 CPU ranks: 1 vs 3 forwards time
   out, with and without `coalesce_grad_reduction`): the planner plans stage 3 in lockstep (one
-  micro-batch per group per wave, a masked filler on idle ranks; planner/param_sharding.py), and full
-  recompute is taken out of its choices (`stage3_recompute`).
+  micro-batch per group per wave, a masked filler on idle ranks; planner/param_sharding.py), and recompute
+  is taken out of its choices (`stage3_recompute`).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import os
 from dcp_megatron.megatron.dcp_args import (RECOMPUTE_CHOICES, DcpConfig, DcpUsageError, check_gpus_per_node,
                                             local_world_size)
 
-NO_FULL_RECOMPUTE = ("none", "selective")   # ZeRO-3's recompute choices (stage3_recompute)
+STAGE3_RECOMPUTE = ("none",)   # ZeRO-3's recompute choices (stage3_recompute)
 
 # "dcp" block key -> (DcpConfig field, expected JSON type(s)).
 _BLOCK_KEYS = {
@@ -214,15 +214,22 @@ def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int,
 
 
 def stage3_recompute(kinds: tuple[str, ...] | None) -> tuple[str, ...]:
-    """ZeRO-3's recompute choices: full recompute replays a layer's forward in backward, whose pre-forward hook
-    gathers the layer's weights again on the recomputing ranks only, so the domain's gathers would not pair up
-    (a rank's peers in a wave may not recompute). Given with "full": refused; not given: none and selective."""
-    reason = ('ZeRO stage 3: full recompute re-gathers a layer\'s weights on the recomputing ranks only, and every '
-              'rank of the domain joins each gather')
+    """ZeRO-3's recompute choices: none. Every rank of the domain must run the same modules in the same order:
+    full recompute replays a layer's forward in backward, whose pre-forward hook gathers the layer's weights again
+    on the recomputing ranks only (gloo aborts on the mismatched gather); selective recompute replays core
+    attention on those ranks only, and DeepSpeed checks that every rank recorded the same module order
+    (partitioned_param_coordinator.reset_step: "Detected a disagreement on list length", measured on 2 CPU
+    ranks). A rank's peers in a wave (fillers included) may recompute otherwise. Given with another kind:
+    refused; not given: none, said in one line."""
+    reason = ("ZeRO stage 3: every rank of the domain must run the same modules (full recompute re-gathers a "
+              "layer's weights on the recomputing ranks only; selective recompute replays their core attention, "
+              "and DeepSpeed checks the ranks' module orders agree)")
     if kinds is None:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"dcp: --dcp-recompute {','.join(NO_FULL_RECOMPUTE)} ({reason})", flush=True)
-        return NO_FULL_RECOMPUTE
-    if "full" in kinds:
-        raise DcpUsageError(f"--dcp-recompute (or \"dcp\" recompute) {','.join(kinds)}: drop 'full' ({reason})")
+            print(f"dcp: --dcp-recompute {','.join(STAGE3_RECOMPUTE)} ({reason})", flush=True)
+        return STAGE3_RECOMPUTE
+    other = [kind for kind in kinds if kind not in STAGE3_RECOMPUTE]
+    if other:
+        raise DcpUsageError(f"--dcp-recompute (or \"dcp\" recompute) {','.join(kinds)}: drop {', '.join(repr(k) for k in other)} "
+                            f"({reason})")
     return tuple(kinds)

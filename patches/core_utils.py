@@ -4,7 +4,7 @@ CPU shim (no GPU only): the module's `torch` is a CPU view (GlobalMemoryBuffer a
 broadcast helpers allocate on torch.cuda.current_device()).
 
 DCP: a DCP micro-batch (a batch dict carrying `dcp_microbatch`, see
-dcp_megatron/megatron/microbatches.py) is already this rank's zig-zag shard of its documents, in
+dcp_megatron/core/microbatches.py) is already this rank's zig-zag shard of its documents, in
 THD form. Megatron-LM's `get_batch` passes every batch through two helpers of this module, which
 the script imports by name:
 - `flatten_batch_for_packed_sequences` merges per-sample `cu_seqlens`, cutting each row at the first
@@ -15,7 +15,7 @@ the script imports by name:
   passes to `PackedSeqParams.cp_group` - how each micro-batch's group reaches attention.
 - `get_batch_on_this_tp_rank` broadcasts TP rank 0's batch into `[micro_batch, seq_length]` buffers on
   the other TP ranks; every TP rank already holds its own copy of a DCP micro-batch (of its own
-  shape), so while one runs (`current_microbatch()`, dcp_megatron/megatron/forward_step.py) each
+  shape), so while one runs (`current_microbatch()`, dcp_megatron/training/forward_step.py) each
   rank gets that copy and nothing is broadcast.
 Any other batch goes to Megatron's functions unchanged.
 """
@@ -24,8 +24,8 @@ from __future__ import annotations
 import functools
 import importlib
 
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
-from dcp_megatron.megatron.microbatches import MICROBATCH_KEY as _MICROBATCH_KEY
+from patches.cpu_torch import cpu_torch_patch
+from dcp_megatron.core.microbatches import MICROBATCH_KEY as _MICROBATCH_KEY
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
 
@@ -66,7 +66,7 @@ _TP_BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_ma
 def _dcp_batch_on_every_tp_rank(original):
     @functools.wraps(original)
     def get_batch_on_this_tp_rank(batch, *args, **kwargs):
-        from dcp_megatron.megatron.forward_step import current_microbatch
+        from dcp_megatron.training.forward_step import current_microbatch
 
         current = current_microbatch()
         if current is None:

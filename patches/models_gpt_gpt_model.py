@@ -7,7 +7,7 @@ Megatron-LM's pretrain_gpt.py (core_v0.19.0) hands a middle pipeline stage (or m
 were alone on the rank (seen: PP 4 x VPP 2 on a 2-rank domain, RoPE splitting 1,024 rows out of 512). The first
 and last stages get both from `get_batch` (patches/core_utils.py). `GPTModel.forward` is where every stage's
 model receives the params: for the duration of a DCP micro-batch's forward step (the running micro-batch is
-known, dcp_megatron/megatron/forward_step.py), params without `local_cp_size` are completed with the
+known, dcp_megatron/training/forward_step.py), params without `local_cp_size` are completed with the
 micro-batch's CP size and group (a copy; recompute replays the layers with the completed copy).
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ def _with_microbatch_cp(original_forward):
 
     @functools.wraps(original_forward)
     def forward(self, *args, **kwargs):
-        from dcp_megatron.megatron.forward_step import current_microbatch
-        from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
+        from dcp_megatron.training.forward_step import current_microbatch
+        from dcp_megatron.core.microbatches import MICROBATCH_KEY
 
         batch = current_microbatch()
         if batch is None:

@@ -13,7 +13,7 @@ packed_seq_params names a group, the module sees that group as its `cp` group. N
 A micro-batch without a group (CP size 1) keeps the static group, which DCP sets up with size 1.
 
 Selective recompute (`Attention.checkpoint_core_attention`) is a module attribute that DCP sets before each
-micro-batch's forward (dcp_megatron/megatron/recompute.py). Full recompute replays a layer's forward in backward
+micro-batch's forward (dcp_megatron/core/recompute.py). Full recompute replays a layer's forward in backward
 and reads the attribute then: under pipeline parallelism (1F1B runs later micro-batches' forwards before earlier
 ones' backwards) it holds the *latest* micro-batch's choice. Two ranks of a CP group whose latest micro-batches
 differ (CP-1 micro-batches of their own) would then replay the same CP micro-batch differently, one checkpointing
@@ -63,8 +63,8 @@ def _microbatch_selective_recompute(packed_seq_params):
         return None
     selective = getattr(packed_seq_params, "dcp_checkpoint_core_attention", None)
     if selective is None:
-        from dcp_megatron.megatron.forward_step import current_microbatch
-        from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
+        from dcp_megatron.training.forward_step import current_microbatch
+        from dcp_megatron.core.microbatches import MICROBATCH_KEY
 
         batch = current_microbatch()
         if batch is None:

@@ -2,7 +2,7 @@
 micro-batch knows the micro-batch's documents, and packed micro-batches stay one sequence.
 
 megatron-core 0.19.2's router sees only the rows it routes. Under DCP its balancing losses are per document
-(dcp_megatron/megatron/moe_aux.py, patches/transformer_moe_router.py), over the ranks of the micro-batch's own CP
+(dcp_megatron/core/moe_aux.py, patches/transformer_moe_router.py), over the ranks of the micro-batch's own CP
 group, and must skip the rows DCP adds: each document's padding to a multiple of 2c and the filler documents (an
 idle rank's, the row alignment's). `TransformerLayer._forward_mlp` is the narrowest seam that sees both the MoE
 layer and the micro-batch's `PackedSeqParams` (it receives them, and full recompute replays it with the same
@@ -64,8 +64,8 @@ def _router_on_microbatch_documents(original):
 def _microbatch_documents(packed_seq_params):
     """The running DCP micro-batch's RouterDocuments (None outside one), kept on its PackedSeqParams, which full
     recompute replays in backward, when no micro-batch is running."""
-    from dcp_megatron.megatron.forward_step import current_microbatch
-    from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
+    from dcp_megatron.training.forward_step import current_microbatch
+    from dcp_megatron.core.microbatches import MICROBATCH_KEY
 
     documents = getattr(packed_seq_params, "dcp_router_documents", None)
     batch = current_microbatch()

@@ -18,7 +18,7 @@ state) and its progress lines (`steps_per_print`).
 With `--dcp` each global batch is planned (CP size per document, micro-batches per rank, recompute per
 micro-batch); without it the same documents run Megatron's static layout (one CP size for the run, the
 same micro-batch count on every rank). Both train each batch's per-token loss, so loss traces of any
-layout and world size agree. Without a GPU the CPU flags are defaulted (dcp_megatron/megatron/cpu_defaults.py).
+layout and world size agree. Without a GPU the CPU flags are defaulted (dcp_megatron/flags/cpu_defaults.py).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dcp_megatron.megatron.dcp_args import DcpUsageError  # noqa: E402
+from dcp_megatron.config import DcpUsageError  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,8 +50,8 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     """The DeepSpeed config the engine gets and the run's DcpConfig (policy "static" without --dcp)."""
     from dcp_megatron.deepspeed.config import (DEFAULT_CP_ATTENTION, check_schedule_length, dcp_config,
                                                load_deepspeed_config, prepare_deepspeed_config, torch_adam_params)
-    from dcp_megatron.megatron.dcp_args import DcpConfig, parse_comma_list
-    from dcp_megatron.megatron.run_paths import check_writable_dir
+    from dcp_megatron.config import DcpConfig, parse_comma_list
+    from dcp_megatron.flags.run_paths import check_writable_dir
 
     user_config = load_deepspeed_config(args.deepspeed_config)
     ds_config = prepare_deepspeed_config(user_config)
@@ -120,8 +120,8 @@ def forward_loss(engine, batch: dict):
     """(sum of the micro-batch's masked token losses, its valid token count): the per-token loss."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from dcp_megatron.megatron.core_attention import set_cp_attention
-    from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
+    from dcp_megatron.core.core_attention import set_cp_attention
+    from dcp_megatron.core.microbatches import MICROBATCH_KEY
 
     bounds = batch["cu_seqlens_padded"].view(-1)
     max_seqlen = int(batch["max_seqlen"].max())
@@ -162,7 +162,7 @@ def setup_training(args: argparse.Namespace) -> Training:
 
     from dcp_megatron.deepspeed.samples import SampleShares, build_train_dataset
     from dcp_megatron.deepspeed.steps import DcpSteps
-    from dcp_megatron.megatron.planning import checked_cost_model, model_shape_from_args
+    from dcp_megatron.core.planning import checked_cost_model, model_shape_from_args
 
     if "WORLD_SIZE" not in os.environ:  # a plain `python pretrain_gpt_deepspeed.py`: one process
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -177,13 +177,13 @@ def setup_training(args: argparse.Namespace) -> Training:
     import deepspeed
     from megatron.core import parallel_state
 
-    from dcp_megatron.deepspeed.patch_set import deepspeed_patch_registry
+    from patches.sets import patch_set
     from dcp_megatron.runtime.group_pool import GroupPool
 
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if has_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    registry = deepspeed_patch_registry(timeout=timeout).apply()   # before init: it skips the shm op's build
+    registry = patch_set("deepspeed", timeout=timeout).apply()   # before init: it skips the shm op's build
     try:
         deepspeed.init_distributed(dist_backend=args.distributed_backend, timeout=timeout)
         if torch.distributed.get_world_size() != world_size:
@@ -216,7 +216,7 @@ def setup_training(args: argparse.Namespace) -> Training:
 
 def log_step(training: Training, outcome, *, iteration: int, train_iters: int, consumed: int) -> None:
     """Megatron's iteration line (loss, grad norm, learning rate) and the step's plan line."""
-    from dcp_megatron.megatron.plan_log import plan_summary
+    from dcp_megatron.core.plan_log import plan_summary
 
     engine, steps = training.engine, training.steps
     norm = f" grad norm: {outcome.grad_norm:.6f} |" if outcome.grad_norm is not None else ""

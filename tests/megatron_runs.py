@@ -155,7 +155,7 @@ def strip_dcp_lines(source: str, destination: str) -> None:
 
 def microbatches_seen(directory, rank: int, iteration: int) -> list[tuple]:
     """(CP group's global ranks or None, recompute that RAN) of each micro-batch a rank's decoder ran at an
-    iteration, from the trace --dcp-dump-plans writes next to the plans (dcp_megatron/megatron/microbatch_trace.py:
+    iteration, from the trace --dcp-dump-plans writes next to the plans (dcp_megatron/core/microbatch_trace.py:
     the recompute is what its backward replayed, not what the model's switches said)."""
     import json
 

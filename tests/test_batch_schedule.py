@@ -12,7 +12,7 @@ from megatron.core import num_microbatches_calculator as calculators  # noqa: E4
 from megatron.core import parallel_state  # noqa: E402
 
 import megatron.training  # noqa: E402
-from dcp_megatron.megatron.batch_schedule import next_step_num_microbatches  # noqa: E402
+from dcp_megatron.training.batch_schedule import next_step_num_microbatches  # noqa: E402
 
 
 @pytest.mark.parametrize("schedule, data_parallel_size, micro_batch_size", [

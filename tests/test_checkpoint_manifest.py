@@ -69,8 +69,8 @@ def _megatron_args(load, **overrides):
 
 
 def test_megatron_resume_follows_the_upstream_flag_that_asks_for_it(tmp_path, capsys):
-    from dcp_megatron.megatron.checkpoints import check_resume, schedule_settings
-    from dcp_megatron.megatron.dcp_args import DcpUsageError
+    from dcp_megatron.training.checkpoints import check_resume, schedule_settings
+    from dcp_megatron.config import DcpUsageError
 
     saved = _megatron_args(str(tmp_path))
     _checkpoint(tmp_path / "iter_0000005", {"__0_0.distcp": b"w" * 64}, {"megatron": schedule_settings(saved)})
@@ -97,7 +97,7 @@ def test_megatron_resume_follows_the_upstream_flag_that_asks_for_it(tmp_path, ca
 
 def test_deepspeed_resume_with_changed_settings_needs_the_override(tmp_path, capsys):
     from dcp_megatron.deepspeed.checkpoint import check_resume, optimizer_settings
-    from dcp_megatron.megatron.dcp_args import DcpUsageError
+    from dcp_megatron.config import DcpUsageError
 
     config = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}}

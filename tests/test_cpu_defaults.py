@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from dcp_megatron.megatron.cpu_defaults import CPU_DEFAULTS, apply_cpu_defaults, cpu_defaults_notice
+from dcp_megatron.flags.cpu_defaults import CPU_DEFAULTS, apply_cpu_defaults, cpu_defaults_notice
 
 
 @pytest.fixture(scope="module")

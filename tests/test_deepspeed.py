@@ -37,7 +37,7 @@ def _reference_gradients(script, args, state, documents) -> dict:
     """One device, the whole global batch (every rank's share), per-token loss: the gradient DCP must reproduce."""
     import torch
 
-    from dcp_megatron.megatron.microbatches import build_batch
+    from dcp_megatron.core.microbatches import build_batch
     from dcp_megatron.planner.plan import NO_RECOMPUTE
 
     model, _ = script.build_model(args, has_gpu=False, bf16=False)

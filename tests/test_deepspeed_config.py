@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from dcp_megatron.deepspeed.config import dcp_block_settings, dcp_config, prepare_deepspeed_config
-from dcp_megatron.megatron.dcp_args import DcpUsageError
+from dcp_megatron.config import DcpUsageError
 
 NO_FLAGS = {"policy": None, "max_cp_size": None, "recompute": None}
 

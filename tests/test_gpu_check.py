@@ -54,7 +54,7 @@ def test_training_flags_are_ones_megatron_and_dcp_parse():
     pytest.importorskip("megatron.training")
     from megatron.training.arguments import parse_args
 
-    from dcp_megatron.megatron.dcp_args import add_dcp_arguments
+    from dcp_megatron.flags.dcp_flags import add_dcp_arguments
 
     steps = {s["name"]: s for s in gpu_check.build_steps(out="/tmp/o", profiles="/tmp/p", python="python")}
     for name in ("train_fp8", "profile_fp8"):
@@ -98,7 +98,7 @@ def test_the_budget_makes_long_documents_recompute_and_short_ones_not():
 
 
 def _log(plans) -> str:
-    from dcp_megatron.megatron.plan_log import plan_summary
+    from dcp_megatron.core.plan_log import plan_summary
 
     lines = []
     for i, plan in enumerate(plans, 1):

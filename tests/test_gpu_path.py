@@ -14,10 +14,12 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from dcp_megatron.megatron.dcp_args import DcpUsageError, add_dcp_arguments, validate_dcp_args  # noqa: E402
-from dcp_megatron.megatron.fp8_checks import DeviceFacts, fp8_row_multiple  # noqa: E402
-from dcp_megatron.megatron.gpu_checks import check_gpu_path  # noqa: E402
-from dcp_megatron.megatron.microbatches import aligned_filler_rows, build_batch  # noqa: E402
+from dcp_megatron.config import DcpUsageError  # noqa: E402
+from dcp_megatron.flags.dcp_flags import add_dcp_arguments
+from dcp_megatron.training.arguments import validate_dcp_args
+from dcp_megatron.flags.fp8_checks import DeviceFacts, fp8_row_multiple  # noqa: E402
+from dcp_megatron.training.checks.gpu_checks import check_gpu_path  # noqa: E402
+from dcp_megatron.core.microbatches import aligned_filler_rows, build_batch  # noqa: E402
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
@@ -151,8 +153,8 @@ def _alignment_worker(rank: int, world_size: int) -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from tests.megatron_runs import tiny_local_gpt
-    from dcp_megatron.megatron.patch_set import megatron_patch_registry
-    from dcp_megatron.megatron.recompute import apply_recompute
+    from patches.megatron_set import megatron_patch_registry
+    from dcp_megatron.core.recompute import apply_recompute
 
     with megatron_patch_registry():
         parallel_state.initialize_model_parallel()
@@ -269,7 +271,7 @@ _STALE_LOCK_RUN = textwrap.dedent("""
     from torch.utils.cpp_extension import _get_build_directory
     build = _get_build_directory("deepspeed_shm_comm", verbose=False)
     open(os.path.join(build, "lock"), "w").close()      # left by a process killed while compiling
-    from dcp_megatron.deepspeed.patch_set import deepspeed_patch_registry
+    from patches.deepspeed_set import deepspeed_patch_registry
     import deepspeed, torch
     timeout = timedelta(seconds=60)
     registry = deepspeed_patch_registry(timeout=timeout).apply() if sys.argv[1] == "patched" else None

@@ -9,10 +9,12 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from dcp_megatron.megatron.dcp_args import DcpConfig, DcpUsageError, add_dcp_arguments, validate_dcp_args  # noqa: E402
-from dcp_megatron.megatron.global_batch import (  # noqa: E402
+from dcp_megatron.config import DcpConfig, DcpUsageError  # noqa: E402
+from dcp_megatron.flags.dcp_flags import add_dcp_arguments
+from dcp_megatron.training.arguments import validate_dcp_args
+from dcp_megatron.core.global_batch import (  # noqa: E402
     DocumentIndex, Documents, documents_needed, exchange_documents, gather_lengths, split_samples)
-from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, build_batch, with_fillers_to_multiple  # noqa: E402
+from dcp_megatron.core.microbatches import MICROBATCH_KEY, build_batch, with_fillers_to_multiple  # noqa: E402
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, StepPlan, Wave  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
@@ -91,7 +93,7 @@ def test_dcp_config_is_validated():
     with pytest.raises(ValueError):
         DcpConfig(seq_length=8, policy="best")
     assert DcpConfig(seq_length=8).recompute == ("none", "selective", "full")
-    from dcp_megatron.megatron.dcp_args import dcp_config_from_args
+    from dcp_megatron.flags.dcp_flags import dcp_config_from_args
 
     # the plan agreement check is on unless turned off
     assert dcp_config_from_args(_args(dcp=True)).check_plans
@@ -148,7 +150,7 @@ def _exchange_worker(rank: int, world_size: int) -> dict:
     index = DocumentIndex.build(per_rank)
     received = exchange_documents(_plan_two_ranks(), local, index, domain_rank=rank, group=None)
     # The plan agreement check (on by default): the same plan passes, divergent plans raise on every rank.
-    from dcp_megatron.megatron.planning import check_same_plan
+    from dcp_megatron.core.planning import check_same_plan
 
     check_same_plan(_plan_two_ranks(), iteration=1, group=None, device="cpu")
     mine = _plan_two_ranks() if rank == 0 else StepPlan(domain_size=2, waves=_plan_two_ranks().waves[::-1],
@@ -202,7 +204,7 @@ def test_virtual_stages_get_fillers_up_to_the_interleaved_schedules_group_size()
 
 
 def test_patch_set_supports_only_the_versions_it_was_run_on(monkeypatch):
-    from dcp_megatron.megatron.patch_set import megatron_patch_registry
+    from patches.megatron_set import megatron_patch_registry
     from patches.registry import PatchVersionError
 
     registry = megatron_patch_registry(installed_version="0.16.1")
@@ -213,8 +215,8 @@ def test_patch_set_supports_only_the_versions_it_was_run_on(monkeypatch):
 
 
 def test_no_cpu_shim_is_applied_when_a_gpu_is_reported(monkeypatch):
-    from dcp_megatron.megatron import compat
-    from dcp_megatron.megatron.patch_set import megatron_patch_registry
+    from patches import compat
+    from patches.megatron_set import megatron_patch_registry
 
     cpu_targets = {p.target for p in compat.cpu_compat_patches()}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -229,8 +231,8 @@ def _recompute_worker(rank: int, world_size: int) -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from tests.megatron_runs import tiny_local_gpt
-    from dcp_megatron.megatron.patch_set import megatron_patch_registry
-    from dcp_megatron.megatron.recompute import apply_recompute
+    from patches.megatron_set import megatron_patch_registry
+    from dcp_megatron.core.recompute import apply_recompute
 
     counts: dict[str, int] = {}
     with megatron_patch_registry():
@@ -264,8 +266,8 @@ def _recompute_worker(rank: int, world_size: int) -> dict:
             results[str(recompute)] = dict(counts)
         # Pipeline order: micro-batch A (full 2) runs forward, then B (selective), then A's backward replays A.
         # The replay must recompute A as A asked (core attention once more), not as the latest micro-batch B did.
-        from dcp_megatron.megatron import forward_step
-        from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, MicroBatchContext
+        from dcp_megatron.training import forward_step
+        from dcp_megatron.core.microbatches import MICROBATCH_KEY, MicroBatchContext
 
         def forward(recompute):
             context = MicroBatchContext(wave_index=0, cp_size=1, cp_rank=0, group=None, recompute=recompute)
@@ -281,7 +283,7 @@ def _recompute_worker(rank: int, world_size: int) -> dict:
         import json
         import tempfile
 
-        from dcp_megatron.megatron.microbatch_trace import MicrobatchTrace
+        from dcp_megatron.core.microbatch_trace import MicrobatchTrace
 
         # The trace --dcp-dump-plans writes records what each micro-batch's backward replayed, not the switches.
         directory = tempfile.mkdtemp()
@@ -326,7 +328,7 @@ def test_the_recompute_a_microbatch_asks_for_really_runs_in_backward():
 
 
 def test_run_paths_are_checked_at_start_up(tmp_path):
-    from dcp_megatron.megatron.run_paths import TRACKER_FILE, check_run_paths
+    from dcp_megatron.training.checks.run_paths import TRACKER_FILE, check_run_paths
 
     def paths(**given):
         return argparse.Namespace(**{"save": None, "load": None, "tensorboard_dir": None, "dcp_dump_plans": None,
@@ -363,9 +365,9 @@ def _middle_stage_worker(rank: int, world_size: int) -> dict:
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from dcp_megatron.megatron import forward_step
-    from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, MicroBatchContext
-    from dcp_megatron.megatron.patch_set import megatron_patch_registry
+    from dcp_megatron.training import forward_step
+    from dcp_megatron.core.microbatches import MICROBATCH_KEY, MicroBatchContext
+    from patches.megatron_set import megatron_patch_registry
     from tests.megatron_runs import tiny_local_gpt
 
     class Seen(Exception):

@@ -1,7 +1,7 @@
 """`--dcp` with Mixture-of-Experts inside megatron.training (Megatron-LM's Mixtral flags at tiny size: 4 experts,
 top-2, load-balancing aux loss 1e-2 and router z-loss 1e-3 on; CPU, gloo, fp32).
 
-Under --dcp the balancing loss is per document (dcp_megatron/megatron/moe_aux.py). So:
+Under --dcp the balancing loss is per document (dcp_megatron/core/moe_aux.py). So:
 - Without --dataloader-inter-document-masking a document is one of Megatron's samples and the objective is
   Megatron's own at --micro-batch-size 1: EP 2 (alltoall dispatcher) `--dcp` vs Megatron's plain path at the same
   layout (allgather dispatcher: the dispatcher changes nothing but the token exchange), every gradient at every

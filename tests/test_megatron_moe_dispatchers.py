@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, rank_batches, wave_local_rows  # noqa: E402
+from dcp_megatron.core.microbatches import MICROBATCH_KEY, rank_batches, wave_local_rows  # noqa: E402
 from dcp_megatron.planner.plan import Group, MicroBatch, StepPlan, Wave  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
@@ -84,8 +84,8 @@ def _dispatch_worker(rank: int, world_size: int) -> dict:
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from megatron.training import global_vars
 
-    from dcp_megatron.megatron import forward_step
-    from dcp_megatron.megatron.patch_set import megatron_patch_registry
+    from dcp_megatron.training import forward_step
+    from patches.megatron_set import megatron_patch_registry
 
     results = {}
     with megatron_patch_registry():
@@ -167,8 +167,8 @@ def test_every_dispatcher_at_ep1_and_ep2_runs_padded_dcp_microbatches_and_matche
 
 
 def test_flex_dispatcher_is_refused_without_a_gpu_and_gathering_dispatchers_under_ep_get_equal_rows():
-    from dcp_megatron.megatron.dcp_args import DcpUsageError
-    from dcp_megatron.megatron.moe_checks import check_moe_dispatcher, needs_equal_rows
+    from dcp_megatron.config import DcpUsageError
+    from dcp_megatron.training.checks.moe_checks import check_moe_dispatcher, needs_equal_rows
 
     def args(dispatcher, ep=1, experts=4):
         return argparse.Namespace(num_experts=experts, moe_token_dispatcher_type=dispatcher,

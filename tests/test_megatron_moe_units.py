@@ -1,4 +1,4 @@
-"""Under --dcp an MoE router's balancing and z losses are per document (dcp_megatron/megatron/moe_aux.py), checked
+"""Under --dcp an MoE router's balancing and z losses are per document (dcp_megatron/core/moe_aux.py), checked
 against upstream's own router run on each document alone, on one process."""
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def _router_worker(rank: int, world_size: int, kind: str) -> dict:
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from megatron.training import global_vars
 
-    from dcp_megatron.megatron import forward_step
-    from dcp_megatron.megatron.microbatches import build_batch
-    from dcp_megatron.megatron.patch_set import megatron_patch_registry
+    from dcp_megatron.training import forward_step
+    from dcp_megatron.core.microbatches import build_batch
+    from patches.megatron_set import megatron_patch_registry
     from dcp_megatron.planner.plan import NO_RECOMPUTE
 
     with megatron_patch_registry():

@@ -160,7 +160,7 @@ def test_cpu_compat_patches_megatron_and_restores_it():
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as tp_random
 
-    from dcp_megatron.megatron.compat import cpu_compat_registry, needs_cpu_compat
+    from patches.compat import cpu_compat_registry, needs_cpu_compat
 
     if not needs_cpu_compat():
         pytest.skip("a GPU is present: the CPU shims are not used")

@@ -50,10 +50,10 @@ def _loop_worker(rank: int, world_size: int, case: str) -> dict:
     from megatron.core import parallel_state
     from megatron.training import global_vars
 
-    from dcp_megatron.megatron.dcp_args import DcpConfig
-    from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
-    from dcp_megatron.megatron.patch_set import megatron_patch_registry
-    from dcp_megatron.megatron.schedule import DcpForwardBackward
+    from dcp_megatron.config import DcpConfig
+    from dcp_megatron.core.microbatches import MICROBATCH_KEY
+    from patches.megatron_set import megatron_patch_registry
+    from dcp_megatron.training.schedule import DcpForwardBackward
     from dcp_megatron.planner.model import ModelShape
     from tests.megatron_runs import tiny_local_gpt
 
@@ -134,7 +134,7 @@ class _Shares:
         self.rank, self.consumed_samples = rank, 0
 
     def next_share(self):
-        from dcp_megatron.megatron.global_batch import split_samples
+        from dcp_megatron.core.global_batch import split_samples
 
         step = self.consumed_samples // self.global_batch_size + 1
         self.consumed_samples += self.global_batch_size
@@ -172,9 +172,9 @@ def _deepspeed_loop_worker(rank: int, world_size: int, case: str) -> dict:
     from megatron.core import parallel_state
 
     from dcp_megatron.deepspeed.steps import DcpSteps
-    from dcp_megatron.megatron.dcp_args import DcpConfig
-    from dcp_megatron.megatron.patch_set import megatron_patch_registry
-    from dcp_megatron.megatron.planning import build_cost_model
+    from dcp_megatron.config import DcpConfig
+    from patches.megatron_set import megatron_patch_registry
+    from dcp_megatron.core.planning import build_cost_model
     from dcp_megatron.planner.model import ModelShape
     from dcp_megatron.runtime.group_pool import GroupPool
     from tests.megatron_runs import tiny_local_gpt

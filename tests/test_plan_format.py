@@ -53,7 +53,7 @@ def test_bad_recompute_is_rejected(bad):
 
 def test_model_presets_and_flops_facts():
     m = model_preset("llama3-8b")
-    # DESIGN.md §4: linear part ≈45 GFLOP/token, attention 786,432·L², equal near L≈57K.
+    # docs/cost_model.md: linear part ≈45 GFLOP/token, attention 786,432·L², equal near L≈57K.
     assert 44e9 < m.linear_flops_per_token < 46e9
     assert m.attn_flops_per_len2 == 786_432
     assert 55_000 < m.linear_flops_per_token / m.attn_flops_per_len2 < 59_000

@@ -194,7 +194,7 @@ def test_simulator_ep_flag_is_validated(capsys, tmp_path):
 
 
 def test_megatron_adapter_passes_the_moe_flags():
-    from dcp_megatron.megatron.planning import model_shape_from_args
+    from dcp_megatron.core.planning import model_shape_from_args
 
     args = argparse.Namespace(
         num_layers=4, hidden_size=64, num_attention_heads=4, group_query_attention=False, num_query_groups=None,

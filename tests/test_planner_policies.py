@@ -6,7 +6,7 @@ import pytest
 
 from dcp_megatron.planner.bounds import fewest_rank_microbatches, lower_bound
 from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cluster_cpu import cpu_cluster
+from dcp_megatron.planner.cluster import cpu_cluster
 from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, StepPlan, Wave

@@ -18,7 +18,7 @@ from dcp_megatron.data.preprocess import (
     iter_input_texts,
     preprocess_texts,
 )
-from dcp_megatron.megatron.indexed_documents import IndexedDataError, IndexedDocuments
+from dcp_megatron.data.indexed_documents import IndexedDataError, IndexedDocuments
 
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
 TEXTS = ["hello world", "", "x", "naïve café — 東京 🚀\n" * 3, "def f():\n    return 1\n"]

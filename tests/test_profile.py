@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from dcp_megatron.megatron.profiler import profile_cp_sizes, profile_grid
-from dcp_megatron.planner.cluster_cpu import cpu_cluster
+from dcp_megatron.training.profiler import profile_cp_sizes, profile_grid
+from dcp_megatron.planner.cluster import cpu_cluster
 from dcp_megatron.planner.cost import CP_PASSES, CostModel, check_profile, load_profile
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import NO_RECOMPUTE
@@ -152,8 +152,8 @@ class _Model(torch.nn.Module):
 
 
 def test_probes_time_the_core_attention_and_split_saved_bytes_at_the_block():
-    from dcp_megatron.megatron.forward_step import Clock
-    from dcp_megatron.megatron.profile_probes import AttentionTimer, SavedBytesMeter
+    from dcp_megatron.training.forward_step import Clock
+    from dcp_megatron.training.profile_probes import AttentionTimer, SavedBytesMeter
 
     model = _Model()
     timer, meter = AttentionTimer([model], Clock(cuda=False, host_clock=time.process_time)), SavedBytesMeter([model])

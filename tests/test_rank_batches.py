@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, build_batch, rank_batches  # noqa: E402
+from dcp_megatron.core.microbatches import MICROBATCH_KEY, build_batch, rank_batches  # noqa: E402
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, StepPlan, Wave  # noqa: E402
 
 

@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from dcp_megatron.planner.cluster_cpu import cpu_cluster
+from dcp_megatron.planner.cluster import cpu_cluster
 from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import Group, MicroBatch, StepPlan, Wave

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cluster_cpu import cpu_cluster
+from dcp_megatron.planner.cluster import cpu_cluster
 from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, StepPlan, Wave

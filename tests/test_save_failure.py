@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from dcp_megatron.megatron.save_failure import os_error_in
+from dcp_megatron.training.save_failure import os_error_in
 from dcp_megatron.runtime import checkpoint_manifest as manifest_io
 from tests.megatron_runs import OUR_SCRIPT, run_training
 from tests.test_fault_matrix import MEGATRON_DCP

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from dcp_megatron.megatron.dcp_args import DcpUsageError
+from dcp_megatron.config import DcpUsageError
 from dcp_megatron.runtime import save_lock
 from tests.deepspeed_runs import TINY_MODEL, ds_config, load_ds_script
 from tests.megatron_runs import CPU_FLAGS, LLAMA_TINY
@@ -204,7 +204,7 @@ def test_deepspeed_train_batch_size_is_the_global_batch(tmp_path, monkeypatch, c
 def test_empty_iteration_directories_of_interrupted_saves_are_removed_at_start(tmp_path, capsys, monkeypatch):
     """A save killed before it wrote leaves an empty iter_* (Megatron makes the directory first): removed at the
     next start by rank 0, never the tracker's iteration; a non-empty newer one is named, not touched."""
-    from dcp_megatron.megatron.checkpoints import clear_interrupted_saves
+    from dcp_megatron.training.checkpoints import clear_interrupted_saves
 
     save = tmp_path / "ckpt"
     for name in ("iter_0000002", "iter_0000003/sub", "iter_0000004", "iter_0000005"):
@@ -220,7 +220,7 @@ def test_empty_iteration_directories_of_interrupted_saves_are_removed_at_start(t
     # the start-up path (patched validate_args -> check_run_paths) does it, after taking the --save lock
     import types
 
-    from dcp_megatron.megatron.run_paths import check_run_paths
+    from dcp_megatron.training.checks.run_paths import check_run_paths
 
     (save / "iter_0000006").mkdir()
     monkeypatch.setenv("RANK", "0")
@@ -233,7 +233,7 @@ def test_empty_iteration_directories_of_interrupted_saves_are_removed_at_start(t
 # ----------------------------------------------------------------------------------------- the pieces
 
 def test_gpus_per_node_must_match_torchruns_ranks_per_node(monkeypatch):
-    from dcp_megatron.megatron.dcp_args import check_gpus_per_node
+    from dcp_megatron.config import check_gpus_per_node
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -249,7 +249,7 @@ def test_gpus_per_node_must_match_torchruns_ranks_per_node(monkeypatch):
 
 
 def test_corpus_check_accepts_a_matching_pair_and_names_a_truncated_bin(tmp_path):
-    from dcp_megatron.megatron.data_files import check_indexed_pair
+    from dcp_megatron.flags.data_files import check_indexed_pair
 
     prefix = _corpus(tmp_path / "c", [300, 500, 70])
     check_indexed_pair(prefix, "--data-path")
@@ -341,7 +341,7 @@ def test_a_refusal_at_the_first_step_ends_in_one_line_too(monkeypatch, capsys):
     import megatron.training
     import torch
 
-    from dcp_megatron.megatron.dcp_args import DcpUsageError
+    from dcp_megatron.config import DcpUsageError
     from patches import training_training
 
     run_args = types.SimpleNamespace(dcp=True, curr_iteration=0, distributed_timeout_minutes=1.0)

@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from dcp_megatron.planner.cluster_cpu import cpu_cluster  # noqa: E402
+from dcp_megatron.planner.cluster import cpu_cluster  # noqa: E402
 from dcp_megatron.planner.cost import CostModel, check_profile  # noqa: E402
 from dcp_megatron.planner.model import model_preset  # noqa: E402
 from dcp_megatron.planner.plan import Recompute  # noqa: E402

@@ -23,8 +23,7 @@ import copy
 import json
 import os
 
-from dcp_megatron.megatron.dcp_args import (RECOMPUTE_CHOICES, DcpConfig, DcpUsageError, check_gpus_per_node,
-                                            local_world_size)
+from dcp_megatron.config import RECOMPUTE_CHOICES, DcpConfig, DcpUsageError, check_gpus_per_node, local_world_size
 
 SUPPORTED_ZERO_STAGES = (0, 1, 2)
 

@@ -5,16 +5,16 @@ A DeepSpeed script keeps its own loop, engine, checkpoints and logging; per iter
 
 1. reads this rank's share of the next global batch from Megatron's data pipeline (`samples.py`:
    the samples Megatron's loop would train this step, cut into documents) and all-gathers the
-   document lengths over the domain (`megatron/global_batch.py`), so every rank plans the same step
+   document lengths over the domain (`core/global_batch.py`), so every rank plans the same step
    from the same `(sequence_id, length)` list; plus one all-reduce of the step's loss-mask tokens;
 2. plans it: by default while the previous step trained (`PlanAhead`: step k+1's share is read and its
    lengths gathered before step k trains); every rank plans the same step (`check_plans` proves it);
 3. sends every document to the ranks whose micro-batches hold it (one all-to-all), builds this rank's
-   batch dicts (`megatron/microbatches.py`: zig-zag shards, packed THD, CP group and recompute
+   batch dicts (`core/microbatches.py`: zig-zag shards, packed THD, CP group and recompute
    attached) and runs them on the engine (`engine_step.py`);
 4. folds the measured micro-batch times into the cost model (one all-reduce; `refine`), writes the
    plan JSON (`dump_plans`, the Megatron path's format) with every rank's trace of what its micro-batches
-   ran (CP group, recompute replayed: `megatron/microbatch_trace.py`) and returns what the step did.
+   ran (CP group, recompute replayed: `core/microbatch_trace.py`) and returns what the step did.
 
 The data position to checkpoint is Megatron's consumed-samples count of the first step not trained
 yet (`state_dict`), also when the next step has already been read for planning ahead.
@@ -28,12 +28,12 @@ import torch.distributed as dist
 
 from dcp_megatron.deepspeed.engine_step import StepOutcome, run_planned_step
 from dcp_megatron.deepspeed.scalar_writers import write_step_to_monitor
-from dcp_megatron.megatron.dcp_args import DcpConfig
-from dcp_megatron.megatron.global_batch import DocumentIndex, Documents, exchange_documents, gather_lengths
-from dcp_megatron.megatron.microbatch_trace import MicrobatchTrace
-from dcp_megatron.megatron.microbatches import rank_batches
-from dcp_megatron.megatron.plan_dump import PlanDumper
-from dcp_megatron.megatron.planning import check_longest_fits, check_same_plan, plan_global_batch
+from dcp_megatron.config import DcpConfig
+from dcp_megatron.core.global_batch import DocumentIndex, Documents, exchange_documents, gather_lengths
+from dcp_megatron.core.microbatch_trace import MicrobatchTrace
+from dcp_megatron.core.microbatches import rank_batches
+from dcp_megatron.core.plan_dump import PlanDumper
+from dcp_megatron.core.planning import check_longest_fits, check_same_plan, plan_global_batch
 from dcp_megatron.planner.ahead import PlanAhead, plan_synchronously
 from dcp_megatron.planner.refine import TimeCorrection
 from dcp_megatron.runtime.group_pool import plan_blocks
@@ -139,7 +139,7 @@ class DcpSteps:
         documents = exchange_documents(plan, share.local, share.index, domain_rank=rank, group=self.pool.domain_group)
         batches = rank_batches(plan, documents, pool=self.pool, device=self.device)
         trace = None
-        if self.config.dump_plans:   # what each micro-batch ran, next to the plans (megatron/microbatch_trace.py)
+        if self.config.dump_plans:   # what each micro-batch ran, next to the plans (core/microbatch_trace.py)
             trace = MicrobatchTrace(self.config.dump_plans, rank=dist.get_rank())
             trace.attach([engine.module], self.model_config, iteration=share.step + 1)
         try:

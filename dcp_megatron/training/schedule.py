@@ -39,18 +39,18 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 import torch
 
-from dcp_megatron.megatron.batch_schedule import next_step_num_microbatches
-from dcp_megatron.megatron.dcp_args import DcpConfig
-from dcp_megatron.megatron.forward_step import DcpForwardStep
-from dcp_megatron.megatron.global_batch import (DocumentIndex, Documents, broadcast_documents,
+from dcp_megatron.training.batch_schedule import next_step_num_microbatches
+from dcp_megatron.config import DcpConfig
+from dcp_megatron.training.forward_step import DcpForwardStep
+from dcp_megatron.core.global_batch import (DocumentIndex, Documents, broadcast_documents,
                                                 exchange_documents, gather_lengths, split_samples)
-from dcp_megatron.megatron.microbatch_trace import MicrobatchTrace
-from dcp_megatron.megatron.microbatches import MICROBATCH_KEY, rank_batches, with_fillers_to_multiple
-from dcp_megatron.megatron.plan_dump import PlanDumper
-from dcp_megatron.megatron.plan_log import plan_summary
-from dcp_megatron.megatron.planning import build_cost_model, check_longest_fits, check_same_plan, plan_global_batch
-from dcp_megatron.megatron.recompute import restore_recompute, snapshot_recompute
-from dcp_megatron.megatron.scalar_writers import megatron_writers_present, write_step
+from dcp_megatron.core.microbatch_trace import MicrobatchTrace
+from dcp_megatron.core.microbatches import MICROBATCH_KEY, rank_batches, with_fillers_to_multiple
+from dcp_megatron.core.plan_dump import PlanDumper
+from dcp_megatron.core.plan_log import plan_summary
+from dcp_megatron.core.planning import build_cost_model, check_longest_fits, check_same_plan, plan_global_batch
+from dcp_megatron.core.recompute import restore_recompute, snapshot_recompute
+from dcp_megatron.training.scalar_writers import megatron_writers_present, write_step
 from dcp_megatron.planner.ahead import PlanAhead, PlannedStep, plan_synchronously
 from dcp_megatron.planner.refine import TimeCorrection, relative_error
 from dcp_megatron.planner.model import ModelShape
@@ -107,7 +107,7 @@ class DcpForwardBackward:
 
     # Lazily, at the first training step: every rank of the world reaches it, in the same order.
     def _setup(self) -> None:
-        from dcp_megatron.megatron.domain import build_group_pool
+        from dcp_megatron.core.domain import build_group_pool
 
         self._pool = build_group_pool(tp_size=self.model_shape.tp, pp_size=self.model_shape.pp, timeout=self.timeout)
         self._cost = build_cost_model(self.config, self.model_shape, domain_size=self._pool.domain_size,

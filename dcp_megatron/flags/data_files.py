@@ -15,7 +15,7 @@ import math
 import os
 import struct
 
-from dcp_megatron.megatron.dcp_args import DcpUsageError
+from dcp_megatron.config import DcpUsageError
 
 # megatron-core's .idx layout (megatron.core.datasets.indexed_dataset._IndexWriter): 9-byte magic, u64 version,
 # u8 dtype code, u64 sequence count S, u64 document-index count D, int32[S] lengths, int64[S] byte pointers,

@@ -1,4 +1,4 @@
-"""Switch a megatron-core model's activation recompute per micro-batch (DESIGN.md section 7a).
+"""Switch a megatron-core model's activation recompute per micro-batch (docs/megatron.md).
 
 Full (block) recompute is read from the TransformerConfig at every forward, and all modules
 share one config object, so setting `recompute_granularity/method/num_layers` right before a

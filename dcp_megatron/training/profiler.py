@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dcp_megatron.megatron.forward_step import Clock, DcpForwardStep
-from dcp_megatron.megatron.microbatches import build_batch
-from dcp_megatron.megatron.profile_probes import AttentionTimer, SavedBytesMeter, all_gather_constants
+from dcp_megatron.training.forward_step import Clock, DcpForwardStep
+from dcp_megatron.core.microbatches import build_batch
+from dcp_megatron.training.profile_probes import AttentionTimer, SavedBytesMeter, all_gather_constants
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 from dcp_megatron.planner.profile_fit import Measurement, fit_profile, format_report, scaled_to_stage, score_profile
 
@@ -206,7 +206,7 @@ def run_profile(forward_step_func, model_chunks, *, profile: ProfileConfig, dcp,
     """Profile the model (see the module docstring); returns the report on every rank."""
     from megatron.core.utils import get_model_config
 
-    from dcp_megatron.megatron.domain import build_group_pool
+    from dcp_megatron.core.domain import build_group_pool
     from dcp_megatron.planner.cluster import cluster_preset
 
     if shape.pp != 1:

@@ -23,8 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from dcp_megatron.megatron.forward_step import Clock
-from dcp_megatron.megatron.recompute import transformer_block
+from dcp_megatron.training.forward_step import Clock
+from dcp_megatron.core.recompute import transformer_block
 
 
 def core_attentions(chunk) -> list:

@@ -2,7 +2,7 @@
 
 Megatron's defaults assume a GPU: `--distributed-backend nccl` dies with "ProcessGroupNCCL is only
 supported with GPUs", the Transformer Engine layer spec and the fused kernels need CUDA. Without a GPU
-a run gets the flags that run on CPU (DESIGN.md §7) and says so in one line; a flag the user gave
+a run gets the flags that run on CPU (docs/megatron.md) and says so in one line; a flag the user gave
 explicitly (found on the command line, e.g. `--transformer-impl transformer_engine`) is kept as given.
 Both scripts use it: the Megatron path from the `validate_args` patch (patches/training_arguments.py,
 so the launcher and Megatron-LM's own scripts get it too), the DeepSpeed script after its parse.

@@ -16,7 +16,7 @@ Without --dcp the DCP entries pass everything through to Megatron unchanged.
 """
 from __future__ import annotations
 
-from dcp_megatron.megatron.compat import cpu_compat_patches, needs_cpu_compat
+from patches.compat import cpu_compat_patches, needs_cpu_compat
 from patches import (core_dist_checkpointing_filesystem_async, core_utils, extensions_transformer_engine,
                      models_gpt_gpt_model, tensor_parallel_layers,
                      training_arguments, training_checkpointing, training_training, transformer_attention,

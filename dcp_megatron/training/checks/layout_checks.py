@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from dcp_megatron.megatron.dcp_args import DcpUsageError, recompute_choices
+from dcp_megatron.config import DcpUsageError, recompute_choices
 
 _NO_PER_MICROBATCH_BALANCING = ("global_aux_loss", "quantile_balancing")
 

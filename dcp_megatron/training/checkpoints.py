@@ -24,9 +24,11 @@ import argparse
 import os
 import shutil
 
-from dcp_megatron.megatron.dcp_args import DcpUsageError
-from dcp_megatron.megatron.run_paths import TRACKER_FILE
+from dcp_megatron.config import DcpUsageError
 from dcp_megatron.runtime import checkpoint_manifest as manifest_io
+
+# Megatron's checkpoint tracker file (megatron.training.checkpointing.get_checkpoint_tracker_filename).
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 # The values megatron-core 0.19.2's OptimizerParamScheduler checks on load (as get_optimizer_param_scheduler
 # derives them from the flags) and the flags each comes from.

@@ -18,7 +18,7 @@ import re
 import shutil
 import sys
 
-from dcp_megatron.megatron.run_paths import TRACKER_FILE
+from dcp_megatron.training.checkpoints import TRACKER_FILE
 
 # How an OSError reads once the writer's threads passed it on as text: "[Errno 28] No space left on device: 'path'".
 _OS_ERROR_TEXT = re.compile(r"\[Errno (\d+)\] ([^:'\n]+)(?:: '([^'\n]+)')?")

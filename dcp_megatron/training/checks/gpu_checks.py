@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from dcp_megatron.megatron.fp8_checks import DeviceFacts, fp8_refusal
+from dcp_megatron.flags.fp8_checks import DeviceFacts, fp8_refusal
 
 
 def check_gpu_path(args: argparse.Namespace, device: DeviceFacts | None = None) -> None:
     """Raise DcpUsageError for what --dcp cannot run here; turn off what cannot work, and say so."""
-    from dcp_megatron.megatron.dcp_args import DcpUsageError
+    from dcp_megatron.config import DcpUsageError
 
     device = DeviceFacts.of_this_machine() if device is None else device
     if not getattr(args, "dcp", False):

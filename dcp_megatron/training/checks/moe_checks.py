@@ -24,7 +24,7 @@ def _dispatcher(args: argparse.Namespace) -> str | None:
 
 def check_moe_dispatcher(args: argparse.Namespace, *, has_gpu: bool | None = None) -> None:
     """Refuse (DcpUsageError) a dispatcher this machine cannot run, naming the flag."""
-    from dcp_megatron.megatron.dcp_args import DcpUsageError
+    from dcp_megatron.config import DcpUsageError
 
     if _dispatcher(args) != "flex":
         return

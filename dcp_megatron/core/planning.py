@@ -1,7 +1,7 @@
 """The cost model of a Megatron run and one StepPlan per global batch.
 
 Every rank builds the same cost model from the same flags and plans the same global batch, so
-all ranks hold the same plan without communicating (DESIGN.md section 2); one all-reduced hash per
+all ranks hold the same plan without communicating (docs/design.md); one all-reduced hash per
 step proves it (on by default; `--dcp-no-check-plans` turns it off).
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-from dcp_megatron.megatron.dcp_args import DcpConfig
+from dcp_megatron.config import DcpConfig
 from dcp_megatron.planner.cluster import cluster_preset
 from dcp_megatron.planner.cost import CostModel, load_profile
 from dcp_megatron.planner.gpu_costs import GpuCosts
@@ -56,7 +56,7 @@ def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, 
 def checked_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:
     """build_cost_model at start-up: a --dcp-profile that is not a valid profile, or a --seq-length document that
     fits no CP group, is a DcpUsageError naming the flags to change."""
-    from dcp_megatron.megatron.dcp_args import DcpUsageError
+    from dcp_megatron.config import DcpUsageError
 
     try:
         cost = build_cost_model(config, model, domain_size=domain_size, has_gpu=has_gpu)
@@ -100,7 +100,7 @@ def check_longest_fits(config: DcpConfig, cost: CostModel) -> None:
     """Before the first step: a --seq-length document must fit the domain, else say which flag to change."""
     import numpy as np
 
-    from dcp_megatron.megatron.dcp_args import DcpUsageError
+    from dcp_megatron.config import DcpUsageError
     from dcp_megatron.planner.policies.common import candidate_sizes, check_static_memory, min_fitting_size
 
     try:

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dcp_megatron.megatron.global_batch import ROW_FIELDS
-from dcp_megatron.megatron.moe_aux import RouterDocuments, microbatch_documents
+from dcp_megatron.core.global_batch import ROW_FIELDS
+from dcp_megatron.core.moe_aux import RouterDocuments, microbatch_documents
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute, StepPlan
 from dcp_megatron.runtime.sharding import padded_length, shard_microbatch
 

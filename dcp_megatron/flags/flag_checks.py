@@ -19,7 +19,7 @@ import argparse
 import importlib.util
 import math
 
-from dcp_megatron.megatron.dcp_args import DcpUsageError
+from dcp_megatron.config import DcpUsageError
 
 
 def data_parallel_size_of(args: argparse.Namespace) -> int | None:

@@ -1,6 +1,6 @@
 """FP8 under --dcp: which recipes are safe when ranks run different numbers of micro-batches.
 
-Read against megatron-core 0.19.2 and Transformer Engine 2.17.1 (DESIGN.md section 11):
+Read against megatron-core 0.19.2 and Transformer Engine 2.17.1 (docs/gpu.md):
 - delayed scaling all-reduces amax (MAX) over Megatron's amax group, TP x DP x CP = the whole DCP
   domain (fp8_utils.get_fp8_context), once per micro-batch forward (autocast exit) and again in
   backward; ranks running 8 and 9 micro-batches would issue different numbers of collectives. Megatron

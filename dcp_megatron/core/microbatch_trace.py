@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from dcp_megatron.megatron.recompute import decoder_layers, transformer_block
+from dcp_megatron.core.recompute import decoder_layers, transformer_block
 
 # Per layer: the modules whose replays the trace counts, by name.
 WATCHED = (("layer", lambda layer: layer), ("core_attention", lambda layer: layer.self_attention.core_attention),

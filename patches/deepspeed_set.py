@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from dcp_megatron.megatron.compat import cpu_compat_patches, needs_cpu_compat
+from patches.compat import cpu_compat_patches, needs_cpu_compat
 from patches import (deepspeed_comm_torch, deepspeed_runtime_engine, extensions_transformer_engine,
                      transformer_attention)
 from patches.registry import PatchRegistry

@@ -23,8 +23,8 @@ from typing import Optional
 
 import torch
 
-from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
-from dcp_megatron.megatron.recompute import apply_recompute, decoder_layers
+from dcp_megatron.core.microbatches import MICROBATCH_KEY
+from dcp_megatron.core.recompute import apply_recompute, decoder_layers
 
 _CURRENT_MICROBATCH: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
     "dcp_current_microbatch", default=None)

@@ -69,7 +69,7 @@ def _loop_worker(rank: int, world_size: int, case: str) -> dict:
 
     def schedule(*, forward_step_func, data_iterator, model, num_microbatches, **kwargs):
         # the cost model's corrections this step was planned with
-        result["factors_used"].append(dict(loop._correction.factors))
+        result["factors_used"].append(loop.corrections)
         for _ in range(num_microbatches):
             forward_step_func(data_iterator, model)
         return []
@@ -95,7 +95,7 @@ def _loop_worker(rank: int, world_size: int, case: str) -> dict:
                 result["calls"].append(seen[-1])
         except RuntimeError as err:
             result["error"] = str(err)
-        result["factors"] = sorted(loop._correction.factors.items()) if loop._correction else None
+        result["factors"] = sorted(loop.corrections.items()) if loop.loop.refining else None
         parallel_state.destroy_model_parallel()
     return result
 

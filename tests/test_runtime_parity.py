@@ -1,4 +1,6 @@
-"""Proof of exactness of the executor: any layout gives the single-device gradient and loss.
+"""Proof of exactness of the planned-step loop users run (core/step_loop.py, with the reference engine:
+TinyGPT where Megatron's schedule or DeepSpeed's engine would be): any layout gives the single-device gradient
+and loss.
 
 Launches (gloo, CPU; many cases each, launches are import-bound):
 - world 4 and world 3: random layouts built directly as StepPlans (mixed CP sizes in one wave,
@@ -23,9 +25,10 @@ from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import Group, MicroBatch, StepPlan, Wave
 from dcp_megatron.planner.policies import make_plan
 from dcp_megatron.planner.validate import validate
-from dcp_megatron.runtime.executor import StepExecutor
 from dcp_megatron.runtime.group_pool import GroupPool
-from dcp_megatron.runtime.parity import (dcp_train_step, parity_case, reference_train_step, seeded_tokens)
+from dcp_megatron.core.microbatches import MICROBATCH_KEY
+from dcp_megatron.core.parity import ReferenceRun, parity_case, roomy_cost
+from dcp_megatron.runtime.parity import reference_train_step, seeded_tokens
 from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig
 from tests.dist_utils import run_distributed
 
@@ -66,19 +69,25 @@ def _counting_tokens(sample_id: int, length: int) -> torch.Tensor:
     return (start + torch.arange(length)) % TRAIN_CONFIG.vocab_size
 
 
-def _train(rank: int, world_size: int, executor: StepExecutor) -> dict:
+def _train(rank: int, world_size: int, pool: GroupPool) -> dict:
     cost = _train_cost(world_size)
     model, reference = TinyGPT(TRAIN_CONFIG, seed=5), TinyGPT(TRAIN_CONFIG, seed=5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3)
     tokens_of = _counting_tokens
+    batches = [_train_batch(step, world_size) for step in range(TRAIN_STEPS)]
+
+    def plan_function(sequences, cost):
+        plan = make_plan("dcp", sequences, cost, max_seq_len=TRAIN_MAX_SEQ_LEN)
+        validate(plan, sequences, cost.cluster, cost)
+        return plan
+
+    run = ReferenceRun(model, pool, batches, tokens_of, plan_function=plan_function, cost=cost,
+                       seq_length=TRAIN_MAX_SEQ_LEN)
     losses, ref_losses, cp_sizes, stats = [], [], Counter(), []
-    for step in range(TRAIN_STEPS):
-        batch = _train_batch(step, world_size)
-        plan = make_plan("dcp", batch, cost, max_seq_len=TRAIN_MAX_SEQ_LEN)
-        validate(plan, batch, cost.cluster, cost)
+    for batch in batches:
         trace: list = []
-        result = dcp_train_step(model, executor, plan, tokens_of, trace=trace)
+        result = run.step(trace=trace)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ref_losses.append(reference_train_step(reference, batch, tokens_of))
@@ -87,16 +96,16 @@ def _train(rank: int, world_size: int, executor: StepExecutor) -> dict:
         losses.append(result.loss)
         cp_sizes.update(t[1] for t in trace)
         stats.append(result.stats)
+    run.close()
     return {"losses": losses, "ref_losses": ref_losses, "cp_sizes": dict(cp_sizes),
             "stats_ranks": [len(s.ranks) for s in stats], "summary": stats[-1].summary()}
 
 
 def _parity_worker(rank: int, world_size: int, num_layouts: int) -> dict:
     pool = GroupPool([list(range(world_size))], timeout=timedelta(seconds=60))
-    executor = StepExecutor(pool)
-    cases = [parity_case(executor, 1000 * world_size + i, impl=("allgather", "ring")[i % 2])
+    cases = [parity_case(pool, 1000 * world_size + i, impl=("allgather", "ring")[i % 2])
              for i in range(num_layouts)]
-    return {"cases": cases, "train": _train(rank, world_size, executor),
+    return {"cases": cases, "train": _train(rank, world_size, pool),
             "created": sorted(pool.created_blocks)}
 
 
@@ -155,22 +164,25 @@ DYING_RANK = 2
 
 def _dying_worker(rank: int, world_size: int) -> None:
     pool = GroupPool([list(range(world_size))], timeout=timedelta(seconds=3))
-    executor = StepExecutor(pool)
-    mb = lambda *ids: MicroBatch(tuple((i, 9 + i) for i in ids))  # noqa: E731
-    plan = StepPlan(domain_size=3, waves=(
-        Wave((Group(0, 2, (mb(0), mb(1))), Group(2, 1, (mb(2),)))),
-        Wave((Group(0, 1, (mb(3),)), Group(1, 2, (mb(4),)))),
-    ))
-    tokens_of = seeded_tokens(TRAIN_CONFIG.vocab_size, seed=3)
-    model = TinyGPT(TRAIN_CONFIG)
-    dcp_train_step(model, executor, plan, tokens_of)  # a healthy step first
-    for ctx in executor.microbatches(plan):
-        if rank == DYING_RANK and ctx.wave_index == 0:
+
+    def plan_function(sequences, cost):
+        mb = lambda *ids: MicroBatch(tuple(sequences[i] for i in ids))  # noqa: E731
+        return StepPlan(domain_size=3, waves=(
+            Wave((Group(0, 2, (mb(0), mb(1))), Group(2, 1, (mb(2),)))),
+            Wave((Group(0, 1, (mb(3),)), Group(1, 2, (mb(4),)))),
+        ))
+
+    def die_in_wave_0_of_step_2(batch):
+        if rank == DYING_RANK and run.iteration == 2 and batch[MICROBATCH_KEY].wave_index == 0:
             os._exit(17)  # dies after wave 0 was handed out, before wave 1's group assembles
-        logits = model(ctx.shard.take(torch.cat([tokens_of(s, n) for s, n in ctx.microbatch.sequences])),
-                       ctx.shard.position_ids, lambda q, k, v: q)
-        executor.backward(logits.float().pow(2).sum(), ctx.shard.num_valid_tokens)
-    executor.finish_step(model.parameters())
+
+    tokens_of = seeded_tokens(TRAIN_CONFIG.vocab_size, seed=3)
+    batch = [(i, 9 + i) for i in range(5)]
+    run = ReferenceRun(TinyGPT(TRAIN_CONFIG), pool, [batch, batch], tokens_of, plan_function=plan_function,
+                       cost=roomy_cost(TRAIN_CONFIG, world_size), seq_length=16,
+                       before_microbatch=die_in_wave_0_of_step_2)
+    run.step()   # a healthy step first
+    run.step()
 
 
 def test_a_dead_rank_stops_the_others_with_a_clear_error():

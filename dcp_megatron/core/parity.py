@@ -1,7 +1,7 @@
 """Exactness and speed harness on the loop users run: TinyGPT steps through `PlannedStepLoop` and the
 `ReferenceEngine`, next to the single-process reference (runtime/parity.py).
 
-Shared by tests/test_runtime_parity.py, tools/check_parity.py and tools/bench_runtime.py:
+Shared by tests/integration/test_runtime_parity.py, tools/check_parity.py and tools/bench_runtime.py:
 - `ReferenceRun` trains a TinyGPT over a list of global batches with any plan maker (the planner's policies,
   or `runtime.parity.random_plan` for layouts the planner would not pick), one `step()` per batch, planning
   one step ahead as a training run does;

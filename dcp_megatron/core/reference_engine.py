@@ -1,6 +1,6 @@
 """The planned-step loop's third engine: the runtime's reference GPT (TinyGPT) on the loop's micro-batch dicts.
 
-Gradient parity (tests/test_runtime_parity.py, tools/check_parity.py) and runtime speed (tools/bench_runtime.py)
+Gradient parity (tests/integration/test_runtime_parity.py, tools/check_parity.py) and runtime speed (tools/bench_runtime.py)
 run the loop users run (core/step_loop.py: reading, planning ahead, plan agreement, the document exchange, the
 micro-batch dicts of `rank_batches`) with this engine where Megatron's schedule or DeepSpeed's engine would be:
 

@@ -1,38 +1,28 @@
 """DCP inside Megatron's training loop: the forward-backward function `train()` runs under `--dcp`.
 
-The step itself is the one planned-step loop both engines run (dcp_megatron/core/step_loop.py); this module is
-what is Megatron's in it: reading the share from Megatron's iterator, running Megatron's own schedule, and the
-scalars and log line Megatron writes.
+megatron.training's `train()` asks `get_forward_backward_func()` once for the schedule it calls every step with
+the step's data iterator and `num_microbatches = get_num_microbatches()`, the same on every rank. Under `--dcp`
+(patches/training_training.py) it gets a `DcpForwardBackward` around Megatron's own schedule, which runs each
+training step through the one planned-step loop both engines share (dcp_megatron/core/step_loop.py: read, plan
+ahead, agree, exchange, build, run, refine, dump). What is Megatron's in it lives here:
 
-megatron.training's `train()` asks `get_forward_backward_func()` once for the schedule it calls
-every step with the step's data iterator and `num_microbatches = get_num_microbatches()`, the same
-on every rank. Under `--dcp` (patches/training_training.py) it gets a `DcpForwardBackward` around
-Megatron's own schedule (no pipelining, or 1F1B with PP 2), which per training step:
-
-1. reads this data-parallel rank's share of the global batch from Megatron's iterator
-   (`num_microbatches` pulls: exactly the samples Megatron would have trained this step) on the
-   first rank of its model-parallel group (TP rank 0 of the first stage) and broadcasts the
-   documents to the group's other TP ranks and stages, which then work alike on their own domain;
-2. gathers every domain rank's lengths, plans the step (the same plan on every rank of every
-   domain; by default planned during the previous step: step k+1's share is read and its lengths
-   gathered before step k trains, and `PlanAhead` plans it on a worker thread while step k runs,
-   so a step waits only for planning that outlasts the previous step's training), exchanges the
-   documents (`global_batch.py`) and builds this rank's micro-batch dicts
-   (`microbatches.py`; with sequence parallelism every document is padded so the rows split
-   evenly over TP);
-3. runs Megatron's schedule with THIS rank's count (ranks differ when PP = 1; with PP 2 the plan
-   gives every rank one micro-batch per wave, and p2p shapes are exchanged per micro-batch) and a
-   `DcpForwardStep` (`forward_step.py`) that feeds the user's forward step each micro-batch on
-   every TP rank and switches its recompute on the model just before its forward;
-4. times every micro-batch and, after one all-reduce of the sums, corrects the cost model the
-   next plans use, identically on every rank (`planner/refine.py`; PP 1; `--dcp-no-refine` keeps it).
-   Megatron's rerun state machine may run a step again (`--rerun-mode validate_results` on a suspect
-   result): the rerun must replay the step, so a step's plan is pinned for its reruns and its times
-   refine the cost model only once the step is accepted (when the next step starts);
-5. leaves the loss to Megatron's `--calculate-per-token-loss` path: each micro-batch backpropagates
-   its unscaled token-loss sum, `finalize_model_grads` all-reduces the token count over the data-
-   parallel group (with Megatron's CP kept at 1, exactly the DCP domain) and divides: gradients
-   are those of one device on the whole global batch.
+- reading: this data-parallel rank's share is `num_microbatches` pulls of Megatron's iterator (exactly the
+  samples Megatron would have trained this step) on the first rank of its model-parallel group (TP rank 0 of the
+  first stage), broadcast to the group's other TP ranks and stages, which then work alike on their own domain;
+  the next step's share is read with that step's own count (`--step-batch-size-schedule`), and not for a step
+  Megatron skips (`--iterations-to-skip`) or past `--train-iters`;
+- running: Megatron's schedule with THIS rank's count (ranks differ when PP = 1; with PP the plan gives every
+  rank one micro-batch per wave, and p2p shapes are exchanged per micro-batch; virtual stages get masked fillers
+  to the interleaved schedule's group size) and a `DcpForwardStep` (`forward_step.py`) that feeds the user's
+  forward step each micro-batch on every TP rank and switches its recompute just before its forward; with
+  sequence parallelism every document is padded so the rows split evenly over TP;
+- reruns: Megatron's rerun state machine may run a step again (`--rerun-mode validate_results`); the loop pins a
+  step's plan for its reruns and refines the cost model only once the next step starts;
+- the loss: Megatron's `--calculate-per-token-loss` path: each micro-batch backpropagates its unscaled token-loss
+  sum, `finalize_model_grads` all-reduces the token count over the data-parallel group (with Megatron's CP kept at
+  1, exactly the DCP domain) and divides: gradients are those of one device on the whole global batch;
+- recording: Megatron's writers (`scalar_writers.py`) and the ` dcp iteration` log line. Refinement times
+  micro-batches of one stage, so it runs with PP 1 only (`--dcp-no-refine` turns it off).
 
 Evaluation (`forward_only=True`) runs Megatron's schedule unchanged.
 """

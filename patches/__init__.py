@@ -2,7 +2,7 @@
 
 Each upstream-module file lists `Patch` entries (see registry.py); nothing is applied on import. The CPU shims
 (`CPU_PATCHES`, collected by compat.py) apply only when no GPU is present; the CPU view of torch they use is
-cpu_torch.py. The DCP patches (`dcp_patches()`) join them in the two sets below, which the entry points ask for
+cpu_torch.py. The DCP patches (`dcp_patches()`) join them in two sets (megatron_set.py, deepspeed_set.py), which the entry points ask for
 by name (sets.py): `dcp_megatron.enable()` and the launcher `patch_set("megatron")`, the DeepSpeed script
 `patch_set("deepspeed", timeout=...)`. Patches call into dcp_megatron's adapters; the adapters never import
 patches.

@@ -12,11 +12,12 @@ checkpoint replays, i.e. recompute that happened.
   its layers replay: it ties the running backward (autograd's graph task) to the record.
 - Forward hooks on every watched module of every layer (`WATCHED`: the layer itself, core attention, the
   MLP) count the forwards that run inside a backward, on the record of that backward. Full recompute of
-  k layers replays k layers (and their attention and MLP); selective replays core attention in every layer.
-  A module-level relief kind (MLP recompute, ...) is one more entry in `WATCHED` and `recompute_ran`.
+  k layers replays k layers (and their attention and MLP); module recompute replays those modules in every layer
+  (core attention: `selective`; the MLP: `mlp`; both: `core_attn+mlp`). A new relief kind is one more entry in
+  `WATCHED` and `recompute_ran`.
 
 One JSON line per micro-batch and chunk, in `DIR/microbatches_rank{global rank}.jsonl`: `recompute` is what
-ran (named like the plan's: `none`, `selective`, `full<k>`; `mixed(...)` for anything else), `recompute_set`
+ran (named like the plan's: `none`, `full<k>`, a module set; `mixed(...)` for anything else), `recompute_set`
 what the model's switches said at the forward, `replayed` the counts. Tests compare them with the plans.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import os
 
 import torch
 
-from dcp_megatron.core.recompute import decoder_layers, transformer_block
+from dcp_megatron.core.recompute import decoder_layers, modules_name, modules_on, transformer_block
 
 # Per layer: the modules whose replays the trace counts, by name.
 WATCHED = (("layer", lambda layer: layer), ("core_attention", lambda layer: layer.self_attention.core_attention),
@@ -37,8 +38,8 @@ def recompute_seen(config, layers) -> str:
     """The recompute the model's switches ask for at a forward, named like the plan's."""
     if config.recompute_granularity == "full":
         return f"full{config.recompute_num_layers}"
-    flags = {bool(layer.self_attention.checkpoint_core_attention) for layer in layers}
-    return {frozenset([False]): "none", frozenset([True]): "selective"}.get(frozenset(flags), "mixed")
+    modules = modules_on(layers)
+    return "mixed" if modules is None else modules_name(modules)
 
 
 def recompute_ran(replayed: dict[str, int], num_layers: int) -> str:
@@ -48,8 +49,8 @@ def recompute_ran(replayed: dict[str, int], num_layers: int) -> str:
         return "none"
     if layers and attention == mlp == layers:
         return f"full{layers}"
-    if not layers and not mlp and attention == num_layers:
-        return "selective"
+    if not layers and {attention, mlp} <= {0, num_layers}:
+        return modules_name({name for name, count in (("core_attn", attention), ("mlp", mlp)) if count})
     return "mixed(" + ",".join(f"{name}={n}" for name, n in sorted(replayed.items())) + ")"
 
 

@@ -76,7 +76,9 @@ def run_deepspeed(config: dict, extra: list[str], *, nproc: int = 2, iters: int 
     flags = list(TINY_MODEL if model is None else model) + ["--deepspeed-config", path, "--train-iters", str(iters)] + list(extra)
     command = (torchrun_command(DS_SCRIPT, flags, nproc=nproc, launcher=False, port=free_port()) if torchrun
                else [sys.executable, DS_SCRIPT, *flags])
-    env = dict(run_env(), DS_ACCELERATOR="cpu")
+    # a plain process makes its own one-rank group on MASTER_PORT (29500 by default): a free one, so runs side by
+    # side (pytest workers, other suites) do not collide
+    env = dict(run_env(), DS_ACCELERATOR="cpu", **({} if torchrun else {"MASTER_PORT": str(free_port())}))
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     return parse_output(proc.returncode, proc.stdout + proc.stderr)
 

@@ -35,25 +35,18 @@ def decoder_layers(model) -> list:
     return list(decoder.layers)
 
 
-# The module names megatron-core 0.19.2 accepts in recompute_modules that DCP switches, and those needing TE.
-MODULES = ("core_attn", "mlp", "moe", "shared_experts", "moe_act", "layernorm")
+# The recompute modules that run through CheckpointWithoutOutput, which needs Transformer Engine.
 NEEDS_TRANSFORMER_ENGINE = frozenset({"moe_act", "layernorm"})
 
 
 def modules_of(recompute: Recompute) -> frozenset[str]:
     """The megatron-core modules a micro-batch's recompute checkpoints (a plan's "selective" is core attention)."""
-    modules = frozenset(getattr(recompute, "modules", None) or ())
-    if not modules and recompute.kind == "selective":
-        modules = frozenset({"core_attn"})
-    return modules
+    return recompute.modules if recompute.kind == "selective" else frozenset()
 
 
 def modules_name(modules) -> str:
-    """A module set named like the plan names it: "none", "selective" (core attention alone), else e.g. "core_attn+mlp"."""
-    modules = frozenset(modules)
-    if not modules:
-        return "none"
-    return "selective" if modules == {"core_attn"} else "+".join(sorted(modules))
+    """A module set named as the plan names it: "none", "selective" (core attention alone), else e.g. "core_attn+mlp"."""
+    return str(Recompute.of_modules(modules))
 
 
 def modules_on(layers) -> frozenset[str] | None:
@@ -102,9 +95,6 @@ def apply_recompute(model, config, recompute: Recompute, *, stage_layers: int | 
         config.recompute_method = None
         config.recompute_num_layers = None
     modules = modules_of(recompute)
-    unknown = modules - set(MODULES)
-    if unknown:
-        raise ValueError(f"recompute {recompute}: megatron-core has no recompute module {sorted(unknown)}")
     for module, attribute, name in _switches(layers):
         if name == "layernorm" and _is_identity(getattr(module, attribute.replace("recompute_", ""), None)):
             continue   # a fused norm (TE spec): nothing to recompute, and upstream leaves the switch off

@@ -50,11 +50,15 @@ def random_partition(domain_size: int, rng: random.Random) -> list[tuple[int, in
 
 
 def random_recompute(rng: random.Random, num_layers: int) -> Recompute:
-    choice = rng.randrange(3)
+    choice = rng.randrange(5)
     if choice == 0:
         return Recompute("none")
     if choice == 1:
         return Recompute("selective")
+    if choice == 2:
+        return Recompute.of_modules({"mlp"})
+    if choice == 3:
+        return Recompute.of_modules({"core_attn", "mlp"})
     return Recompute("full", rng.randint(1, num_layers))
 
 

@@ -251,12 +251,14 @@ def _recompute_worker(rank: int, world_size: int) -> dict:
         for i, layer in enumerate(layers):
             layer.register_forward_hook(hook(f"layer{i}"))
             layer.self_attention.core_attention.register_forward_hook(hook(f"attn{i}"))
+            layer.mlp.register_forward_hook(hook(f"mlp{i}"))
         tokens = torch.randint(0, 64, (1, 12))
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 5, 12], dtype=torch.int32),
                                  cu_seqlens_kv=torch.tensor([0, 5, 12], dtype=torch.int32),
                                  max_seqlen_q=7, max_seqlen_kv=7)
         results = {}
-        for recompute in (NO_RECOMPUTE, Recompute("full", 2), Recompute("selective")):
+        for recompute in (NO_RECOMPUTE, Recompute("full", 2), Recompute("selective"), Recompute.of_modules({"mlp"}),
+                          Recompute.of_modules({"core_attn", "mlp"})):
             counts.clear()
             apply_recompute(model, config, recompute)
             phase["now"] = "forward"
@@ -315,6 +317,12 @@ def test_the_recompute_a_microbatch_asks_for_really_runs_in_backward():
     # selective: every layer's core attention (and nothing else) is recomputed.
     assert all(selective.get(f"backward:attn{i}") == 1 for i in range(3))
     assert not any(k.startswith("backward:layer") for k in selective)
+    assert not any(k.startswith("backward:mlp") for k in selective)
+    # module recompute (megatron-core's recompute_modules, switched per micro-batch): exactly the modules named
+    mlp, both = results["mlp"], results["core_attn+mlp"]
+    assert {k for k in mlp if k.startswith("backward:")} == {f"backward:mlp{i}" for i in range(3)}, mlp
+    assert {k for k in both if k.startswith("backward:")} == {f"backward:{m}{i}" for i in range(3)
+                                                               for m in ("mlp", "attn")}, both
     # a full-recompute replay keeps its own micro-batch's choice (patches/transformer_attention.py): a CP group's
     # ranks replaying with different choices would issue different collectives and hang
     replay = results["full2 after selective"]

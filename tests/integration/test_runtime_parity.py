@@ -139,7 +139,7 @@ def test_layouts_covered_what_the_proof_claims(parity_results):
             expected = [(*e, i == len(expected) - 1) for i, e in enumerate(expected)]  # only the last is last
             assert [tuple(t) for t in case["trace"]] == expected
             kinds.update(t[3][:4] for t in case["trace"])
-    assert {"none", "sele", "full"} <= set(kinds)
+    assert {"none", "sele", "full", "mlp", "core"} <= set(kinds)   # core: core_attn+mlp
 
 
 def test_training_with_the_dcp_policy_matches_single_process_training(parity_results):

@@ -91,7 +91,8 @@ def _carrier_worker(rank: int, world_size: int) -> dict:
             return output, None
 
         batches = [build_batch(_documents(), cp_size=1, cp_rank=0, group=None, recompute=recompute, wave_index=w,
-                               device="cpu", microbatch_index=w) for w, recompute in enumerate((SELECTIVE, NO_RECOMPUTE))]
+                               device="cpu", microbatch_index=w)
+                   for w, recompute in enumerate((SELECTIVE, NO_RECOMPUTE))]
         step = DcpForwardStep(lambda it, m: user_step(it, m, tp_rank_zero=False), batches, model_chunks=[model],
                               config=config)
         for _ in batches:

@@ -45,7 +45,7 @@ def batch_of_running_forward_step() -> Optional[dict]:
 
 
 def innermost_module(model):
-    """The module under Megatron's DDP / Float16 wrappers (and DeepSpeed's engine): the model the step calls."""
+    """The model under Megatron's DDP / Float16 wrappers: the module whose call receives the micro-batch's params."""
     while isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
     return model

@@ -16,8 +16,10 @@ Megatron-LM's pretrain_gpt.py also sets `PackedSeqParams.tokens_per_sample = --s
 `_maybe_unflatten_for_moe` then cuts the packed rows into samples of that length; a DCP micro-batch holds whole
 documents of any total length (its own packing, not Megatron's samples), so it stays one sequence.
 
-Only DCP micro-batches are affected (`PackedSeqParams.local_cp_size` set during a --dcp run); everything else
-passes through.
+Only DCP micro-batches are affected: params carrying a micro-batch's facts (`facts_of`,
+dcp_megatron/core/microbatch_facts.py, whose `router_documents` the router gets) during a megatron.training
+--dcp run; everything else passes through. (The DeepSpeed script sets no megatron.training args: its MoE layers
+keep upstream's router, as before the facts had a carrier.)
 """
 from __future__ import annotations
 
@@ -30,9 +32,11 @@ _MODULE = "megatron.core.transformer.transformer_layer"
 
 
 def _is_dcp_microbatch(packed_seq_params) -> bool:
-    if getattr(packed_seq_params, "local_cp_size", None) is None:
+    from dcp_megatron.core.microbatch_facts import facts_of
+
+    if facts_of(packed_seq_params) is None:
         return False
-    from megatron.training import global_vars   # a --dcp run (Megatron's own hybrid CP also sets local_cp_size)
+    from megatron.training import global_vars   # a megatron.training --dcp run (module docstring)
 
     return bool(getattr(getattr(global_vars, "_GLOBAL_ARGS", None), "dcp", False))
 
@@ -62,17 +66,12 @@ def _router_on_microbatch_documents(original):
 
 
 def _microbatch_documents(packed_seq_params):
-    """The running DCP micro-batch's RouterDocuments (None outside one), kept on its PackedSeqParams, which full
-    recompute replays in backward, when no micro-batch is running."""
-    from dcp_megatron.training.forward_step import current_microbatch
-    from dcp_megatron.core.microbatches import MICROBATCH_KEY
+    """The DCP micro-batch's RouterDocuments, from the facts its params carry (full recompute replays the layer in
+    backward with the same params, so the same documents); None without them."""
+    from dcp_megatron.core.microbatch_facts import facts_of
 
-    documents = getattr(packed_seq_params, "dcp_router_documents", None)
-    batch = current_microbatch()
-    if documents is None and batch is not None:
-        documents = batch[MICROBATCH_KEY].router_documents
-        packed_seq_params.dcp_router_documents = documents
-    return documents
+    facts = facts_of(packed_seq_params)
+    return None if facts is None else facts.router_documents
 
 
 def _sequence_parallel_share(documents):

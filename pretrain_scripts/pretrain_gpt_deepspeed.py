@@ -120,16 +120,15 @@ def forward_loss(engine, batch: dict):
     """(sum of the micro-batch's masked token losses, its valid token count): the per-token loss."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from dcp_megatron.core.core_attention import set_cp_attention
-    from dcp_megatron.core.microbatches import MICROBATCH_KEY
+    from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY, attach_facts
 
     bounds = batch["cu_seqlens_padded"].view(-1)
     max_seqlen = int(batch["max_seqlen"].max())
-    context = batch[MICROBATCH_KEY]
+    facts = batch[MICROBATCH_KEY]
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=bounds,
                              cu_seqlens_kv_padded=bounds, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
-                             local_cp_size=context.cp_size, cp_group=context.group)
-    set_cp_attention(params, context.attention)   # the CP flavour the plan chose for this micro-batch
+                             local_cp_size=facts.cp_size, cp_group=facts.group)
+    attach_facts(params, facts)   # what attention reads of the micro-batch: its shard and CP flavour (docs/deepspeed.md)
     losses = engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=params)
     mask = batch["loss_mask"].view(-1).float()
     return torch.sum(losses.view(-1).float() * mask), int(mask.sum())

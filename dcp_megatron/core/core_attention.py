@@ -12,13 +12,13 @@ The output is [T, heads * head_dim], what `Attention` feeds its output projectio
 When the params name a CP group (`cp_group` with `local_cp_size > 1`, as Megatron-LM's
 `forward_step` builds them from a batch's `cu_seqlens_padded`/`local_cp_size`), the rows are this
 rank's zig-zag share of the micro-batch and keys of the other group members are needed: the
-runtime's `cp_attention` computes it over that group. The shard is rebuilt from the params alone
-(the padded global document bounds, the group's size and this rank's place in it), once per
-micro-batch: it is kept on the params object, which every layer and every recompute receives. The
-CP flavour is the all-gather one unless the params are marked otherwise (`set_cp_attention`: the
-DeepSpeed adapter marks the micro-batches its plan put on Ulysses). Padding sits at the end of each document, so treating
-padded lengths as document lengths changes no real token's output (causal) and the padding rows
-are masked out of the loss.
+runtime's `cp_attention` computes it over that group. A DCP micro-batch's params carry its facts
+(`facts_of`, core/microbatch_facts.py): the shard (`attention_shard`, built once per micro-batch from the
+padded document lengths, the group's size and this rank's place in it, and shared by every layer and
+recompute) and the CP flavour its plan chose (all-gather or Ulysses). Params without facts (not a DCP
+micro-batch's) get the all-gather flavour and a shard rebuilt from the params alone at each call
+(`shard_from_params`). Padding sits at the end of each document, so treating padded lengths as
+document lengths changes no real token's output (causal) and the padding rows are masked out of the loss.
 
 Without packed params (Megatron's default `sbhd` layout, e.g. without
 `--dataloader-inter-document-masking`) it is causal attention over each sequence; under Megatron's
@@ -40,21 +40,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from dcp_megatron.core.microbatch_facts import MicroBatchFacts, facts_of
 from dcp_megatron.runtime.cp_attention import cp_attention
 from dcp_megatron.runtime.sharding import LocalShard, shard_microbatch
-
-
-# Attribute of a PackedSeqParams holding this rank's rebuilt shard (None without a CP group).
-_SHARD_ATTR = "_dcp_local_shard"
-# Attribute of a PackedSeqParams naming the micro-batch's CP attention flavour (absent: all-gather).
-_FLAVOUR_ATTR = "_dcp_cp_attention"
-
-
-def set_cp_attention(params: PackedSeqParams, flavour: str) -> PackedSeqParams:
-    """Mark a micro-batch's params with the CP attention flavour its plan chose ("allgather" or "ulysses");
-    every layer and recompute sees the same params object."""
-    setattr(params, _FLAVOUR_ATTR, flavour)
-    return params
 
 
 class PackedCoreAttention(MegatronModule):
@@ -106,19 +94,32 @@ class PackedCoreAttention(MegatronModule):
                 "--context-parallel-size > 1 with packed documents (--dataloader-inter-document-masking): Megatron "
                 "shards each sample, not each document, over its CP group, a layout only Transformer Engine's "
                 "attention implements; on CPU use --dcp (DCP shards per document) or drop the document masking")
-        # Every layer (and its recompute) sees the same params object: rebuild the shard once per micro-batch.
-        if not hasattr(packed_seq_params, _SHARD_ATTR):
-            setattr(packed_seq_params, _SHARD_ATTR, shard_from_params(packed_seq_params))
-        shard = getattr(packed_seq_params, _SHARD_ATTR)
+        facts = facts_of(packed_seq_params)
+        if facts is None:
+            shard, flavour = shard_from_params(packed_seq_params), "allgather"
+        else:
+            shard, flavour = _checked_shard(facts, packed_seq_params), facts.attention
         if shard is not None:
             if self.dropout_p > 0 and self.training:
                 raise ValueError("attention dropout is not supported with DCP context-parallel attention")
             out = cp_attention(query, key, value, shard, packed_seq_params.cp_group, softmax_scale=self.softmax_scale,
-                               impl=getattr(packed_seq_params, _FLAVOUR_ATTR, "allgather"))
+                               impl=flavour)
             return out.reshape(out.shape[0], -1)
         cu_seqlens = packed_seq_params.cu_seqlens_q.tolist()
         out = packed_causal_attention(query, key, value, cu_seqlens, self.softmax_scale, dropout_p)
         return out.reshape(out.shape[0], -1)
+
+
+def _checked_shard(facts: MicroBatchFacts, params: PackedSeqParams) -> Optional[LocalShard]:
+    """A DCP micro-batch's shard, once its params name the group its facts do (the script builds the params)."""
+    cp_size, group = int(params.local_cp_size or 1), params.cp_group
+    if cp_size != facts.cp_size or (facts.cp_size > 1 and group is None):
+        raise ValueError(f"PackedSeqParams: local_cp_size={params.local_cp_size}, cp_group={group} but the DCP "
+                         f"micro-batch runs on a CP group of {facts.cp_size}")
+    if facts.cp_size > 1 and (group.size(), group.rank()) != (facts.cp_size, facts.cp_rank):
+        raise ValueError(f"PackedSeqParams: cp_group is rank {group.rank()} of {group.size()}, the DCP micro-batch's "
+                         f"facts say rank {facts.cp_rank} of {facts.cp_size}")
+    return facts.attention_shard
 
 
 def shard_from_params(params: PackedSeqParams) -> Optional[LocalShard]:

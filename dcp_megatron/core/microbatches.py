@@ -9,9 +9,10 @@ packed THD into the 0.19 packed-sequence contract of Megatron-LM's `pretrain_gpt
 - `cu_seqlens`: [1, n+1] global bounds of the true document lengths (FLOP accounting);
   `cu_seqlens_padded`: [1, n+1] global bounds of the padded documents (what attention and RoPE
   use, TE's THD-under-CP convention); `max_seqlen`: [1]; `local_cp_size`: [1], the group size c;
-- `dcp_microbatch`: a `MicroBatchContext` (the group and the recompute the plan chose). It is not a
+- `dcp_microbatch` (`MICROBATCH_KEY`): the micro-batch's `MicroBatchFacts` (microbatch_facts.py: its CP group,
+  recompute, attention flavour, router documents, indices), the one carrier the patches read. It is not a
   tensor, so `get_batch`'s `.cuda()` loop (over its known keys) passes it by; our patched
-  `get_batch_on_this_cp_rank` turns it into the batch's `hybrid_cp_group`, which the script hands
+  `get_batch_on_this_cp_rank` turns its group into the batch's `hybrid_cp_group`, which the script hands
   to `PackedSeqParams.cp_group` — the upstream seam for a per-micro-batch CP group.
 
 A rank the plan gives no micro-batch runs one filler: a masked 1-token document, so it still
@@ -26,35 +27,13 @@ their balancing and z losses (moe_aux.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 
 from dcp_megatron.core.global_batch import ROW_FIELDS
+from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY, MicroBatchFacts
 from dcp_megatron.core.moe_aux import RouterDocuments, microbatch_documents
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute, StepPlan
 from dcp_megatron.runtime.sharding import padded_length, shard_microbatch
-
-MICROBATCH_KEY = "dcp_microbatch"
-
-
-@dataclass(frozen=True)
-class MicroBatchContext:
-    """What one micro-batch carries besides tensors: its CP group and its recompute."""
-
-    wave_index: int
-    cp_size: int
-    cp_rank: int
-    group: object            # torch.distributed.ProcessGroup, None for a group of one
-    recompute: Recompute
-    attention: str = "allgather"   # CP attention flavour the plan chose ("allgather" or "ulysses")
-    router_documents: object = None   # moe_aux.RouterDocuments: per-document MoE balancing losses
-
-    @property
-    def padding_mask(self):
-        """bool [1, T_local]: True at padding and filler rows (MoE routers skip them); None without documents."""
-        return None if self.router_documents is None else self.router_documents.padding_mask
-
 
 def _prefix(lengths) -> torch.Tensor:
     bounds = torch.zeros(1, len(lengths) + 1, dtype=torch.int32)
@@ -65,7 +44,7 @@ def _prefix(lengths) -> torch.Tensor:
 def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, group, recompute: Recompute,
                 wave_index: int, device, pad_multiple: int = 1, attention: str = "allgather",
                 row_multiple: int = 1, step_num_tokens: int = 0, local_rows: int | None = None,
-                longest_filler: int | None = None) -> dict:
+                longest_filler: int | None = None, microbatch_index: int = 0) -> dict:
     """One micro-batch dict from its documents' [L, 3] rows (token, label, loss mask).
 
     `pad_multiple`: every document's local rows become a multiple of it (the TP size under sequence
@@ -73,7 +52,7 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
     local rows become a multiple of it, by a masked filler document at the end. `local_rows`: exactly that
     many local rows, by the same filler (at least the aligned count; `wave_local_rows`), cut into documents
     of at most `longest_filler` tokens (inside a learned position table, and attention no dearer than the
-    real documents')."""
+    real documents'). `microbatch_index`: its place among the rank's micro-batches of the step."""
     if documents:
         rows = torch.cat(documents)
         lengths = [int(d.shape[0]) for d in documents]
@@ -104,11 +83,12 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
     router_documents = RouterDocuments(
         document_ids=document_ids.to(device), document_lengths=tuple(lengths[:len(documents)]),
         groups=(group,) if cp_size > 1 else (), step_num_tokens=max(step_num_tokens, sum(lengths[:len(documents)])))
-    context = MicroBatchContext(wave_index=wave_index, cp_size=cp_size, cp_rank=cp_rank,
-                                group=group if cp_size > 1 else None,
-                                recompute=recompute if documents else NO_RECOMPUTE,
-                                attention=attention if cp_size > 1 else "allgather",
-                                router_documents=router_documents)
+    facts = MicroBatchFacts(wave_index=wave_index, cp_size=cp_size, cp_rank=cp_rank,
+                            group=group if cp_size > 1 else None,
+                            recompute=recompute if documents else NO_RECOMPUTE,
+                            attention=attention if cp_size > 1 else "allgather",
+                            router_documents=router_documents, padded_lengths=tuple(shard.padded_lengths),
+                            microbatch_index=microbatch_index)
     return {
         "tokens": row(local[:, 0]), "labels": row(local[:, 1]), "loss_mask": row(loss_mask),
         "position_ids": row(shard.model_position_ids),   # inside a learned position table
@@ -116,7 +96,7 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
         "cu_seqlens_padded": _prefix(shard.padded_lengths).to(device),
         "max_seqlen": torch.tensor([max(shard.padded_lengths)], dtype=torch.int32, device=device),
         "local_cp_size": torch.tensor([cp_size], dtype=torch.int32, device=device),
-        MICROBATCH_KEY: context,
+        MICROBATCH_KEY: facts,
     }
 
 
@@ -179,7 +159,7 @@ def rank_batches(plan: StepPlan, documents: dict[int, torch.Tensor], *, pool, de
                                        attention=microbatch.attention, row_multiple=row_multiple,
                                        step_num_tokens=step_num_tokens,
                                        local_rows=None if targets is None else targets[wave_index],
-                                       longest_filler=longest))
+                                       longest_filler=longest, microbatch_index=len(batches)))
     if not batches:
         batches.append(build_batch([], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE,
                                    wave_index=0, device=device, pad_multiple=pad_multiple,
@@ -194,5 +174,6 @@ def with_fillers_to_multiple(batches: list[dict], multiple: int, *, device, pad_
     missing = -len(batches) % multiple
     wave_index = batches[-1][MICROBATCH_KEY].wave_index + 1 if batches else 0
     return batches + [build_batch([], cp_size=1, cp_rank=0, group=None, recompute=NO_RECOMPUTE,
-                                  wave_index=wave_index + i, device=device, pad_multiple=pad_multiple)
+                                  wave_index=wave_index + i, device=device, pad_multiple=pad_multiple,
+                                  microbatch_index=len(batches) + i)
                       for i in range(missing)]

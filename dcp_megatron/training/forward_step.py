@@ -8,11 +8,19 @@ DCP micro-batch has its own shape and CP group, and every TP rank already holds 
 The schedule therefore calls a `DcpForwardStep` in place of the user's forward step. Per call it
 takes the rank's next micro-batch, switches the model's recompute to the one the plan chose for it
 (on every TP rank and stage alike: recompute replays TP collectives in backward, so all members must
-agree), and calls the user's forward step with an iterator holding just that batch. While that call
-runs, `current_microbatch()` returns the batch: the patched `get_batch_on_this_tp_rank`
-(patches/core_utils.py) hands it to TP ranks > 0 instead of receiving a broadcast. The context
-variable is set only for the duration of one forward step; outside it Megatron's functions behave
-as upstream (evaluation, plain runs).
+agree), and calls the user's forward step with an iterator holding just that batch.
+
+The micro-batch's facts (`MicroBatchFacts`, dcp_megatron/core/microbatch_facts.py) reach the model on the
+`PackedSeqParams` the user's step builds: for the duration of the call, a forward pre-hook on the model chunk
+it was handed (the innermost module under DDP / Float16 wrappers) attaches them to the params of that chunk's
+call (`attach_facts`), before any patch reads them (the first, patches/models_gpt_gpt_model.py, is the model's
+own forward). Every layer, attention and recompute replay then reads them from the params (`facts_of`).
+
+One seam sees no params: the patched `get_batch_on_this_tp_rank` (patches/core_utils.py), which on TP ranks > 0
+is handed an empty dict and no iterator (its docstring says where upstream does so). For it alone,
+`batch_of_running_forward_step()` returns the batch while the forward step runs, so TP ranks > 0 take their
+own copy instead of receiving a broadcast. The context variable is set only for the duration of one forward
+step; outside it Megatron's functions behave as upstream (evaluation, plain runs).
 """
 from __future__ import annotations
 
@@ -23,16 +31,37 @@ from typing import Optional
 
 import torch
 
-from dcp_megatron.core.microbatches import MICROBATCH_KEY
+from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY, MicroBatchFacts, attach_facts
 from dcp_megatron.core.recompute import apply_recompute, decoder_layers
 
-_CURRENT_MICROBATCH: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
-    "dcp_current_microbatch", default=None)
+# Only for get_batch_on_this_tp_rank on TP ranks > 0 (module docstring); patches read the facts from the params.
+_RUNNING_BATCH: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
+    "dcp_batch_of_running_forward_step", default=None)
 
 
-def current_microbatch() -> Optional[dict]:
-    """The DCP micro-batch whose forward step is running on this rank, else None."""
-    return _CURRENT_MICROBATCH.get()
+def batch_of_running_forward_step() -> Optional[dict]:
+    """The batch dict of the DCP forward step running on this rank, else None (patches/core_utils.py's TP seam)."""
+    return _RUNNING_BATCH.get()
+
+
+def innermost_module(model):
+    """The model under Megatron's DDP / Float16 wrappers: the module whose call receives the micro-batch's params."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def facts_on_model_calls(model, facts: MicroBatchFacts):
+    """A forward pre-hook on `model`'s innermost module that attaches `facts` to the PackedSeqParams of each of its
+    calls (wherever the caller passes them); the handle removes it."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    def attach(module, args, kwargs):
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, PackedSeqParams):
+                attach_facts(value, facts)
+
+    return innermost_module(model).register_forward_pre_hook(attach, with_kwargs=True)
 
 
 class Clock:
@@ -88,13 +117,15 @@ class DcpForwardStep:
             batch = next(chunk_batches)
         except StopIteration:
             raise AssertionError("the schedule ran more forward steps than this rank has DCP micro-batches") from None
-        recompute = batch[MICROBATCH_KEY].recompute
+        facts = batch[MICROBATCH_KEY]
         for chunk in self._model_chunks:
-            apply_recompute(chunk, self._config, recompute, stage_layers=self._stage_layers)
+            apply_recompute(chunk, self._config, facts.recompute, stage_layers=self._stage_layers)
         self.num_run += 1
         self._marks.append(self._clock.mark())
-        token = _CURRENT_MICROBATCH.set(batch)
+        hook = facts_on_model_calls(model, facts)
+        token = _RUNNING_BATCH.set(batch)
         try:
             return self._forward_step(iter([batch]), model, *args, **kwargs)
         finally:
-            _CURRENT_MICROBATCH.reset(token)
+            _RUNNING_BATCH.reset(token)
+            hook.remove()

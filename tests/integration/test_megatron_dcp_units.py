@@ -3,6 +3,7 @@ dicts, the patch set, and that the recompute a micro-batch asks for really runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -269,18 +270,18 @@ def _recompute_worker(rank: int, world_size: int) -> dict:
         # Pipeline order: micro-batch A (full 2) runs forward, then B (selective), then A's backward replays A.
         # The replay must recompute A as A asked (core attention once more), not as the latest micro-batch B did.
         from dcp_megatron.training import forward_step
-        from dcp_megatron.core.microbatches import MICROBATCH_KEY, MicroBatchContext
+        from dcp_megatron.core.microbatch_facts import MicroBatchFacts
 
         def forward(recompute):
-            context = MicroBatchContext(wave_index=0, cp_size=1, cp_rank=0, group=None, recompute=recompute)
-            token = forward_step._CURRENT_MICROBATCH.set({MICROBATCH_KEY: context})
+            facts = MicroBatchFacts(wave_index=0, cp_size=1, cp_rank=0, group=None, recompute=recompute)
+            hook = forward_step.facts_on_model_calls(model, facts)   # what DcpForwardStep does per micro-batch
             try:
                 apply_recompute(model, config, recompute)
                 own = PackedSeqParams(**{name: getattr(params, name) for name in (
                     "qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv")})
                 return model(tokens, torch.arange(12).unsqueeze(0), None, labels=tokens, packed_seq_params=own).sum()
             finally:
-                forward_step._CURRENT_MICROBATCH.reset(token)
+                hook.remove()
 
         import json
         import tempfile
@@ -374,7 +375,7 @@ def _middle_stage_worker(rank: int, world_size: int) -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from dcp_megatron.training import forward_step
-    from dcp_megatron.core.microbatches import MICROBATCH_KEY, MicroBatchContext
+    from dcp_megatron.core.microbatch_facts import MicroBatchFacts
     from patches.megatron_set import megatron_patch_registry
     from tests.support.megatron_runs import tiny_local_gpt
 
@@ -402,15 +403,17 @@ def _middle_stage_worker(rank: int, world_size: int) -> dict:
                                  max_seqlen_kv=12)
         tokens = torch.randint(0, 64, (1, 6))
         results = {}
-        for name, context in (("outside", None), ("dcp_cp2", MicroBatchContext(
+        for name, facts in (("outside", None), ("dcp_cp2", MicroBatchFacts(
                 wave_index=0, cp_size=2, cp_rank=0, group=group, recompute=NO_RECOMPUTE))):
-            token = forward_step._CURRENT_MICROBATCH.set(None if context is None else {MICROBATCH_KEY: context})
+            # what DcpForwardStep does for the duration of a micro-batch's forward step
+            hook = None if facts is None else forward_step.facts_on_model_calls(model, facts)
             try:
-                model(tokens, torch.arange(6).unsqueeze(0), None, packed_seq_params=params)
+                model(tokens, torch.arange(6).unsqueeze(0), None, packed_seq_params=dataclasses.replace(params))
             except Seen:
                 results[name] = received.pop("now")
             finally:
-                forward_step._CURRENT_MICROBATCH.reset(token)
+                if hook is not None:
+                    hook.remove()
         parallel_state.destroy_model_parallel()
     return results
 

@@ -84,7 +84,7 @@ def _dispatch_worker(rank: int, world_size: int) -> dict:
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from megatron.training import global_vars
 
-    from dcp_megatron.training import forward_step
+    from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY, attach_facts
     from patches.megatron_set import megatron_patch_registry
 
     results = {}
@@ -109,12 +109,9 @@ def _dispatch_worker(rank: int, world_size: int) -> dict:
                                          max_seqlen_q=int(batch["max_seqlen"]), max_seqlen_kv=int(batch["max_seqlen"]),
                                          local_cp_size=context.cp_size, cp_group=context.group)
                 tokens = batch["tokens"][0]
-                token = forward_step._CURRENT_MICROBATCH.set(batch)
-                try:
-                    output = layer._forward_mlp(table[tokens].unsqueeze(1), padding_mask=None,
-                                                packed_seq_params=params)
-                finally:
-                    forward_step._CURRENT_MICROBATCH.reset(token)
+                attach_facts(params, batch[MICROBATCH_KEY])   # as DcpForwardStep / the DeepSpeed script do
+                output = layer._forward_mlp(table[tokens].unsqueeze(1), padding_mask=None,
+                                            packed_seq_params=params)
                 real = context.router_documents.valid_rows
                 (output[:, 0][real] * weights[tokens[real]]).sum().backward()
                 outputs.update(zip(tokens[real].tolist(), output[:, 0][real].detach()))

@@ -40,7 +40,7 @@ def _router_worker(rank: int, world_size: int, kind: str) -> dict:
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from megatron.training import global_vars
 
-    from dcp_megatron.training import forward_step
+    from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY, attach_facts
     from dcp_megatron.core.microbatches import build_batch
     from patches.megatron_set import megatron_patch_registry
     from dcp_megatron.planner.plan import NO_RECOMPUTE
@@ -94,11 +94,8 @@ def _router_worker(rank: int, world_size: int, kind: str) -> dict:
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
                                  max_seqlen_q=int(batch["max_seqlen"]), max_seqlen_kv=int(batch["max_seqlen"]),
                                  local_cp_size=2, cp_group=pair)
-        token = forward_step._CURRENT_MICROBATCH.set(batch)
-        try:
-            dcp_grad, dcp_metrics = run(table[tokens].unsqueeze(1), params)
-        finally:
-            forward_step._CURRENT_MICROBATCH.reset(token)
+        attach_facts(params, batch[MICROBATCH_KEY])   # as DcpForwardStep / the DeepSpeed script do
+        dcp_grad, dcp_metrics = run(table[tokens].unsqueeze(1), params)
         dist.all_reduce(dcp_grad, group=pair)   # the micro-batch's gradient: its ranks' contributions summed
 
         parallel_state.destroy_model_parallel()
@@ -115,12 +112,9 @@ def _router_worker(rank: int, world_size: int, kind: str) -> dict:
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
                                  max_seqlen_q=int(batch["max_seqlen"]), max_seqlen_kv=int(batch["max_seqlen"]),
                                  local_cp_size=1, cp_group=None)
-        token = forward_step._CURRENT_MICROBATCH.set(batch)
-        try:
-            tp_grad, tp_metrics = run(table[tp_tokens[rank * share:(rank + 1) * share]].unsqueeze(1), params,
-                                      layer=tp_layer)
-        finally:
-            forward_step._CURRENT_MICROBATCH.reset(token)
+        attach_facts(params, batch[MICROBATCH_KEY])   # as DcpForwardStep / the DeepSpeed script do
+        tp_grad, tp_metrics = run(table[tp_tokens[rank * share:(rank + 1) * share]].unsqueeze(1), params,
+                                  layer=tp_layer)
         dist.all_reduce(tp_grad, group=pair)   # Megatron sums a sequence-parallel router's gradient over TP
         global_vars._GLOBAL_ARGS = None
         destroy_num_microbatches_calculator()

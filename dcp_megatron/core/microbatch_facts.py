@@ -22,6 +22,7 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
+from dcp_megatron.core.recompute import modules_of
 from dcp_megatron.planner.plan import Recompute
 from dcp_megatron.runtime.sharding import LocalShard, shard_microbatch
 
@@ -55,10 +56,9 @@ class MicroBatchFacts:
 
     @property
     def recompute_modules(self) -> frozenset[str]:
-        """The modules this micro-batch recomputes selectively, by megatron-core's `recompute_modules` names:
-        {"core_attn"} under selective recompute, none otherwise (full recompute replays whole layers). A relief
-        kind of the plan's `Recompute` that recomputes other modules adds its names here."""
-        return frozenset({"core_attn"}) if self.recompute.kind == "selective" else frozenset()
+        """The modules this micro-batch recomputes, by megatron-core's `recompute_modules` names (the plan's module
+        set; none under full recompute, which replays whole layers)."""
+        return modules_of(self.recompute)
 
     @functools.cached_property
     def attention_shard(self) -> Optional[LocalShard]:

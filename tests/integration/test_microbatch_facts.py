@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from tests.dist_utils import run_distributed  # noqa: E402
+from tests.support.dist_utils import run_distributed  # noqa: E402
 
 
 def _documents():

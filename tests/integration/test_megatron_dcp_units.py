@@ -295,12 +295,14 @@ def _recompute_worker(rank: int, world_size: int) -> dict:
         loss_a = forward(Recompute("full", 2))
         loss_b = forward(Recompute("selective"))
         loss_c = forward(NO_RECOMPUTE)
+        loss_d = forward(Recompute.of_modules({"mlp"}))   # the latest: its MLP switch is on when A replays
         counts.clear()
         phase["now"] = "backward"
         loss_a.backward()
         results["full2 after selective"] = dict(counts)
         loss_c.backward()
         loss_b.backward()
+        loss_d.backward()
         trace.detach()
         with open(trace.path) as f:
             results["trace"] = [json.loads(line) for line in f]
@@ -328,11 +330,13 @@ def test_the_recompute_a_microbatch_asks_for_really_runs_in_backward():
     # ranks replaying with different choices would issue different collectives and hang
     replay = results["full2 after selective"]
     assert replay.get("backward:layer0") == 1 and replay.get("backward:attn0") == 1, replay
+    assert replay.get("backward:mlp0") == 1, replay   # the MLP too (patches/transformer_transformer_layer.py)
     # the trace names what each micro-batch's backward replayed (backwards out of forward order, as in 1F1B)
     trace = results["trace"]
     assert [(r["iteration"], r["recompute"], r["recompute_set"]) for r in trace] == [
-        (7, "full2", "full2"), (7, "selective", "selective"), (7, "none", "none")], trace
+        (7, "full2", "full2"), (7, "selective", "selective"), (7, "none", "none"), (7, "mlp", "mlp")], trace
     assert trace[0]["replayed"] == {"layer": 2, "core_attention": 2, "mlp": 2}, trace
+    assert trace[3]["replayed"] == {"layer": 0, "core_attention": 0, "mlp": 3}, trace
     assert trace[1]["replayed"] == {"layer": 0, "core_attention": 3, "mlp": 0}, trace
 
 

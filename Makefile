@@ -8,7 +8,7 @@ PYTHON312 ?= $(shell for c in $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.
 	$$(command -v python3.12 2>/dev/null); do "$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' \
 	2>/dev/null && echo "$$c" && break; done)
 
-.PHONY: demo test test-slow venv simulate
+.PHONY: demo test test-unit test-slow venv simulate
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: setup.py
@@ -31,6 +31,10 @@ PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test: venv
 	$(PYTEST) -m "not slow" tests
+
+# The one-process tests alone (tests/unit/, ~30 s): the loop while editing; `make test` runs them too.
+test-unit: venv
+	$(PYTEST) -m "not slow" tests/unit
 
 # CI runs it after `make test`: the planner properties at 10,000 hypothesis examples and the 4-8 rank launches.
 test-slow: venv

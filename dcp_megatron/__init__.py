@@ -20,7 +20,7 @@ def enable():
     The patches are version-checked (megatron-core 0.19.2) and reversible: `enable().remove()`."""
     global _REGISTRY  # one process, one set of patches: a second call returns the same applied registry
     if _REGISTRY is None or not _REGISTRY.applied:
-        from dcp_megatron.megatron.patch_set import megatron_patch_registry
+        from patches.sets import patch_set
 
-        _REGISTRY = megatron_patch_registry().apply()
+        _REGISTRY = patch_set("megatron").apply()
     return _REGISTRY

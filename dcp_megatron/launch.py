@@ -14,8 +14,8 @@ import os
 import runpy
 import sys
 
-from dcp_megatron.megatron.dcp_args import DcpUsageError
-from dcp_megatron.megatron.refusal import exit_refused
+from dcp_megatron.config import DcpUsageError
+from dcp_megatron.flags.refusal import exit_refused
 from patches.registry import PatchVersionError
 
 

@@ -1,10 +1,11 @@
-"""Every change dcp-megatron makes to upstream code, one file per upstream module.
+"""Every change dcp-megatron makes to upstream code, one file per upstream module, and the sets entry points apply.
 
-Each file lists `Patch` entries (see registry.py); nothing is applied on import. The CPU
-shims (`CPU_PATCHES`) are collected by `dcp_megatron.megatron.compat` and applied only when no GPU
-is present; the DCP patches (`dcp_patches()`: transformer attention's RoPE group, TE's CP stream)
-join them in `dcp_megatron.megatron.patch_set.megatron_patch_registry()`, which pretrain_gpt.py
-applies once at start-up.
+Each upstream-module file lists `Patch` entries (see registry.py); nothing is applied on import. The CPU shims
+(`CPU_PATCHES`, collected by compat.py) apply only when no GPU is present; the CPU view of torch they use is
+cpu_torch.py. The DCP patches (`dcp_patches()`) join them in two sets (megatron_set.py, deepspeed_set.py), which the entry points ask for
+by name (sets.py): `dcp_megatron.enable()` and the launcher `patch_set("megatron")`, the DeepSpeed script
+`patch_set("deepspeed", timeout=...)`. Patches call into dcp_megatron's adapters; the adapters never import
+patches.
 """
 
 # The megatron-core release these patches were written against and run on (widen only to versions that were run).

@@ -2,7 +2,7 @@
 a CPU view. async checkpoint workers check liveness with tensors on torch.cuda.current_device() and
 synchronize CUDA.
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = ('async checkpoint workers check liveness with tensors on torch.cuda.current_device() and '

@@ -1,7 +1,7 @@
 """CPU shim for `megatron.core.dist_checkpointing.exchange_utils` (no GPU only): its `torch` is a CPU
 view. checkpoint shard exchange allocates its receive buffers with device='cuda'.
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = ("checkpoint shard exchange allocates its receive buffers with device='cuda'.")

@@ -8,13 +8,13 @@ upstream returns the exception to `write_preloaded_data_multithread`, whose type
 ("error: <class 'OSError'>"): the errno and the file are lost, and a full disk reads as a bare worker failure.
 Raised instead (with the file it was writing), the same caller passes its text on ("[Errno 28] No space left on
 device: '.../__0_0.distcp'"), so the failed save can say what failed and where
-(dcp_megatron/megatron/save_failure.py). Workers on other threads are unchanged (they report through queues).
+(dcp_megatron/training/save_failure.py). Workers on other threads are unchanged (they report through queues).
 """
 import functools
 import importlib
 import os
 
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
 

@@ -1,7 +1,7 @@
 """CPU shim for `megatron.core.dist_checkpointing.strategies.fully_parallel` (no GPU only): its `torch`
 is a CPU view. the fully parallel save/load wrapper calls torch.cuda.synchronize().
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = ('the fully parallel save/load wrapper calls torch.cuda.synchronize().')

@@ -2,7 +2,7 @@
 `torch` is a CPU view. the torch_dist save finalisation all-reduces its status on
 torch.cuda.current_device().
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = ('the torch_dist save finalisation all-reduces its status on torch.cuda.current_device().')

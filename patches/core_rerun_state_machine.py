@@ -1,7 +1,7 @@
 """CPU shim for `megatron.core.rerun_state_machine` (no GPU only): its `torch` is a CPU view. saves and
 restores torch.cuda RNG state around every step (the CPU generator on a CPU run).
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = ('saves and restores torch.cuda RNG state around every step (the CPU generator on a CPU run).')

@@ -1,7 +1,7 @@
 """CPU shim for `megatron.core.timers` (no GPU only): its `torch` is a CPU view. Timers allocate their
 all-gather buffers on torch.cuda.current_device() and synchronize CUDA.
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = ('Timers allocate their all-gather buffers on torch.cuda.current_device() and synchronize CUDA.')

@@ -3,20 +3,27 @@
 CPU shim (no GPU only): the module's `torch` is a CPU view (GlobalMemoryBuffer and the batch
 broadcast helpers allocate on torch.cuda.current_device()).
 
-DCP: a DCP micro-batch (a batch dict carrying `dcp_microbatch`, see
-dcp_megatron/megatron/microbatches.py) is already this rank's zig-zag shard of its documents, in
+DCP: a DCP micro-batch (a batch dict carrying its `MicroBatchFacts` under `dcp_microbatch`, see
+dcp_megatron/core/microbatch_facts.py) is already this rank's zig-zag shard of its documents, in
 THD form. Megatron-LM's `get_batch` passes every batch through two helpers of this module, which
 the script imports by name:
 - `flatten_batch_for_packed_sequences` merges per-sample `cu_seqlens`, cutting each row at the first
   entry equal to the local row count; DCP bounds are global (a CP group's, TE's convention), so the
   cut would be wrong: a DCP batch is returned as it is (it is already one packed row);
 - `get_batch_on_this_cp_rank` would re-shard over the static CP group; for a DCP batch it instead
-  sets `hybrid_cp_group` to the micro-batch's own group (None for a group of one), which the script
-  passes to `PackedSeqParams.cp_group` - how each micro-batch's group reaches attention.
+  sets `hybrid_cp_group` to the micro-batch's own group (the facts' `group`, None for a group of one),
+  which the script passes to `PackedSeqParams.cp_group` - how each micro-batch's group reaches attention.
 - `get_batch_on_this_tp_rank` broadcasts TP rank 0's batch into `[micro_batch, seq_length]` buffers on
   the other TP ranks; every TP rank already holds its own copy of a DCP micro-batch (of its own
-  shape), so while one runs (`current_microbatch()`, dcp_megatron/megatron/forward_step.py) each
-  rank gets that copy and nothing is broadcast.
+  shape), so each rank gets that copy and nothing is broadcast.
+The first two receive the batch dict and read the facts in it. The third cannot: on TP ranks > 0
+Megatron-LM's `get_batch` never reads the data iterator and hands it a fresh empty dict
+(pretrain_gpt.py core_v0.19.0, lines 123-133: `batch = {}`, `next(data_iterator)` on TP rank 0 only, then
+`get_batch_on_this_tp_rank(batch, ...)`), and megatron-core's helper takes nothing else of the micro-batch
+(megatron/core/utils.py:2119 in 0.19.2: the dict, the broadcast group and static sizes; line 2265 on:
+TP ranks > 0 allocate `[micro_batch_size, seq_length]` buffers). No PackedSeqParams exists yet. So it reads
+the batch of the forward step `DcpForwardStep` is running (`batch_of_running_forward_step()`,
+dcp_megatron/training/forward_step.py), the one context variable DCP keeps, set only for that call.
 Any other batch goes to Megatron's functions unchanged.
 """
 from __future__ import annotations
@@ -24,8 +31,8 @@ from __future__ import annotations
 import functools
 import importlib
 
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
-from dcp_megatron.megatron.microbatches import MICROBATCH_KEY as _MICROBATCH_KEY
+from patches.cpu_torch import cpu_torch_patch
+from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY as _MICROBATCH_KEY
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
 
@@ -49,10 +56,10 @@ def _keep_dcp_batch(original):
 def _dcp_group_for_batch(original):
     @functools.wraps(original)
     def get_batch_on_this_cp_rank(batch, *args, **kwargs):
-        context = batch.get(_MICROBATCH_KEY) if isinstance(batch, dict) else None
-        if context is None:
+        facts = batch.get(_MICROBATCH_KEY) if isinstance(batch, dict) else None
+        if facts is None:
             return original(batch, *args, **kwargs)
-        batch["hybrid_cp_group"] = context.group
+        batch["hybrid_cp_group"] = facts.group
         return batch
 
     get_batch_on_this_cp_rank.dcp_original = original
@@ -66,9 +73,9 @@ _TP_BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_ma
 def _dcp_batch_on_every_tp_rank(original):
     @functools.wraps(original)
     def get_batch_on_this_tp_rank(batch, *args, **kwargs):
-        from dcp_megatron.megatron.forward_step import current_microbatch
+        from dcp_megatron.training.forward_step import batch_of_running_forward_step
 
-        current = current_microbatch()
+        current = batch_of_running_forward_step()
         if current is None:
             return original(batch, *args, **kwargs)
         if batch and batch.get(_MICROBATCH_KEY) is not current.get(_MICROBATCH_KEY):

@@ -14,7 +14,7 @@ from patches.registry import Patch
 
 
 def _packed_core_attention(self) -> type:
-    from dcp_megatron.megatron.core_attention import PackedCoreAttention
+    from dcp_megatron.core.core_attention import PackedCoreAttention
 
     return PackedCoreAttention
 

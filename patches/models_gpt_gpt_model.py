@@ -6,9 +6,10 @@ Megatron-LM's pretrain_gpt.py (core_v0.19.0) hands a middle pipeline stage (or m
 `local_cp_size=None, cp_group=None`, so a CP-2 micro-batch would run its middle layers' attention and RoPE as if it
 were alone on the rank (seen: PP 4 x VPP 2 on a 2-rank domain, RoPE splitting 1,024 rows out of 512). The first
 and last stages get both from `get_batch` (patches/core_utils.py). `GPTModel.forward` is where every stage's
-model receives the params: for the duration of a DCP micro-batch's forward step (the running micro-batch is
-known, dcp_megatron/megatron/forward_step.py), params without `local_cp_size` are completed with the
-micro-batch's CP size and group (a copy; recompute replays the layers with the completed copy).
+model receives the params, carrying the micro-batch's facts (`facts_of`, dcp_megatron/core/microbatch_facts.py;
+`DcpForwardStep` attaches them as the user's step calls the model): params of a DCP micro-batch without
+`local_cp_size` are completed with the facts' CP size and group (a copy, which carries the same facts; recompute
+replays the layers with the completed copy). Params without facts pass through.
 """
 from __future__ import annotations
 
@@ -27,19 +28,15 @@ def _with_microbatch_cp(original_forward):
 
     @functools.wraps(original_forward)
     def forward(self, *args, **kwargs):
-        from dcp_megatron.megatron.forward_step import current_microbatch
-        from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
+        from dcp_megatron.core.microbatch_facts import attach_facts, facts_of
 
-        batch = current_microbatch()
-        if batch is None:
-            return original_forward(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         params = bound.arguments.get("packed_seq_params")
-        if params is None or params.local_cp_size is not None:
+        facts = facts_of(params)
+        if facts is None or params.local_cp_size is not None:
             return original_forward(self, *args, **kwargs)
-        context = batch[MICROBATCH_KEY]
-        bound.arguments["packed_seq_params"] = dataclasses.replace(params, local_cp_size=context.cp_size,
-                                                                   cp_group=context.group)
+        bound.arguments["packed_seq_params"] = attach_facts(
+            dataclasses.replace(params, local_cp_size=facts.cp_size, cp_group=facts.group), facts)
         return original_forward(*bound.args, **bound.kwargs)
 
     forward.dcp_original = original_forward

@@ -2,7 +2,7 @@
 view. With context parallelism, `get_pos_emb_on_this_cp_rank` builds its chunk indices on the CUDA
 device.
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = "get_pos_emb_on_this_cp_rank (context parallelism) builds its chunk indices on the CUDA device."

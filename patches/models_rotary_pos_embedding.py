@@ -2,7 +2,7 @@
 `torch` is a CPU view. RotaryEmbedding moves inv_freq to torch.cuda.current_device() on its first
 forward.
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = ('RotaryEmbedding moves inv_freq to torch.cuda.current_device() on its first forward.')

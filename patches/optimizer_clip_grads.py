@@ -9,7 +9,7 @@ from typing import Iterable, Union
 
 import torch
 
-from dcp_megatron.megatron.cpu_torch import CpuTorch
+from patches.cpu_torch import CpuTorch
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
 

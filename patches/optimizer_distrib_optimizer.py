@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
 

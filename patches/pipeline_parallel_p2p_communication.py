@@ -2,7 +2,7 @@
 view. p2p receive buffers live on torch.cuda.current_device() and batch_isend_irecv is followed by
 torch.cuda.synchronize().
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = ('p2p receive buffers live on torch.cuda.current_device() and batch_isend_irecv is followed by '

@@ -1,7 +1,7 @@
 """CPU shim for `megatron.core.pipeline_parallel.schedules` (no GPU only): its `torch` is a CPU view.
 the schedules create total_num_tokens with device='cuda'.
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = ("the schedules create total_num_tokens with device='cuda'.")

@@ -2,7 +2,7 @@
 broadcast_data (tensor-parallel batch broadcast) allocates its buffers on
 torch.cuda.current_device().
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = ('broadcast_data (tensor-parallel batch broadcast) allocates its buffers on '

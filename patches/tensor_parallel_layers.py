@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
 

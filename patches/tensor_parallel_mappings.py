@@ -1,7 +1,7 @@
 """CPU shim for `megatron.core.tensor_parallel.mappings` (no GPU only): its `torch` is a CPU view.
 sequence-parallel all-gather / reduce-scatter outputs are allocated on torch.cuda.current_device().
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = ('sequence-parallel all-gather / reduce-scatter outputs are allocated on '

@@ -5,7 +5,7 @@ forks them for tensor-parallel regions, and saves/restores them around activatio
 recompute. On CPU the generator those regions actually draw from is the CPU one, so the
 tracker and the checkpoint functions are pointed at it.
 """
-from dcp_megatron.megatron.cpu_torch import CpuTorch, get_cpu_rng_state, set_cpu_rng_state
+from patches.cpu_torch import CpuTorch, get_cpu_rng_state, set_cpu_rng_state
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
 

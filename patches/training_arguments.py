@@ -1,15 +1,15 @@
 """Patches for `megatron.training.arguments`: the `--dcp*` flags in Megatron's own parser and checks.
 
 - `add_megatron_arguments` builds Megatron's parser for every script on megatron.training; after
-  it, our argument group is added (dcp_megatron/megatron/dcp_args.py). A script's own
+  it, our argument group is added (dcp_megatron/training/arguments.py). A script's own
   `extra_args_provider` is untouched, so zero lines change in the user's script. Megatron's
   `--distributed-timeout-minutes` also takes fractions of a minute (upstream: whole minutes only).
 - `validate_args` runs Megatron's checks between ours: without a GPU, the CPU flags first unless the
-  user gave them (dcp_megatron/megatron/cpu_defaults.py: Megatron's GPU defaults die at init on CPU);
+  user gave them (dcp_megatron/flags/cpu_defaults.py: Megatron's GPU defaults die at init on CPU);
   then flag conflicts (`refuse_conflicting_flags`, so e.g. `--context-parallel-size 2` is refused
   before Megatron sets CP up), the rest after
   (`validate_dcp_args`): a flag DCP cannot honour stops the run at start-up with the reason, before
-  any model is built; `check_run_paths` (dcp_megatron/megatron/run_paths.py) does the same for a
+  any model is built; `check_run_paths` (dcp_megatron/training/checks/run_paths.py) does the same for a
   `--save`/`--tensorboard-dir`/`--dcp-dump-plans` that cannot be written and a `--load` with nothing to
   resume from, which upstream finds only when it first saves, or only warns about; a second run on one
   `--save` (a lock); before Megatron's checks, mistakes it meets with bare assertions, named by flag
@@ -28,27 +28,15 @@ import importlib
 
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
+from dcp_megatron.flags.dcp_flags import unwrapped
 
 _MODULE = "megatron.training.arguments"
 
 
-def _unwrapped(function):
-    return getattr(function, "dcp_original", function)
-
-
 def _with_dcp_arguments(original):
-    @functools.wraps(original)
-    def add_megatron_arguments(parser):
-        from dcp_megatron.megatron.dcp_args import add_dcp_arguments
+    from dcp_megatron.flags.dcp_flags import with_dcp_arguments
 
-        parser = original(parser)
-        for action in parser._actions:
-            # An int upstream; timedelta(minutes=...) everywhere it is used takes a float: 0.5 finds a stopped
-            # rank in 30 s (tests, debugging) where the smallest whole value waits a minute.
-            if "--distributed-timeout-minutes" in action.option_strings:
-                action.type = float
-        return add_dcp_arguments(parser)
-
+    add_megatron_arguments = functools.wraps(original)(with_dcp_arguments(original))
     add_megatron_arguments.dcp_original = original
     return add_megatron_arguments
 
@@ -56,13 +44,13 @@ def _with_dcp_arguments(original):
 def _with_dcp_validation(original):
     @functools.wraps(original)
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's own signature
-        from dcp_megatron.megatron.data_files import check_data_files
-        from dcp_megatron.megatron.dcp_args import (DcpUsageError, check_plannable, refuse_conflicting_flags,
-                                                    validate_dcp_args)
-        from dcp_megatron.megatron.flag_checks import check_megatron_flags
-        from dcp_megatron.megatron.moe_checks import check_moe_dispatcher
-        from dcp_megatron.megatron.refusal import exit_refused
-        from dcp_megatron.megatron.run_paths import check_run_paths
+        from dcp_megatron.flags.data_files import check_data_files
+        from dcp_megatron.config import DcpUsageError
+        from dcp_megatron.training.arguments import check_plannable, refuse_conflicting_flags, validate_dcp_args
+        from dcp_megatron.flags.flag_checks import check_megatron_flags
+        from dcp_megatron.training.checks.moe_checks import check_moe_dispatcher
+        from dcp_megatron.flags.refusal import exit_refused
+        from dcp_megatron.training.checks.run_paths import check_run_paths
 
         try:
             _cpu_defaults(args)  # before Megatron's checks, which would take the GPU defaults
@@ -90,7 +78,7 @@ def _cpu_defaults(args) -> None:
 
     if torch.cuda.is_available():
         return
-    from dcp_megatron.megatron.cpu_defaults import apply_cpu_defaults, cpu_defaults_notice
+    from dcp_megatron.flags.cpu_defaults import apply_cpu_defaults, cpu_defaults_notice
 
     applied = apply_cpu_defaults(args, argv=sys.argv[1:])
     if applied and getattr(args, "rank", 0) == 0:
@@ -116,12 +104,12 @@ def dcp_patches() -> tuple[Patch, ...]:
     module = importlib.import_module(_MODULE)
     return (
         Patch(target=f"{_MODULE}:add_megatron_arguments",
-              replacement=_with_dcp_arguments(_unwrapped(module.add_megatron_arguments)),
+              replacement=_with_dcp_arguments(unwrapped(module.add_megatron_arguments)),
               reason="adds the --dcp* argument group to Megatron's parser (no change to the user's script); "
                      "--distributed-timeout-minutes takes fractions of a minute.",
               versions=MEGATRON_CORE_VERSIONS),
         Patch(target=f"{_MODULE}:validate_args",
-              replacement=_with_dcp_validation(_unwrapped(module.validate_args)),
+              replacement=_with_dcp_validation(unwrapped(module.validate_args)),
               reason="no GPU: the CPU flags unless given; refuses flags --dcp cannot honour, unwritable output "
                      "paths and a --load with nothing to resume, at start-up; --dcp implies a per-token loss.",
               versions=MEGATRON_CORE_VERSIONS),

@@ -5,12 +5,12 @@ through torch.cuda.
 
 DCP: under `--dcp`, after `save_checkpoint` returns (a persistent, synchronous save) every rank hashes
 its share of the iteration directory and rank 0 writes a checksum manifest beside Megatron's files
-(dcp_megatron.megatron.checkpoints.py): torch_dist checkpoints carry no checksums, so a flipped byte
+(dcp_megatron.training.checkpoints.py): torch_dist checkpoints carry no checksums, so a flipped byte
 would load silently. Megatron's files, tracker and loading stay as they are. Async and non-persistent
 saves are left unrecorded (their files are finished later or elsewhere).
 
 Every run (with or without --dcp): a save that fails (a full disk) ends the run with one line saying what failed
-and where, and removes the partial iteration directory (dcp_megatron/megatron/save_failure.py); upstream ends
+and where, and removes the partial iteration directory (dcp_megatron/training/save_failure.py); upstream ends
 with `RuntimeError: Worker failure ...` and leaves the directory.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
 
@@ -32,13 +32,13 @@ def _with_manifest(original):
     def save_checkpoint(iteration, model, *args, **kwargs):
         from megatron.training import get_args
 
-        from dcp_megatron.megatron.save_failure import failed_save_ends_run
+        from dcp_megatron.training.save_failure import failed_save_ends_run
 
         run_args = get_args()
         if not getattr(run_args, "dcp", False):
             with failed_save_ends_run(run_args, iteration):
                 return original(iteration, model, *args, **kwargs)
-        from dcp_megatron.megatron.checkpoints import may_save, record_saved_checkpoint
+        from dcp_megatron.training.checkpoints import may_save, record_saved_checkpoint
 
         if not may_save(run_args, iteration, model):
             return None

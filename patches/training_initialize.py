@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from dcp_megatron.megatron.cpu_torch import CpuTorch
+from patches.cpu_torch import CpuTorch
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
 

@@ -1,7 +1,7 @@
 """CPU shim for `megatron.training.models.dist_utils` (no GPU only): its `torch` is a CPU view. places
 the model with module.cuda(torch.cuda.current_device()) and wraps DDP set-up in a side CUDA stream.
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = ('places the model with module.cuda(torch.cuda.current_device()) and wraps DDP set-up in a side '

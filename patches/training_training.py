@@ -6,13 +6,13 @@ synchronize/empty_cache and memory statistics.
 
 DCP: `train()` takes its schedule from `get_forward_backward_func` (imported by name into this
 module). Under `--dcp` the schedule it gets is Megatron's own, wrapped in `DcpForwardBackward`
-(dcp_megatron/megatron/schedule.py): each step is planned from its documents' lengths and every
+(dcp_megatron/training/schedule.py): each step is planned from its documents' lengths and every
 rank runs its own micro-batches through Megatron's schedule. Under `--dcp`, `train()` also runs with a
 heartbeat (dcp_megatron/runtime/heartbeat.py): when a collective times out (a stopped or hung rank; every
 group honours `--distributed-timeout-minutes`), the run ends with one line naming the iteration and the
 rank(s) that stopped answering, instead of the collective library's bare timeout and a traceback.
 Under `--dcp-profile-out` (set by `dcp-profile`), `train()` profiles the model it was given instead of
-training it (dcp_megatron/megatron/profiler.py), writes the profile and ends the run.
+training it (dcp_megatron/training/profiler.py), writes the profile and ends the run.
 Without `--dcp` nothing changes.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import importlib
 import sys
 from datetime import timedelta
 
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
 
@@ -43,10 +43,10 @@ def _with_dcp_schedule(original):
             return inner
         import torch
 
-        from dcp_megatron.megatron.dcp_args import dcp_config_from_args
-        from dcp_megatron.megatron.moe_checks import needs_equal_rows
-        from dcp_megatron.megatron.planning import model_shape_from_args
-        from dcp_megatron.megatron.schedule import DcpForwardBackward
+        from dcp_megatron.flags.dcp_flags import dcp_config_from_args
+        from dcp_megatron.training.checks.moe_checks import needs_equal_rows
+        from dcp_megatron.core.planning import model_shape_from_args
+        from dcp_megatron.training.schedule import DcpForwardBackward
 
         return DcpForwardBackward(
             inner, config=dcp_config_from_args(run_args), model_shape=model_shape_from_args(run_args),
@@ -68,8 +68,8 @@ def _with_timeout_report(original):
             return original(*args, **kwargs)
         import torch
 
-        from dcp_megatron.megatron.dcp_args import DcpUsageError
-        from dcp_megatron.megatron.refusal import exit_refused
+        from dcp_megatron.config import DcpUsageError
+        from dcp_megatron.flags.refusal import exit_refused
         from dcp_megatron.runtime.heartbeat import Heartbeat, connect_store, is_collective_timeout, timeout_message
 
         if getattr(run_args, "dcp_profile_out", None):
@@ -106,9 +106,10 @@ def _with_timeout_report(original):
 def _profile_instead(run_args, *, forward_step_func, model) -> None:
     """The profiler's run in place of the training loop; ends the process when the profile is written (run_profile
     returns on every rank after rank 0 wrote it)."""
-    from dcp_megatron.megatron.dcp_args import dcp_config_from_args, profile_config_from_args
-    from dcp_megatron.megatron.planning import model_shape_from_args
-    from dcp_megatron.megatron.profiler import run_profile
+    from dcp_megatron.flags.dcp_flags import dcp_config_from_args
+    from dcp_megatron.training.arguments import profile_config_from_args
+    from dcp_megatron.core.planning import model_shape_from_args
+    from dcp_megatron.training.profiler import run_profile
 
     run_profile(forward_step_func, model if isinstance(model, list) else [model],
                 profile=profile_config_from_args(run_args), dcp=dcp_config_from_args(run_args),

@@ -2,7 +2,7 @@
 parallel reductions of the update flag, loss and grad-norm helpers allocate on
 torch.cuda.current_device().
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = ('model-parallel reductions of the update flag, loss and grad-norm helpers allocate on '

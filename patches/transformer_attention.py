@@ -1,7 +1,7 @@
 """Patch for `megatron.core.transformer.attention`: a DCP micro-batch's attention uses its own CP group for RoPE
 and its own selective-recompute choice, also when full recompute replays it later.
 
-megatron-core 0.16.1 applies rotary embeddings to packed (THD) query/key rows with
+megatron-core 0.19.2 applies rotary embeddings to packed (THD) query/key rows with
 `cp_group=self.pg_collection.cp`, the static context-parallel group fixed at construction.
 Under DCP every micro-batch may run on a different group (size 1, 2, 4, ...), carried by
 `PackedSeqParams.cp_group` (the upstream seam for per-micro-batch CP groups, which TE's
@@ -13,13 +13,15 @@ packed_seq_params names a group, the module sees that group as its `cp` group. N
 A micro-batch without a group (CP size 1) keeps the static group, which DCP sets up with size 1.
 
 Selective recompute (`Attention.checkpoint_core_attention`) is a module attribute that DCP sets before each
-micro-batch's forward (dcp_megatron/megatron/recompute.py). Full recompute replays a layer's forward in backward
+micro-batch's forward (dcp_megatron/core/recompute.py). Full recompute replays a layer's forward in backward
 and reads the attribute then: under pipeline parallelism (1F1B runs later micro-batches' forwards before earlier
 ones' backwards) it holds the *latest* micro-batch's choice. Two ranks of a CP group whose latest micro-batches
 differ (CP-1 micro-batches of their own) would then replay the same CP micro-batch differently, one checkpointing
 core attention again (an extra all-gather in backward), and wait on each other forever (seen: PP 4 x VPP 2 on a
-2-rank domain). So a DCP micro-batch's choice is read once, at its forward, kept on its PackedSeqParams (the
-replay passes the same object) and pinned for the duration of every call with those params.
+2-rank domain). So a DCP micro-batch's choice is read from the facts its PackedSeqParams carry (`facts_of`,
+dcp_megatron/core/microbatch_facts.py: "core_attn" in its `recompute_modules`; the replay passes the same object,
+so the same facts) and pinned for the duration of every call with those params. Params without facts (not a DCP
+micro-batch's) keep the module's attribute.
 """
 from __future__ import annotations
 
@@ -58,20 +60,11 @@ def _with_microbatch_cp_group(original_forward):
 
 def _microbatch_selective_recompute(packed_seq_params):
     """Whether the DCP micro-batch these params belong to recomputes core attention (None: not a DCP
-    micro-batch). Read from the running micro-batch at its forward and kept on the params for replays."""
-    if packed_seq_params is None:
-        return None
-    selective = getattr(packed_seq_params, "dcp_checkpoint_core_attention", None)
-    if selective is None:
-        from dcp_megatron.megatron.forward_step import current_microbatch
-        from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
+    micro-batch's params), from the facts they carry, at its forward and at every replay alike."""
+    from dcp_megatron.core.microbatch_facts import facts_of
 
-        batch = current_microbatch()
-        if batch is None:
-            return None
-        selective = batch[MICROBATCH_KEY].recompute.kind == "selective"
-        packed_seq_params.dcp_checkpoint_core_attention = selective
-    return selective
+    facts = facts_of(packed_seq_params)
+    return None if facts is None else "core_attn" in facts.recompute_modules
 
 
 def dcp_patches() -> tuple[Patch, ...]:

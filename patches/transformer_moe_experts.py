@@ -2,7 +2,7 @@
 
 expert MLPs place weights and token-count tensors on `torch.cuda.current_device()`.
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = "expert MLPs place weights and token-count tensors on `torch.cuda.current_device()`."

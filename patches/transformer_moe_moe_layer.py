@@ -2,7 +2,7 @@
 
 the MoE layer's optional streams and events (`torch.cuda.Stream`, `torch.cuda.current_stream`) for overlapped shared experts and delayed weight gradients.
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = "the MoE layer's optional streams and events (`torch.cuda.Stream`, `torch.cuda.current_stream`) for overlapped shared experts and delayed weight gradients."

@@ -4,7 +4,7 @@ aux-loss tracking and token permutation utilities call `torch.cuda.current_strea
 """
 import torch
 
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
 

@@ -5,7 +5,7 @@ creates its aux-loss/statistics buffers there.
 
 Under --dcp (a DCP micro-batch only, i.e. while the transformer-layer patch has set `router.dcp_documents`):
 `TopKRouter._apply_aux_loss`, `_apply_seq_aux_loss` and `apply_z_loss` compute their losses per document of the
-micro-batch (dcp_megatron/megatron/moe_aux.py says why and what). Upstream computes the balancing losses from
+micro-batch (dcp_megatron/core/moe_aux.py says why and what). Upstream computes the balancing losses from
 the token counts of the whole micro-batch (or sample) reduced over `tp_cp_group`, the static TP x CP group; a DCP
 micro-batch is a plan-dependent packing of documents on a CP group of its own, with padding and filler rows. The
 losses keep upstream's per-token gradient weighting (attached with `MoEAuxLossAutoScaler`, scaled by 1 / the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
 
@@ -35,7 +35,7 @@ def _record(router, name: str, share, documents) -> None:
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    from dcp_megatron.megatron.moe_aux import logged_share
+    from dcp_megatron.core.moe_aux import logged_share
 
     get_moe_metrics_tracker().record(
         name, logged_share(share, documents, get_num_microbatches()), router.layer_number,
@@ -52,7 +52,7 @@ def _per_document_balancing(original, kind: str, metric: str):
             return original(self, probs, scores_for_aux_loss, routing_map, *args, **kwargs)
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        from dcp_megatron.megatron.moe_aux import load_balancing_loss
+        from dcp_megatron.core.moe_aux import load_balancing_loss
 
         loss, share = load_balancing_loss(scores_for_aux_loss, routing_map, documents, topk=self.topk,
                                           num_experts=self.config.num_moe_experts, coeff=coeff)
@@ -74,7 +74,7 @@ def _per_token_z_loss(original):
             return original(self, logits, padding_mask=padding_mask)
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        from dcp_megatron.megatron.moe_aux import z_loss
+        from dcp_megatron.core.moe_aux import z_loss
 
         loss, share = z_loss(logits, documents, coeff=coeff)
         _record(self, "z_loss", share, documents)

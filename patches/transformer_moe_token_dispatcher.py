@@ -2,7 +2,7 @@
 
 the alltoall dispatcher creates a `torch.cuda.Stream()` at construction and moves token counts with `.to(torch.device('cuda'))`/`.cuda()`; MoE on CPU fails at model build.
 """
-from dcp_megatron.megatron.cpu_torch import cpu_torch_patch
+from patches.cpu_torch import cpu_torch_patch
 from patches import MEGATRON_CORE_VERSIONS
 
 _REASON = "the alltoall dispatcher creates a `torch.cuda.Stream()` at construction and moves token counts with `.to(torch.device('cuda'))`/`.cuda()`; MoE on CPU fails at model build."

@@ -1,8 +1,14 @@
-"""Patch for `megatron.core.transformer.transformer_layer` (under --dcp, MoE layers only): the router of a DCP
-micro-batch knows the micro-batch's documents, and packed micro-batches stay one sequence.
+"""Patch for `megatron.core.transformer.transformer_layer`: a DCP micro-batch's MLP recompute is its own, also when
+full recompute replays it later; (under --dcp, MoE layers only) the router of a DCP micro-batch knows the
+micro-batch's documents, and packed micro-batches stay one sequence.
+
+The MLP side's module recompute (`TransformerLayer.recompute_mlp`, a MoE layer's `moe_layer_recompute` and
+`shared_experts_recompute`) is read by `_forward_mlp` at every call, replays included; for a call with a DCP
+micro-batch's params it is pinned to that micro-batch's choice (`_pin_mlp_recompute`, the same reason as the core
+attention pin in patches/transformer_attention.py).
 
 megatron-core 0.19.2's router sees only the rows it routes. Under DCP its balancing losses are per document
-(dcp_megatron/megatron/moe_aux.py, patches/transformer_moe_router.py), over the ranks of the micro-batch's own CP
+(dcp_megatron/core/moe_aux.py, patches/transformer_moe_router.py), over the ranks of the micro-batch's own CP
 group, and must skip the rows DCP adds: each document's padding to a multiple of 2c and the filler documents (an
 idle rank's, the row alignment's). `TransformerLayer._forward_mlp` is the narrowest seam that sees both the MoE
 layer and the micro-batch's `PackedSeqParams` (it receives them, and full recompute replays it with the same
@@ -16,8 +22,10 @@ Megatron-LM's pretrain_gpt.py also sets `PackedSeqParams.tokens_per_sample = --s
 `_maybe_unflatten_for_moe` then cuts the packed rows into samples of that length; a DCP micro-batch holds whole
 documents of any total length (its own packing, not Megatron's samples), so it stays one sequence.
 
-Only DCP micro-batches are affected (`PackedSeqParams.local_cp_size` set during a --dcp run); everything else
-passes through.
+Only DCP micro-batches are affected: params carrying a micro-batch's facts (`facts_of`,
+dcp_megatron/core/microbatch_facts.py, whose `router_documents` the router gets) during a megatron.training
+--dcp run; everything else passes through. (The DeepSpeed script sets no megatron.training args: its MoE layers
+keep upstream's router, as before the facts had a carrier.)
 """
 from __future__ import annotations
 
@@ -30,9 +38,11 @@ _MODULE = "megatron.core.transformer.transformer_layer"
 
 
 def _is_dcp_microbatch(packed_seq_params) -> bool:
-    if getattr(packed_seq_params, "local_cp_size", None) is None:
+    from dcp_megatron.core.microbatch_facts import facts_of
+
+    if facts_of(packed_seq_params) is None:
         return False
-    from megatron.training import global_vars   # a --dcp run (Megatron's own hybrid CP also sets local_cp_size)
+    from megatron.training import global_vars   # a megatron.training --dcp run (module docstring)
 
     return bool(getattr(getattr(global_vars, "_GLOBAL_ARGS", None), "dcp", False))
 
@@ -40,39 +50,72 @@ def _is_dcp_microbatch(packed_seq_params) -> bool:
 def _router_on_microbatch_documents(original):
     @functools.wraps(original)
     def _forward_mlp(self, hidden_states, *args, **kwargs):
-        packed_seq_params = kwargs.get("packed_seq_params")
-        router = getattr(getattr(self, "mlp", None), "router", None)
-        if router is None or not self.is_moe_layer or not _is_dcp_microbatch(packed_seq_params):
+        from dcp_megatron.core.microbatch_facts import facts_of
+
+        facts = facts_of(kwargs.get("packed_seq_params"))
+        if facts is None:
             return original(self, hidden_states, *args, **kwargs)
-        documents = _microbatch_documents(packed_seq_params)
-        if documents is None:   # not run by DCP's schedule (evaluation goes Megatron's way)
-            return original(self, hidden_states, *args, **kwargs)
-        if self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1:
-            documents = _sequence_parallel_share(documents)
-        if kwargs.get("padding_mask") is None:
-            kwargs["padding_mask"] = documents.padding_mask
-        router.dcp_documents = documents
+        pinned = _pin_mlp_recompute(self, facts.recompute_modules)
         try:
-            return original(self, hidden_states, *args, **kwargs)
+            return _with_router_documents(original, self, hidden_states, *args, **kwargs)
         finally:
-            router.dcp_documents = None
+            for module, attribute, value in pinned:
+                setattr(module, attribute, value)
 
     _forward_mlp.dcp_original = original
     return _forward_mlp
 
 
-def _microbatch_documents(packed_seq_params):
-    """The running DCP micro-batch's RouterDocuments (None outside one), kept on its PackedSeqParams, which full
-    recompute replays in backward, when no micro-batch is running."""
-    from dcp_megatron.megatron.forward_step import current_microbatch
-    from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
+# The MLP side's module-recompute switches megatron-core 0.19.2 reads inside `_forward_mlp`: (owner, attribute, name).
+_MLP_SWITCHES = (("layer", "recompute_mlp", "mlp"), ("mlp", "moe_layer_recompute", "moe"),
+                 ("mlp", "shared_experts_recompute", "shared_experts"))
 
-    documents = getattr(packed_seq_params, "dcp_router_documents", None)
-    batch = current_microbatch()
-    if documents is None and batch is not None:
-        documents = batch[MICROBATCH_KEY].router_documents
-        packed_seq_params.dcp_router_documents = documents
-    return documents
+
+def _pin_mlp_recompute(layer, modules) -> list:
+    """Set the MLP side's recompute switches to the micro-batch's own choice for this call; what to restore.
+
+    DCP sets them before each micro-batch's forward (dcp_megatron/core/recompute.py), but a full-recompute replay
+    reads them again in backward, when (under pipeline parallelism) a later micro-batch's choice is set: the replay
+    would then checkpoint an MLP its micro-batch did not (an extra forward in backward, and a MoE layer's token
+    dispatch issued again on one EP peer only). The facts give the micro-batch's own set, at every replay alike."""
+    pinned = []
+    for owner, attribute, name in _MLP_SWITCHES:
+        module = layer if owner == "layer" else getattr(layer, "mlp", None)
+        if module is None or not hasattr(module, attribute):
+            continue
+        if name == "mlp" and getattr(layer, "is_moe_layer", False):
+            continue   # upstream never checkpoints a MoE layer as "mlp"
+        pinned.append((module, attribute, getattr(module, attribute)))
+        setattr(module, attribute, name in modules)
+    return pinned
+
+
+def _with_router_documents(original, self, hidden_states, *args, **kwargs):
+    packed_seq_params = kwargs.get("packed_seq_params")
+    router = getattr(getattr(self, "mlp", None), "router", None)
+    if router is None or not self.is_moe_layer or not _is_dcp_microbatch(packed_seq_params):
+        return original(self, hidden_states, *args, **kwargs)
+    documents = _microbatch_documents(packed_seq_params)
+    if documents is None:   # not run by DCP's schedule (evaluation goes Megatron's way)
+        return original(self, hidden_states, *args, **kwargs)
+    if self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1:
+        documents = _sequence_parallel_share(documents)
+    if kwargs.get("padding_mask") is None:
+        kwargs["padding_mask"] = documents.padding_mask
+    router.dcp_documents = documents
+    try:
+        return original(self, hidden_states, *args, **kwargs)
+    finally:
+        router.dcp_documents = None
+
+
+def _microbatch_documents(packed_seq_params):
+    """The DCP micro-batch's RouterDocuments, from the facts its params carry (full recompute replays the layer in
+    backward with the same params, so the same documents); None without them."""
+    from dcp_megatron.core.microbatch_facts import facts_of
+
+    facts = facts_of(packed_seq_params)
+    return None if facts is None else facts.router_documents
 
 
 def _sequence_parallel_share(documents):
@@ -106,8 +149,9 @@ def dcp_patches() -> tuple[Patch, ...]:
     return (
         Patch(target=f"{_MODULE}:TransformerLayer._forward_mlp",
               replacement=_router_on_microbatch_documents(unwrapped("_forward_mlp")),
-              reason="the MoE router sees only its rows; under DCP its losses are per document of the micro-batch "
-                     "(on the micro-batch's own CP group), without padding and filler rows.",
+              reason="a full-recompute replay reads the latest micro-batch's MLP recompute switches; and the MoE "
+                     "router sees only its rows: under DCP its losses are per document of the micro-batch (on the "
+                     "micro-batch's own CP group), without padding and filler rows.",
               versions=MEGATRON_CORE_VERSIONS),
         Patch(target=f"{_MODULE}:TransformerLayer._maybe_unflatten_for_moe",
               replacement=_one_sequence_per_dcp_microbatch(unwrapped("_maybe_unflatten_for_moe")),

@@ -18,7 +18,7 @@ state) and its progress lines (`steps_per_print`).
 With `--dcp` each global batch is planned (CP size per document, micro-batches per rank, recompute per
 micro-batch); without it the same documents run Megatron's static layout (one CP size for the run, the
 same micro-batch count on every rank). Both train each batch's per-token loss, so loss traces of any
-layout and world size agree. Without a GPU the CPU flags are defaulted (dcp_megatron/megatron/cpu_defaults.py).
+layout and world size agree. Without a GPU the CPU flags are defaulted (dcp_megatron/flags/cpu_defaults.py).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dcp_megatron.megatron.dcp_args import DcpUsageError  # noqa: E402
+from dcp_megatron.config import DcpUsageError  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,8 +53,8 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     from dcp_megatron.deepspeed.config import (DEFAULT_CP_ATTENTION, check_schedule_length, dcp_config,
                                                load_deepspeed_config, prepare_deepspeed_config, torch_adam_params,
                                                zero_stage)
-    from dcp_megatron.megatron.dcp_args import DcpConfig, parse_comma_list
-    from dcp_megatron.megatron.run_paths import check_writable_dir
+    from dcp_megatron.config import DcpConfig, parse_comma_list
+    from dcp_megatron.flags.run_paths import check_writable_dir
 
     from dcp_megatron.deepspeed.megatron_flags import apply_megatron_flags
 
@@ -127,16 +127,15 @@ def forward_loss(engine, batch: dict):
     """(sum of the micro-batch's masked token losses, its valid token count): the per-token loss."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from dcp_megatron.megatron.core_attention import set_cp_attention
-    from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
+    from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY, attach_facts
 
     bounds = batch["cu_seqlens_padded"].view(-1)
     max_seqlen = int(batch["max_seqlen"].max())
-    context = batch[MICROBATCH_KEY]
+    facts = batch[MICROBATCH_KEY]
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=bounds,
                              cu_seqlens_kv_padded=bounds, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
-                             local_cp_size=context.cp_size, cp_group=context.group)
-    set_cp_attention(params, context.attention)   # the CP flavour the plan chose for this micro-batch
+                             local_cp_size=facts.cp_size, cp_group=facts.group)
+    attach_facts(params, facts)   # what attention reads of the micro-batch: its shard and CP flavour (docs/deepspeed.md)
     losses = engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=params)
     mask = batch["loss_mask"].view(-1).float()
     return torch.sum(losses.view(-1).float() * mask), int(mask.sum())
@@ -172,7 +171,7 @@ def setup_training(args: argparse.Namespace) -> Training:
     from dcp_megatron.deepspeed.evaluation import Evaluation, validation_samples
     from dcp_megatron.deepspeed.samples import SampleShares, build_train_dataset
     from dcp_megatron.deepspeed.steps import DcpSteps
-    from dcp_megatron.megatron.planning import checked_cost_model, model_shape_from_args
+    from dcp_megatron.core.planning import checked_cost_model, model_shape_from_args
 
     if "WORLD_SIZE" not in os.environ:  # a plain `python pretrain_gpt_deepspeed.py`: one process
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -189,13 +188,13 @@ def setup_training(args: argparse.Namespace) -> Training:
     import deepspeed
     from megatron.core import parallel_state
 
-    from dcp_megatron.deepspeed.patch_set import deepspeed_patch_registry
+    from patches.sets import patch_set
     from dcp_megatron.runtime.group_pool import GroupPool
 
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if has_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    registry = deepspeed_patch_registry(timeout=timeout).apply()   # before init: it skips the shm op's build
+    registry = patch_set("deepspeed", timeout=timeout).apply()   # before init: it skips the shm op's build
     try:
         deepspeed.init_distributed(dist_backend=args.distributed_backend, timeout=timeout)
         if torch.distributed.get_world_size() != world_size:
@@ -237,7 +236,7 @@ def setup_training(args: argparse.Namespace) -> Training:
 
 def log_step(training: Training, outcome, *, iteration: int, train_iters: int, consumed: int) -> None:
     """Megatron's iteration line (loss, grad norm, learning rate) and the step's plan line."""
-    from dcp_megatron.megatron.plan_log import plan_summary
+    from dcp_megatron.core.plan_log import plan_summary
 
     engine, steps = training.engine, training.steps
     norm = f" grad norm: {outcome.grad_norm:.6f} |" if outcome.grad_norm is not None else ""

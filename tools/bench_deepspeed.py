@@ -23,7 +23,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.deepspeed_runs import ds_config, run_deepspeed  # noqa: E402
+from tests.support.deepspeed_runs import ds_config, run_deepspeed  # noqa: E402
 
 
 def model_flags(args) -> list[str]:

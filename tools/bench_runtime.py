@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""Measured throughput of the DCP runtime on 2 CPU ranks: static CP=2 vs the dcp plan.
+"""Measured throughput of the planned-step loop users run on 2 CPU ranks: static CP=2 vs the dcp plan.
 
     .venv/bin/python tools/bench_runtime.py --json bench_runtime.json [--steps 8] [--tokens-per-step 8192]
 
 Two gloo ranks (one thread each) train gpt-tiny (TinyGPT with the gpt-tiny ModelShape) on the
-same global batches under two plans, both scored with the `cpu` ClusterSpec (or --profile):
+same global batches through dcp_megatron/core/step_loop.py (planning one step ahead, plan agreement, the
+document exchange, the micro-batch dicts; the reference engine in place of Megatron's schedule) under two plans, both scored with the `cpu` ClusterSpec (or --profile):
 - static: the planner's `static` policy, the layout fixed for the run from the length cap
   (it picks CP=2 for every sequence here, since a cap-length document does not fit on one rank);
 - dcp: the planner's `dcp` policy, per batch.
@@ -34,29 +35,29 @@ import argparse
 import dataclasses
 import json
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
 from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from dcp_megatron.planner.batcher import GlobalBatcher  # noqa: E402
-from dcp_megatron.planner.cluster_cpu import CPU_MEM_BYTES_PER_RANK, cpu_cluster  # noqa: E402
+from dcp_megatron.planner.cluster import cpu_cluster  # noqa: E402
+from dcp_megatron.planner.cluster_cpu import CPU_MEM_BYTES_PER_RANK  # noqa: E402
 from dcp_megatron.planner.cost import CostModel, load_profile  # noqa: E402
 from dcp_megatron.planner.distributions import builtin_lengths  # noqa: E402
 from dcp_megatron.planner.model import model_preset  # noqa: E402
 from dcp_megatron.planner.policies import make_plan  # noqa: E402
 from dcp_megatron.planner.policies.static import static_layout  # noqa: E402
-from dcp_megatron.runtime.executor import StepExecutor  # noqa: E402
 from dcp_megatron.runtime.group_pool import GroupPool  # noqa: E402
-from dcp_megatron.runtime.parity import dcp_train_step, seeded_tokens  # noqa: E402
+from dcp_megatron.core.parity import ReferenceRun  # noqa: E402
+from dcp_megatron.runtime.parity import seeded_tokens  # noqa: E402
+from local_ranks import run_local_ranks  # noqa: E402
 from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig  # noqa: E402
 
 WORLD = 2
@@ -121,20 +122,22 @@ def predicted_ratios(plans) -> dict:
     return out
 
 
-def bench_rank(rank: int, port: int, args, cap: int, batches, plans, results) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=900))
-    executor = StepExecutor(GroupPool([list(range(WORLD))], timeout=timedelta(seconds=900)))
+def bench_rank(rank: int, world_size: int, args, cap: int, batches, cost: CostModel) -> list[dict]:
+    pool = GroupPool([list(range(WORLD))], timeout=timedelta(seconds=900))
     model = TinyGPT(TinyGPTConfig.from_shape(model_preset(MODEL)), seed=0)
     tokens_of = seeded_tokens(model.config.vocab_size, args.seed)
     rows = []
     for kind, kind_batches in batches.items():
+        # one loop per policy over the same batches, as a training run would plan them (one step ahead)
+        runs = {policy: ReferenceRun(model, pool, kind_batches, tokens_of, cost=cost, seq_length=cap,
+                                     plan_function=lambda sequences, cost, policy=policy: make_plan(
+                                         policy, sequences, cost, max_seq_len=cap))
+                for policy in POLICIES}
         for step, batch in enumerate(kind_batches):
             for policy in (POLICIES if step % 2 == 0 else POLICIES[::-1]):
-                plan = plans[kind][step][policy]
                 cpu_start = time.process_time()
-                result = dcp_train_step(model, executor, plan, tokens_of)
+                result = runs[policy].step()
+                plan = runs[policy].last_plan
                 # Busiest rank's CPU seconds: the step time on dedicated cores, less the waits.
                 busy = torch.tensor([time.process_time() - cpu_start], dtype=torch.float64)
                 dist.all_reduce(busy, op=dist.ReduceOp.MAX)
@@ -150,10 +153,9 @@ def bench_rank(rank: int, port: int, args, cap: int, batches, plans, results) ->
                 if rank == 0:
                     print(f"{kind:8s} step {step} {policy:6s} {stats.step_s:7.2f} s (plan {stats.predicted_step_s:6.2f})"
                           f" cpu {float(busy):6.2f} s imbalance {stats.imbalance:.2f}  {plan.summary()}", flush=True)
-    if rank == 0:
-        results.put(rows)
-    dist.barrier()
-    dist.destroy_process_group()
+        for run in runs.values():
+            run.close()
+    return rows
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -210,26 +212,10 @@ def main(argv=None) -> int:
               f"ceiling {predicted[f'ratio_{kind}_ceiling_median']:.3f}", flush=True)
     if args.predict_only:
         return 0
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=bench_rank, args=(r, port, args, cap, batches, plans, results)) for r in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    rows = None
-    while rows is None and not any(proc.exitcode not in (None, 0) for proc in procs):
-        try:
-            rows = results.get(timeout=1.0)
-        except queue.Empty:
-            continue
-    for proc in procs:
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.terminate()
-    if rows is None:
-        print("a rank failed; no results", file=sys.stderr)
+    try:
+        rows = run_local_ranks(bench_rank, WORLD, args, cap, batches, cost, timeout_s=3600)[0]
+    except RuntimeError as err:
+        print(f"a rank failed; no results\n{err}", file=sys.stderr)
         return 1
     summary = {**summarize(rows), **predicted}
     for name, value in summary["tokens_per_s"].items():

@@ -5,7 +5,7 @@
 
 DIR holds Megatron-LM's top-level `pretrain_gpt.py`, `gpt_builders.py` and `model_provider.py` (tag
 core_v0.19.0; public, not shipped here) and no `megatron/` package, so the installed megatron-core 0.19.2
-wheel is the one imported. Runs the tiny Llama-3 flag set of tests/megatron_runs.py, prints both loss traces
+wheel is the one imported. Runs the tiny Llama-3 flag set of tests/support/megatron_runs.py, prints both loss traces
 and the DCP plans, and exits 1 unless the traces agree within 1e-5. Layouts: `dp` (2 ranks, both runs),
 `tp2sp` (TP 2 + sequence parallelism) and `pp2` (PP 2): plain on 2 ranks, `--dcp` on 4 (a 2-rank domain);
 `mixtral` (the MoE flags of Megatron-LM's Mixtral example, 4 experts, EP 2, aux loss 1e-2: 2 ranks, both runs;
@@ -24,7 +24,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.megatron_runs import LLAMA_TINY, OUR_SCRIPT, run_training  # noqa: E402
+from tests.support.megatron_runs import LLAMA_TINY, OUR_SCRIPT, run_training  # noqa: E402
 
 # Layouts whose plain run uses our pretrain_scripts/pretrain_gpt.py (the same model from the same flags): at
 # core_v0.19.0 Megatron-LM's own script cannot run them without --dcp. Its `is_dataset_built_on_rank` builds no

@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Gradient parity of the DCP executor on random layouts, vs single-process training.
+"""Gradient parity of the planned-step loop users run on random layouts, vs single-process training.
 
     .venv/bin/python tools/check_parity.py --world 4 --layouts 20 --seed 0
     torchrun --nproc-per-node 4 tools/check_parity.py --layouts 20 --seed 0   (world from torchrun)
 
 Each layout is a random StepPlan on a domain of `world` ranks (random contiguous groups with
 power-of-two groups aligned, random micro-batch split, random recompute, GQA, CP attention
-variant alternating all-gather / ring) run on gloo, compared with the full-batch single-process
+variant alternating all-gather / ring) run on gloo through dcp_megatron/core/step_loop.py (document exchange,
+micro-batch dicts, plan agreement) with the reference engine, compared with the full-batch single-process
 gradient of the same TinyGPT. Prints one line per layout; the LAST line is `max_rel_err=<value>`
 (worst over layouts, parameters and ranks). Exit status 1 when it exceeds 1e-5 or a loss differs.
 """
@@ -14,21 +15,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
-import socket
 import sys
 from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from dcp_megatron.planner.plan import StepPlan  # noqa: E402
-from dcp_megatron.runtime.executor import StepExecutor  # noqa: E402
 from dcp_megatron.runtime.group_pool import GroupPool  # noqa: E402
-from dcp_megatron.runtime.parity import parity_case  # noqa: E402
+from dcp_megatron.core.parity import parity_case  # noqa: E402
+from local_ranks import run_local_ranks  # noqa: E402
 
 TOLERANCE = 1e-5
 LOSS_TOLERANCE = 1e-5
@@ -39,10 +38,9 @@ def run_layouts(layouts: int, seed: int, timeout_s: float) -> list[tuple[float, 
     torch.set_num_threads(1)
     world = dist.get_world_size()
     pool = GroupPool([list(range(world))], timeout=timedelta(seconds=timeout_s))
-    executor = StepExecutor(pool)
     rows = []
     for i in range(layouts):
-        case = parity_case(executor, seed * 100_003 + i, impl=("allgather", "ring")[i % 2])
+        case = parity_case(pool, seed * 100_003 + i, impl=("allgather", "ring")[i % 2])
         worst = torch.tensor([case["max_rel_err"], abs(case["loss"] - case["ref_loss"])], dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         rows.append((float(worst[0]), float(worst[1]), StepPlan.from_json(case["plan"]).summary()))
@@ -58,14 +56,8 @@ def report(rows: list[tuple[float, float, str]]) -> int:
     return 0 if worst <= TOLERANCE and worst_loss <= LOSS_TOLERANCE else 1
 
 
-def _spawned(rank: int, world: int, port: int, args, results) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=args.timeout))
-    rows = run_layouts(args.layouts, args.seed, args.timeout)
-    if rank == 0:
-        results.put(rows)
-    dist.barrier()
-    dist.destroy_process_group()
+def _spawned(rank: int, world: int, args):
+    return run_layouts(args.layouts, args.seed, args.timeout)
 
 
 def main(argv=None) -> int:
@@ -84,29 +76,10 @@ def main(argv=None) -> int:
         dist.barrier()
         dist.destroy_process_group()
         return code
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_spawned, args=(r, args.world, port, args, results)) for r in range(args.world)]
-    for proc in procs:
-        proc.start()
-    rows = None
     try:
-        while rows is None and not any(proc.exitcode not in (None, 0) for proc in procs):
-            try:
-                rows = results.get(timeout=1.0)
-            except queue.Empty:
-                continue
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
-    failed = [r for r, proc in enumerate(procs) if proc.exitcode != 0]
-    if failed or rows is None:
-        print(f"ranks {failed} failed", file=sys.stderr)
+        rows = run_local_ranks(_spawned, args.world, args, timeout_s=args.timeout)[0]
+    except RuntimeError as err:
+        print(err, file=sys.stderr)
         print("max_rel_err=nan")
         return 1
     return report(rows)

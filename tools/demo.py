@@ -198,7 +198,7 @@ def main(argv=None) -> int:
         load_after = os.getloadavg()
         unrefined = {run.label: unrefined_predictions(os.path.join(tmp, "tb", run.label)) for run in (dcp, static)}
         lengths_file = os.path.join(args.out, "demo_document_lengths.txt")
-        from dcp_megatron.megatron.indexed_documents import IndexedDocuments
+        from dcp_megatron.data.indexed_documents import IndexedDocuments
         with open(lengths_file, "w") as f:
             f.write("\n".join(str(n) for n in IndexedDocuments(prefix).lengths()) + "\n")
     from demo_interleave import block_ratios

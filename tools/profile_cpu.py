@@ -38,19 +38,18 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
 from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
-from dcp_megatron.planner.cluster_cpu import cpu_cluster  # noqa: E402
+from dcp_megatron.planner.cluster import cpu_cluster  # noqa: E402
 from dcp_megatron.planner.cost import CostModel, check_profile  # noqa: E402
 from dcp_megatron.planner.model import model_preset  # noqa: E402
 from dcp_megatron.planner.plan import Recompute  # noqa: E402
@@ -58,6 +57,7 @@ from dcp_megatron.runtime.recompute import apply_recompute  # noqa: E402
 from dcp_megatron.runtime.cp_attention import cp_attention  # noqa: E402
 from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig  # noqa: E402
 from dcp_megatron.runtime.sharding import shard_microbatch  # noqa: E402
+from local_ranks import run_local_ranks  # noqa: E402
 
 ATTN_LENGTHS = (256, 1024, 2048, 4096)
 GLOO_SIZES = (1 << 22, 1 << 24)
@@ -116,11 +116,9 @@ def model_step(model: TinyGPT, lengths: list[int], cp_size: int, attention: str,
     model.zero_grad(set_to_none=True)
 
 
-def _rank(rank: int, port: int, model_name: str, repeats: int, clock_name: str, results) -> None:
-    torch.set_num_threads(1)
+def _rank(rank: int, world_size: int, model_name: str, repeats: int, clock_name: str) -> tuple[dict, list]:
     clock = time.process_time if clock_name == "cpu" else time.perf_counter
     torch.manual_seed(rank)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     shape = model_preset(model_name)
     model = TinyGPT(TinyGPTConfig.from_shape(shape))
     out: dict = {}
@@ -145,15 +143,10 @@ def _rank(rank: int, port: int, model_name: str, repeats: int, clock_name: str, 
         gloo[nbytes] = best_time(lambda: dist.all_gather_into_tensor(gathered, local), 3 * repeats, time.perf_counter)
     out["collective_latency_s"] = gloo[8]
     out["intra_node_bw"] = statistics.median(n / max(gloo[n] - gloo[8], 1e-9) for n in GLOO_SIZES)
-    if rank == 0:
-        results.put(out)
     measured = []
     for lengths, cp_size, recompute in CHECK_KINDS:
         measured.append(median_time(lambda: model_step(model, lengths, cp_size, "real", recompute), repeats + 1, clock))
-    if rank == 0:
-        results.put(measured)
-    dist.barrier()
-    dist.destroy_process_group()
+    return out, measured
 
 
 def print_check(shape, profile: dict, measured: list[float]) -> None:
@@ -184,18 +177,7 @@ def main(argv=None) -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     shape = model_preset(args.model)
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, args.model, args.repeats, args.clock, results)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    out = results.get(timeout=1800)
-    measured = results.get(timeout=1800)
-    for proc in procs:
-        proc.join(timeout=60)
+    out, measured = run_local_ranks(_rank, 2, args.model, args.repeats, args.clock)[0]
     rates = [[length, shape.attn_flops_per_len2 * length * length / sec]
              for length, cp, sec in out["attention_times"] if cp == 1]
     profile = {

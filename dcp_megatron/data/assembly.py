@@ -47,7 +47,7 @@ def microbatch_arrays(source: DocumentSource, batch: GlobalBatch,
 
 def document_rows(source: DocumentSource, batch: GlobalBatch, seq_id: int, length: int) -> torch.Tensor:
     """int64 [length, 3]: one sequence of `batch` as (token, label, loss mask = 1) rows, the row layout the
-    micro-batch builders shard (dcp_megatron/megatron/microbatches.py)."""
+    micro-batch builders shard (dcp_megatron/core/microbatches.py)."""
     inputs, labels = microbatch_arrays(source, batch, [(seq_id, length)])
     return torch.stack([torch.from_numpy(inputs), torch.from_numpy(labels),
                         torch.ones(len(inputs), dtype=torch.int64)], dim=1)

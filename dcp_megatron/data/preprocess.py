@@ -130,7 +130,7 @@ def preprocess_texts(texts: Iterable[str], output_prefix: str, tokenizer: Tokeni
     """Tokenize `texts` (one document each) into `output_prefix`.bin/.idx.
 
     Returns {"documents", "tokens", "dropped", "vocab_size"}."""
-    from dcp_megatron.megatron.indexed_documents import write_indexed_documents  # imports megatron-core
+    from dcp_megatron.data.indexed_documents import write_indexed_documents  # imports megatron-core
 
     stats = write_indexed_documents(output_prefix, tokenize_documents(texts, tokenizer, append_eod=append_eod),
                                     vocab_size=tokenizer.vocab_size)

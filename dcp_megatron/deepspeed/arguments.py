@@ -4,7 +4,7 @@ A user moves between the engines with one flag set: the model, data (`--data-pat
 `--mock-data`, `--tokenizer-type`), batch (`--global-batch-size`, `--micro-batch-size`, `--seq-length`),
 run (`--train-iters`, `--save`, `--load`, `--save-interval`, `--log-interval`, `--seed`,
 `--distributed-timeout-minutes`) and `--dcp*` flags are parsed by megatron.training's parser (with
-our `--dcp*` group, patches/training_arguments.py) and checked by Megatron's `validate_args`.
+our `--dcp*` group, dcp_megatron/flags/dcp_flags.py) and checked by Megatron's `validate_args`.
 DeepSpeed adds `--deepspeed-config` (its JSON owns the ZeRO stage, precision, optimizer, scheduler and
 clipping) and `--override-optimizer-config`.
 
@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from dcp_megatron.megatron.dcp_args import DcpUsageError
+from dcp_megatron.config import DcpUsageError
 
 # Megatron flags the JSON decides under DeepSpeed (refused when given, with where to put them instead); the
 # optimizer, clipping and precision flags are mapped onto the JSON instead (megatron_flags.py).
@@ -49,10 +49,10 @@ def megatron_parser() -> argparse.ArgumentParser:
     or patched: the same parser)."""
     from megatron.training import arguments
 
-    from patches.training_arguments import _unwrapped, _with_dcp_arguments
+    from dcp_megatron.flags.dcp_flags import unwrapped, with_dcp_arguments
 
     parser = argparse.ArgumentParser(description="GPT pretraining on DeepSpeed (Megatron's flags)", allow_abbrev=False)
-    parser = _with_dcp_arguments(_unwrapped(arguments.add_megatron_arguments))(parser)
+    parser = with_dcp_arguments(unwrapped(arguments.add_megatron_arguments))(parser)
     return _add_deepspeed_arguments(parser)
 
 
@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Megatron's args for a DeepSpeed run, validated by Megatron and by us (DcpUsageError: refuse at start)."""
     from megatron.training import arguments
 
-    from dcp_megatron.megatron.cpu_defaults import apply_cpu_defaults, cpu_defaults_notice
+    from dcp_megatron.flags.cpu_defaults import apply_cpu_defaults, cpu_defaults_notice
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -110,7 +110,7 @@ def check_before_megatron(args: argparse.Namespace) -> None:
     """Start-up checks that name their flag, before Megatron's validate_args (TP = PP = CP = 1 already checked,
     so the data-parallel size is the world size)."""
     from dcp_megatron.deepspeed.checkpoint import check_checkpoint_paths
-    from dcp_megatron.megatron.flag_checks import check_unrunnable_flags
+    from dcp_megatron.flags.flag_checks import check_unrunnable_flags
 
     if args.train_iters is None or args.train_iters < 1:
         raise DcpUsageError("give --train-iters N (N >= 1): the DeepSpeed script counts its run in steps")
@@ -129,7 +129,7 @@ def check_before_megatron(args: argparse.Namespace) -> None:
 def check_data_paths(args: argparse.Namespace) -> None:
     """At start, before any process group: every --data-path prefix is a .bin/.idx pair that belongs together
     (named first, also beside --mock-data), one data source, and the blends as the Megatron path checks them."""
-    from dcp_megatron.megatron.data_files import check_data_files, check_indexed_pair
+    from dcp_megatron.flags.data_files import check_data_files, check_indexed_pair
 
     for prefix in [token for token in args.data_path or [] if not _is_number(token)]:
         check_indexed_pair(prefix, "--data-path")
@@ -149,9 +149,9 @@ def _is_number(token: str) -> bool:
 
 
 def _unwrapped_validate(arguments):
-    from patches.training_arguments import _unwrapped
+    from dcp_megatron.flags.dcp_flags import unwrapped
 
-    return _unwrapped(arguments.validate_args)   # ours for the Megatron loop checks Megatron-path flags
+    return unwrapped(arguments.validate_args)   # ours for the Megatron loop checks Megatron-path flags
 
 
 def refuse_unrun_flags(argv: list[str], args: argparse.Namespace) -> None:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import glob
 import os
 
-from dcp_megatron.megatron.dcp_args import DcpUsageError
-from dcp_megatron.megatron.run_paths import check_resume_dir, check_writable_dir, hold_save_dir_or_refuse
+from dcp_megatron.config import DcpUsageError
+from dcp_megatron.flags.run_paths import check_resume_dir, check_writable_dir, hold_save_dir_or_refuse
 from dcp_megatron.runtime import checkpoint_manifest as manifest_io
 
 LATEST_FILE = "latest"   # DeepSpeed's tag file

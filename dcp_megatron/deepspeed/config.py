@@ -26,8 +26,7 @@ import copy
 import json
 import os
 
-from dcp_megatron.megatron.dcp_args import (RECOMPUTE_CHOICES, DcpConfig, DcpUsageError, check_gpus_per_node,
-                                            local_world_size)
+from dcp_megatron.config import RECOMPUTE_CHOICES, DcpConfig, DcpUsageError, check_gpus_per_node, local_world_size
 
 STAGE3_RECOMPUTE = ("none",)   # ZeRO-3's recompute choices (stage3_recompute)
 

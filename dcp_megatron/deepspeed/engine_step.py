@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dcp_megatron.megatron.microbatches import MICROBATCH_KEY
-from dcp_megatron.megatron.recompute import apply_recompute
+from dcp_megatron.core.microbatches import MICROBATCH_KEY
+from dcp_megatron.core.recompute import apply_recompute
 
 
 @dataclass(frozen=True)

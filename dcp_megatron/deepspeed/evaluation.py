@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dcp_megatron.megatron.global_batch import DocumentIndex, exchange_documents, gather_lengths
-from dcp_megatron.megatron.microbatches import rank_batches
-from dcp_megatron.megatron.planning import plan_global_batch
-from dcp_megatron.megatron.recompute import apply_recompute
+from dcp_megatron.core.global_batch import DocumentIndex, exchange_documents, gather_lengths
+from dcp_megatron.core.microbatches import rank_batches
+from dcp_megatron.core.planning import plan_global_batch
+from dcp_megatron.core.recompute import apply_recompute
 from dcp_megatron.planner.plan import NO_RECOMPUTE
 from dcp_megatron.runtime.group_pool import plan_blocks
 

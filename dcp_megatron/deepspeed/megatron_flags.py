@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import json
 
-from dcp_megatron.megatron.dcp_args import DcpUsageError
+from dcp_megatron.config import DcpUsageError
 
 # flag -> the args attribute holding its value
 MAPPED_FLAGS = {"--optimizer": "optimizer", "--lr": "lr", "--adam-beta1": "adam_beta1", "--adam-beta2": "adam_beta2",

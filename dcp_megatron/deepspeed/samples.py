@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from dcp_megatron.megatron.global_batch import Documents, split_samples
+from dcp_megatron.core.global_batch import Documents, split_samples
 
 
 def build_train_dataset(args: argparse.Namespace, tokenizer, *, valid_samples: int = 0):

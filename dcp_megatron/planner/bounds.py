@@ -1,4 +1,4 @@
-"""A lower bound on any plan's step time for one batch (DESIGN.md §5), memory-aware.
+"""A lower bound on any plan's step time for one batch (docs/simulator.md), memory-aware.
 
 max( balanced: every document's least rank-seconds, plus the overhead of the fewest micro-batches
      memory allows and the MoE all-to-alls every token pays, summed and divided by the D ranks —

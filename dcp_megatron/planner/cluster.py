@@ -5,6 +5,10 @@ import bisect
 import math
 from dataclasses import dataclass, replace
 
+from dcp_megatron.planner.cluster_cpu import (CPU_ATTN_RATE_POINTS, CPU_COLLECTIVE_LATENCY_S, CPU_GEMM_FLOPS, CPU_GLOO_BW,
+                                              CPU_MEM_BYTES_PER_RANK, CPU_MICROBATCH_OVERHEAD_S, CPU_RANKS_PER_MACHINE,
+                                              CPU_RECOMPUTE_COST_FACTOR)
+
 GiB = 1024 ** 3
 
 
@@ -103,7 +107,7 @@ def _h200(domain_size: int = 8) -> ClusterSpec:
         # ~790 TFLOP/s measured on a large bf16 GEMM (989 datasheet dense); end-to-end
         # layers reach less (norms, activations, small GEMMs): ~75% of that measured rate.
         gemm_flops=0.75 * 790e12,
-        # Attention achieved rate by document length: H100 profile (DESIGN.md §4) scaled by
+        # Attention achieved rate by document length: H100 profile (docs/cost_model.md) scaled by
         # the H200/H100 GEMM ratio (~1.0 at equal clocks; the HBM gain matters little here).
         attn_rate_points=((512, 120e12), (1024, 230e12), (4096, 450e12), (32768, 590e12)),
         intra_node_bw=900e9 / 2,             # NVLink 900 GB/s per GPU, bidirectional -> one way
@@ -119,9 +123,29 @@ def _h200(domain_size: int = 8) -> ClusterSpec:
     )
 
 
-def _cpu(domain_size: int = 2) -> ClusterSpec:
+def cpu_cluster(domain_size: int) -> ClusterSpec:
+    """A DCP domain of `domain_size` single-thread CPU ranks on one machine."""
+    if not isinstance(domain_size, int) or domain_size <= 0:
+        raise ValueError(f"cpu_cluster domain_size must be a positive int, got {domain_size!r}")
     # Constants measured on the 2-core CI machine class; see cluster_cpu.py for how.
-    from dcp_megatron.planner.cluster_cpu import cpu_cluster
+    return ClusterSpec(
+        name="cpu",
+        domain_size=domain_size,
+        gpus_per_node=max(CPU_RANKS_PER_MACHINE, domain_size),
+        mem_bytes_per_gpu=CPU_MEM_BYTES_PER_RANK,
+        mem_safety_frac=0.10,
+        distributed_optimizer=True,
+        gemm_flops=CPU_GEMM_FLOPS,
+        attn_rate_points=CPU_ATTN_RATE_POINTS,
+        intra_node_bw=CPU_GLOO_BW,
+        inter_node_bw=CPU_GLOO_BW,       # loopback either way: there is no second machine
+        microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S,
+        collective_latency_s=CPU_COLLECTIVE_LATENCY_S,
+        recompute_cost_factor=CPU_RECOMPUTE_COST_FACTOR,
+    )
+
+
+def _cpu(domain_size: int = 2) -> ClusterSpec:
     return cpu_cluster(domain_size)
 
 

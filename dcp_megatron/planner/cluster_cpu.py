@@ -1,4 +1,4 @@
-"""The `cpu` ClusterSpec: CPU physics for plans that run on CPU ranks (tests, benchmarks, demo).
+"""The `cpu` ClusterSpec's constants (`cluster.cpu_cluster` builds it): CPU physics for plans that run on CPU ranks (tests, benchmarks, demo).
 
 Each rank is one process with one intra-op thread running TinyGPT / gpt-tiny in fp32 with the
 project's CP attention over gloo. How the constants below were measured (reference machine:
@@ -32,8 +32,6 @@ layers, so a 4096-token document needs two ranks. Problems stay CPU-sized (secon
 """
 from __future__ import annotations
 
-from dcp_megatron.planner.cluster import ClusterSpec
-
 MiB = 1024 ** 2
 
 # CPU-time measurements (see the module docstring), 1 thread per rank, fp32, gpt-tiny; rounded.
@@ -47,24 +45,3 @@ CPU_COLLECTIVE_LATENCY_S = 200e-6        # one small gloo all-gather between 2 l
 CPU_MICROBATCH_OVERHEAD_S = 8.0e-3       # forward+backward of a 2-token micro-batch (Python, 4 layers)
 CPU_MEM_BYTES_PER_RANK = 40 * MiB        # modelling budget, see the module docstring
 CPU_RANKS_PER_MACHINE = 64               # every rank of a CPU run is a local process: one "node"
-
-
-def cpu_cluster(domain_size: int) -> ClusterSpec:
-    """A DCP domain of `domain_size` single-thread CPU ranks on one machine."""
-    if not isinstance(domain_size, int) or domain_size <= 0:
-        raise ValueError(f"cpu_cluster domain_size must be a positive int, got {domain_size!r}")
-    return ClusterSpec(
-        name="cpu",
-        domain_size=domain_size,
-        gpus_per_node=max(CPU_RANKS_PER_MACHINE, domain_size),
-        mem_bytes_per_gpu=CPU_MEM_BYTES_PER_RANK,
-        mem_safety_frac=0.10,
-        distributed_optimizer=True,
-        gemm_flops=CPU_GEMM_FLOPS,
-        attn_rate_points=CPU_ATTN_RATE_POINTS,
-        intra_node_bw=CPU_GLOO_BW,
-        inter_node_bw=CPU_GLOO_BW,       # loopback either way: there is no second machine
-        microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S,
-        collective_latency_s=CPU_COLLECTIVE_LATENCY_S,
-        recompute_cost_factor=CPU_RECOMPUTE_COST_FACTOR,
-    )

@@ -1,4 +1,4 @@
-"""Cost model: time and per-rank memory of one micro-batch (DESIGN.md §4).
+"""Cost model: time and per-rank memory of one micro-batch (docs/cost_model.md).
 
 A micro-batch is a list of documents packed THD and run by a CP group of c ranks in
 lock-step. Each document is padded to a multiple of 2c (zig-zag chunks), so padding is paid.

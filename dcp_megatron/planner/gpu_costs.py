@@ -1,4 +1,4 @@
-"""What the GPU path adds to the cost model (DESIGN.md section 11): FP8 GEMMs, TE's p2p ring, NCCL communicators.
+"""What the GPU path adds to the cost model (docs/gpu.md): FP8 GEMMs, TE's p2p ring, NCCL communicators.
 
 - FP8 (`fp8=True`): the linear layers' GEMMs run at the cluster's `fp8_gemm_flops` (attention stays bf16);
   Transformer Engine keeps an FP8 copy of every linear weight and its transpose (1 byte each per

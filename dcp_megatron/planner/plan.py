@@ -19,16 +19,23 @@ from typing import Any, Iterator
 Sequence = tuple[int, int]
 
 
+# megatron-core 0.19.2's recompute_modules (selective granularity) that a micro-batch's recompute may name.
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "moe_act", "layernorm")
+
+
 @dataclass(frozen=True)
 class Recompute:
     """Recompute policy of one micro-batch.
 
-    kind: "none" (keep all activations), "selective" (recompute core attention
-    only), or "full" (checkpoint the first `full_layers` transformer layers).
+    kind: "none" (keep all activations), "selective" (megatron-core's module recompute: checkpoint `modules` in
+    every layer; core attention alone unless named), or "full" (checkpoint the first `full_layers` layers).
+    JSON: "none", "selective" (core attention: also every plan written before module sets), {"modules": [...]},
+    {"full_layers": k}.
     """
 
     kind: str = "none"
     full_layers: int = 0
+    modules: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         if self.kind not in ("none", "selective", "full"):
@@ -37,24 +44,47 @@ class Recompute:
             raise ValueError(f"full recompute needs full_layers >= 1, got {self.full_layers}")
         if self.kind != "full" and self.full_layers != 0:
             raise ValueError(f"full_layers={self.full_layers} given with recompute kind {self.kind!r}")
+        modules = frozenset(self.modules)
+        if self.kind == "selective" and not modules:
+            modules = frozenset({"core_attn"})
+        if self.kind != "selective" and modules:
+            raise ValueError(f"recompute modules {sorted(modules)} given with recompute kind {self.kind!r}")
+        unknown = sorted(modules - set(RECOMPUTE_MODULES))
+        if unknown:
+            raise ValueError(f"unknown recompute modules {unknown}; megatron-core's are {', '.join(RECOMPUTE_MODULES)}")
+        object.__setattr__(self, "modules", modules)
+
+    @staticmethod
+    def of_modules(modules) -> "Recompute":
+        """Module recompute of `modules` (none when empty)."""
+        return Recompute("selective", modules=frozenset(modules)) if modules else Recompute("none")
 
     def to_json(self) -> str | dict:
         if self.kind == "full":
             return {"full_layers": self.full_layers}
+        if self.kind == "selective" and self.modules != {"core_attn"}:
+            return {"modules": sorted(self.modules)}
         return self.kind
 
     @staticmethod
     def from_json(obj: Any) -> "Recompute":
         if isinstance(obj, dict):
-            if set(obj) != {"full_layers"}:
-                raise ValueError(f"recompute object must be {{'full_layers': k}}, got {obj!r}")
-            return Recompute("full", int(obj["full_layers"]))
+            if set(obj) == {"full_layers"}:
+                return Recompute("full", int(obj["full_layers"]))
+            if set(obj) == {"modules"} and isinstance(obj["modules"], list) and obj["modules"]:
+                return Recompute("selective", modules=frozenset(obj["modules"]))
+            raise ValueError(f"recompute object must be {{'full_layers': k}} or {{'modules': [...]}}, got {obj!r}")
         if obj in ("none", "selective"):
             return Recompute(obj)
-        raise ValueError(f"recompute must be 'none', 'selective' or {{'full_layers': k}}, got {obj!r}")
+        raise ValueError(f"recompute must be 'none', 'selective', {{'modules': [...]}} or {{'full_layers': k}}, "
+                         f"got {obj!r}")
 
     def __str__(self) -> str:
-        return f"full{self.full_layers}" if self.kind == "full" else self.kind
+        if self.kind == "full":
+            return f"full{self.full_layers}"
+        if self.kind == "selective" and self.modules != {"core_attn"}:
+            return "+".join(sorted(self.modules))
+        return self.kind
 
 
 NO_RECOMPUTE = Recompute("none")

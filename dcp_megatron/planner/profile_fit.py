@@ -1,6 +1,6 @@
 """Fitting the cost model's constants to measured micro-batches, and scoring the fit on held-back ones.
 
-The profiler (dcp_megatron/megatron/profiler.py) runs a grid of micro-batches (document lengths x
+The profiler (dcp_megatron/training/profiler.py) runs a grid of micro-batches (document lengths x
 packing x recompute x CP size) through the user's model and hands this module one `Measurement`
 per grid point. `fit_profile` turns the fit share into the profile JSON `--dcp-profile` reads
 (cost.py's schema), each constant from the measurements the cost model uses it for:

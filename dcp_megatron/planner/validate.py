@@ -1,4 +1,4 @@
-"""Checks every invariant of a plan; the runtime relies on them (DESIGN.md §3)."""
+"""Checks every invariant of a plan; the runtime relies on them (docs/design.md, the plan format)."""
 from __future__ import annotations
 
 from collections import Counter

@@ -1,13 +1,11 @@
-"""Exactness harness: run a plan on TinyGPT with the executor, and the single-process reference.
+"""Exactness harness, the runtime's half: random layouts and the single-process TinyGPT reference.
 
-Shared by tests/test_runtime_parity.py, tools/check_parity.py and tools/bench_runtime.py, so all
-of them exercise the same training-step code:
+The distributed half, TinyGPT steps through the planned-step loop users run, is dcp_megatron/core/parity.py:
 
 - `random_plan` builds a StepPlan directly from a random layout: each wave a random partition of
   the domain into contiguous blocks (power-of-two blocks aligned, as the planner emits them),
   sequences dealt to random groups, each group's share cut into 1..k micro-batches (some groups
   get none), a random recompute per micro-batch.
-- `dcp_train_step` runs one step of any plan on this rank and returns the StepResult.
 - `reference_train_step` is single-device training on the whole batch (per-token mean loss).
 """
 from __future__ import annotations
@@ -20,11 +18,9 @@ from typing import Callable, Sequence
 import torch
 
 from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, StepPlan, Wave
-from dcp_megatron.runtime.cp_attention import cp_attention, packed_causal_attention
-from dcp_megatron.runtime.executor import StepExecutor, StepResult
-from dcp_megatron.runtime.loss import IGNORE_INDEX, next_token_labels, token_loss_sum
-from dcp_megatron.runtime.recompute import apply_recompute, current_recompute
-from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig
+from dcp_megatron.runtime.cp_attention import packed_causal_attention
+from dcp_megatron.runtime.loss import next_token_labels, token_loss_sum
+from dcp_megatron.runtime.reference_model import TinyGPT
 from dcp_megatron.runtime.stats import predicted_busy_s
 
 TokensOf = Callable[[int, int], torch.Tensor]  # (sample_id, length) -> LongTensor [length]
@@ -54,11 +50,15 @@ def random_partition(domain_size: int, rng: random.Random) -> list[tuple[int, in
 
 
 def random_recompute(rng: random.Random, num_layers: int) -> Recompute:
-    choice = rng.randrange(3)
+    choice = rng.randrange(5)
     if choice == 0:
         return Recompute("none")
     if choice == 1:
         return Recompute("selective")
+    if choice == 2:
+        return Recompute.of_modules({"mlp"})
+    if choice == 3:
+        return Recompute.of_modules({"core_attn", "mlp"})
     return Recompute("full", rng.randint(1, num_layers))
 
 
@@ -86,29 +86,6 @@ def random_plan(batch: Sequence[tuple[int, int]], domain_size: int, rng: random.
     return replace(plan, est_step_time_s=max(predicted_busy_s(plan)))
 
 
-def dcp_train_step(model: TinyGPT, executor: StepExecutor, plan: StepPlan, tokens_of: TokensOf, *,
-                   impl: str = "allgather", trace: list | None = None) -> StepResult:
-    """One step of `plan` on this rank: forward/backward of its micro-batches, then the deferred reduction.
-
-    trace (optional) receives (wave_index, group_size, group_rank, recompute seen by the model,
-    is_last_microbatch) per micro-batch: evidence of which dynamic path actually ran.
-    """
-    for ctx in executor.microbatches(plan):
-        apply_recompute(model, ctx.recompute)
-        lengths = ctx.microbatch.lengths
-        tokens = torch.cat([tokens_of(sid, n) for sid, n in ctx.microbatch.sequences])
-        labels = next_token_labels(tokens, lengths)
-        attention = partial(cp_attention, shard=ctx.shard, group=ctx.group, impl=impl)
-        logits = model(ctx.shard.take(tokens), ctx.shard.position_ids, attention)
-        loss_sum, num_tokens = token_loss_sum(logits, ctx.shard.take(labels, fill=IGNORE_INDEX))
-        executor.backward(loss_sum, num_tokens)
-        if trace is not None:
-            trace.append((ctx.wave_index, ctx.group_size, ctx.group_rank, str(current_recompute(model)),
-                          ctx.is_last_microbatch))
-    apply_recompute(model, Recompute("none"))
-    return executor.finish_step(model.parameters())
-
-
 def reference_train_step(model: TinyGPT, batch: Sequence[tuple[int, int]], tokens_of: TokensOf) -> float:
     """Single-device step on the whole batch: backward of the per-token mean loss; returns the loss."""
     lengths = [n for _, n in batch]
@@ -134,25 +111,3 @@ def grad_max_rel_err(model: torch.nn.Module, reference: torch.nn.Module) -> floa
         diff = (p.grad - ref.grad).abs().max().item()
         worst = max(worst, diff / scale if scale > 0 else diff)
     return worst
-
-
-def parity_case(executor: StepExecutor, case_seed: int, *, impl: str = "allgather",
-                max_seq_len: int = 48) -> dict:
-    """One random layout on this rank vs the single-process reference (every rank computes both).
-
-    Returns {"max_rel_err", "loss", "ref_loss", "trace", "plan"}; identical on every rank except trace.
-    """
-    rng = random.Random(case_seed)
-    domain_size = executor.pool.domain_size
-    config = TinyGPTConfig(vocab_size=64, num_layers=rng.choice((1, 2, 3)), hidden_size=32, num_heads=4,
-                           num_kv_heads=rng.choice((1, 2)), ffn_hidden_size=48)  # GQA: 4 query heads per 1 or 2
-    batch = [(sample_id, rng.randint(1, max_seq_len)) for sample_id in range(rng.randint(domain_size, 3 * domain_size))]
-    plan = random_plan(batch, domain_size, rng, num_layers=config.num_layers)
-    tokens_of = seeded_tokens(config.vocab_size, case_seed)
-    model = TinyGPT(config, seed=case_seed)
-    reference = TinyGPT(config, seed=case_seed)
-    trace: list = []
-    result = dcp_train_step(model, executor, plan, tokens_of, impl=impl, trace=trace)
-    ref_loss = reference_train_step(reference, batch, tokens_of)
-    return {"max_rel_err": grad_max_rel_err(model, reference), "loss": result.loss, "ref_loss": ref_loss,
-            "trace": trace, "plan": plan.dumps()}

@@ -8,8 +8,8 @@ cu_seqlens=...)), and RoPE reads the per-document `position_ids`, so packed docu
 each other and sharded tokens keep their positions.
 
 Recompute is switched per micro-batch by flipping attributes read at every forward:
-`block.checkpoint_layer` (checkpoint the whole block) and `block.attn.checkpoint_core_attention`
-(checkpoint only the core attention), both with torch.utils.checkpoint(use_reentrant=False).
+`block.checkpoint_layer` (checkpoint the whole block), `block.attn.checkpoint_core_attention` (only the core
+attention) and `block.checkpoint_mlp` (only the MLP), all with torch.utils.checkpoint(use_reentrant=False).
 """
 from __future__ import annotations
 
@@ -129,6 +129,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size)
         self.mlp = SwiGLU(config)
         self.checkpoint_layer = False
+        self.checkpoint_mlp = False
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         if self.checkpoint_layer:
@@ -137,6 +138,8 @@ class Block(nn.Module):
 
     def _forward(self, x: torch.Tensor, position_ids: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), position_ids, attention)
+        if self.checkpoint_mlp:
+            return x + checkpoint(self.mlp, self.mlp_norm(x), use_reentrant=False)
         return x + self.mlp(self.mlp_norm(x))
 
 

@@ -1,7 +1,7 @@
 """A DCP step's facts as named scalars, for the engines' own writers.
 
 The Megatron path writes them through Megatron's TensorBoard / W&B writers
-(`megatron/scalar_writers.py`), the DeepSpeed path through the engine's monitor
+(`training/scalar_writers.py`), the DeepSpeed path through the engine's monitor
 (`deepspeed/scalar_writers.py`). Every tag starts with `dcp/`. Plan facts are the same on every
 rank; measured times are the writing rank's own.
 

@@ -25,7 +25,7 @@ import numpy as np
 from dcp_megatron.planner.plan import Group, MicroBatch, StepPlan, Wave
 from dcp_megatron.planner.policies.common import (candidate_sizes, divisor_sizes, lpt_bins, microbatch_from_sums,
                                                   min_fitting_size)
-from dcp_megatron.planner.policies.dcp import SizedSequences
+from dcp_megatron.planner.policies.sized_sequences import SizedSequences
 from dcp_megatron.planner.policies.dcp_waves import plan_mixed_waves
 from dcp_megatron.planner.timeline import plan_makespan
 

@@ -1,4 +1,4 @@
-"""`megatron-hybrid`: Megatron-core's hybrid (dynamic) CP scheduler as published (DESIGN.md §5).
+"""`megatron-hybrid`: Megatron-core's hybrid (dynamic) CP scheduler as published (docs/simulator.md).
 
 - max tokens per rank: the static layout's (the user's `max_seqlen_per_dp_cp_rank`);
 - CP size of a sequence: the smallest power of two (or the static CP size) whose per-rank

@@ -1,4 +1,4 @@
-"""Megatron's default layout and its balanced variant (DESIGN.md §5).
+"""Megatron's default layout and its balanced variant (docs/simulator.md).
 
 `static`: one (CP size c, recompute) pair for the whole run, the one a user who tuned it
 would pick: among CP sizes dividing D, with the fastest recompute with which a micro-batch

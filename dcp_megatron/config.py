@@ -1,0 +1,105 @@
+"""What a `--dcp` run is configured with (`DcpConfig`) and the one error its checks raise (`DcpUsageError`).
+
+Both engines' adapters build a `DcpConfig` once from the run's flags and hand callees only that (never
+Megatron's whole `args`); every check that refuses a flag raises `DcpUsageError` with what to change.
+This module imports nothing of the project, so every layer can use it.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+DCP_POLICIES = ("static", "static-balanced", "megatron-hybrid", "megatron-dynamic", "dcp")
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+CP_ATTENTION_CHOICES = ("allgather", "ulysses")
+
+
+class DcpUsageError(ValueError):
+    """A flag or input that --dcp cannot honour; the message says what to change."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DcpConfig:
+    """What the DCP adapter needs of a run (validated; built from Megatron's args once)."""
+
+    policy: str = "dcp"
+    max_cp_size: int | None = None
+    memory_budget_gb: float | None = None
+    recompute: tuple[str, ...] = RECOMPUTE_CHOICES
+    profile: str | None = None
+    dump_plans: str | None = None
+    check_plans: bool = True         # one all-reduced plan hash per step (planning.check_same_plan)
+    gpus_per_node: int | None = None
+    seq_length: int
+    log_interval: int = 1
+    plan_ahead: bool = True          # plan step k+1 while step k trains (planner/ahead.py)
+    train_iters: int | None = None   # the last step: nothing to read ahead after it
+    iterations_to_skip: frozenset[int] = frozenset()   # --iterations-to-skip: Megatron reads those steps itself
+    refine: bool = True              # correct the cost model from measured times (planner/refine.py)
+    cp_attention: tuple[str, ...] = ("allgather",)   # CP attention flavours per micro-batch (+ "ulysses")
+    row_multiple: int = 1            # each micro-batch's local rows padded to a multiple (FP8 GEMM shapes)
+    fp8: bool = False                # linear GEMMs in FP8 (the cost model's FP8 rate and weight copies)
+    te_attention: bool = False       # Transformer Engine's attention (on GPU: its p2p CP ring)
+
+    def __post_init__(self) -> None:
+        if self.policy not in DCP_POLICIES:
+            raise DcpUsageError(f"--dcp-policy {self.policy!r} is not one of {DCP_POLICIES}")
+        if self.max_cp_size is not None and self.max_cp_size < 1:
+            raise DcpUsageError(f"--dcp-max-cp-size must be >= 1, got {self.max_cp_size}")
+        if self.memory_budget_gb is not None and not (math.isfinite(self.memory_budget_gb)
+                                                      and self.memory_budget_gb > 0):
+            raise DcpUsageError(f"--dcp-memory-budget-gb must be a positive number of GiB, got {self.memory_budget_gb}")
+        refuse_bad_recompute(self.recompute)
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise DcpUsageError(f"--dcp-gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        bad = [a for a in self.cp_attention if a not in CP_ATTENTION_CHOICES]
+        if bad or not self.cp_attention:
+            raise DcpUsageError(f"--dcp-cp-attention: unknown {bad or 'empty list'}; give a comma list from "
+                                f"{','.join(CP_ATTENTION_CHOICES)}")
+        if self.row_multiple < 1:
+            raise DcpUsageError(f"--dcp-row-alignment must be >= 1, got {self.row_multiple}")
+        if self.seq_length < 1:
+            raise DcpUsageError(f"--seq-length must be positive, got {self.seq_length}")
+
+
+def refuse_bad_recompute(kinds: tuple[str, ...]) -> None:
+    """Both paths' one check of the recompute kinds: known names, and at least one (`""` is not "all")."""
+    bad = [r for r in kinds if r not in RECOMPUTE_CHOICES]
+    if bad or not kinds:
+        raise DcpUsageError(f"--dcp-recompute: unknown {bad or 'empty list'}; give a comma list from "
+                            f"{','.join(RECOMPUTE_CHOICES)}")
+
+
+def recompute_choices(value: str | None) -> tuple[str, ...] | None:
+    """--dcp-recompute as a checked tuple (None when the flag is not given)."""
+    kinds = parse_comma_list(value)
+    if kinds is not None:
+        refuse_bad_recompute(kinds)
+    return kinds
+
+
+def parse_comma_list(value: str | None) -> tuple[str, ...] | None:
+    """A comma-list flag (--dcp-recompute, --dcp-cp-attention) as a tuple; None when the flag is not given."""
+    return tuple(a.strip() for a in value.split(",") if a.strip()) if value is not None else None
+
+
+def local_world_size() -> int | None:
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value and value.isdigit() and int(value) > 0 else None
+
+
+def check_gpus_per_node(gpus_per_node: int | None, *, flag: str = "--dcp-gpus-per-node") -> None:
+    """Ranks per node must describe this job: >= 1, torchrun's LOCAL_WORLD_SIZE where torchrun says it, else a
+    divisor of the world size (the planner prices a CP group inside a node at NVLink bandwidth)."""
+    if gpus_per_node is None:
+        return
+    if gpus_per_node < 1:
+        raise DcpUsageError(f"{flag} must be >= 1 (ranks per node), got {gpus_per_node}")
+    local_size, world_size = local_world_size(), int(os.environ.get("WORLD_SIZE", "0") or 0)
+    if local_size is not None and gpus_per_node != local_size:
+        raise DcpUsageError(f"{flag} {gpus_per_node} does not describe this job: torchrun runs {local_size} ranks "
+                            f"per node (LOCAL_WORLD_SIZE); give {local_size}, or leave the flag out")
+    if local_size is None and world_size > 0 and world_size % gpus_per_node:
+        raise DcpUsageError(f"{flag} {gpus_per_node} does not describe this job: the world of {world_size} ranks "
+                            f"is not a whole number of nodes of {gpus_per_node}")

@@ -1,0 +1,128 @@
+"""The cost model of a Megatron run and one StepPlan per global batch.
+
+Every rank builds the same cost model from the same flags and plans the same global batch, so
+all ranks hold the same plan without communicating (docs/design.md); one all-reduced hash per
+step proves it (on by default; `--dcp-no-check-plans` turns it off).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+from dcp_megatron.config import DcpConfig
+from dcp_megatron.planner.cluster import cluster_preset
+from dcp_megatron.planner.cost import CostModel, load_profile
+from dcp_megatron.planner.gpu_costs import GpuCosts
+from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.plan import StepPlan
+from dcp_megatron.planner.policies import make_plan
+
+GiB = 1024 ** 3
+
+
+def model_shape_from_args(args, *, vocab_size: int | None = None) -> ModelShape:
+    """The planner's view of Megatron's model flags (after Megatron's validate_args filled defaults);
+    `vocab_size` stands in for the padded vocabulary before Megatron has built the tokenizer."""
+    num_kv_heads = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    return ModelShape(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_attention_heads,
+        num_kv_heads=num_kv_heads, head_dim=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=vocab_size or args.padded_vocab_size, gated_mlp=bool(args.swiglu),
+        tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+        ep=getattr(args, "expert_model_parallel_size", 1) if getattr(args, "num_experts", None) else 1,
+        # MoE: router + top-k experts in FLOPs, experts / ep in memory, EP all-to-alls (planner/moe_cost.py)
+        num_experts=getattr(args, "num_experts", None), moe_topk=getattr(args, "moe_router_topk", None) or 2,
+        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None))
+
+
+def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:
+    """Cluster preset "h200" on GPU, "cpu" without; --dcp-* flags and --dcp-profile override it. On GPU the
+    model also charges FP8 GEMMs and weight copies, TE's p2p CP ring and NCCL communicators (gpu_costs.py)."""
+    cluster = cluster_preset("h200" if has_gpu else "cpu", domain_size=domain_size,
+                             gpus_per_node=config.gpus_per_node)
+    changes = {}
+    if config.max_cp_size is not None:
+        changes["max_cp_size"] = config.max_cp_size
+    if config.memory_budget_gb is not None:
+        changes["mem_bytes_per_gpu"] = int(config.memory_budget_gb * GiB)
+    if changes:
+        cluster = dataclasses.replace(cluster, **changes)
+    profile = load_profile(config.profile) if config.profile else None
+    gpu = GpuCosts(fp8=config.fp8, cp_ring=has_gpu and config.te_attention, communicators=has_gpu)
+    return CostModel(model, cluster, profile=profile, allowed_recompute=config.recompute,
+                     cp_attention=config.cp_attention, gpu=gpu)
+
+
+def checked_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:
+    """build_cost_model at start-up: a --dcp-profile that is not a valid profile, or a --seq-length document that
+    fits no CP group, is a DcpUsageError naming the flags to change."""
+    from dcp_megatron.config import DcpUsageError
+
+    try:
+        cost = build_cost_model(config, model, domain_size=domain_size, has_gpu=has_gpu)
+    except ValueError as err:   # the profile's own checks (cost_profile.check_profile)
+        if config.profile is None:
+            raise
+        raise DcpUsageError(f"--dcp-profile {config.profile}: {err}") from None
+    check_longest_fits(config, cost)
+    return cost
+
+
+def plan_global_batch(config: DcpConfig, sequences, cost: CostModel) -> StepPlan:
+    """The plan every rank runs for a global batch [(sequence_id, length)]."""
+    return make_plan(config.policy, list(sequences), cost, max_seq_len=config.seq_length)
+
+
+def plan_digest(plan: StepPlan) -> int:
+    """56 bits of the SHA-256 of the plan's canonical JSON (fits an int64 with its negation)."""
+    return int.from_bytes(hashlib.sha256(plan.dumps().encode()).digest()[:7], "little")
+
+
+def check_same_plan(plan: StepPlan, *, iteration: int, group, device) -> None:
+    """Every rank planned the same step (collective over `group`, the default group's timeout for None).
+
+    On by default: ranks running different plans post mismatched collectives, which hang until the timeout or
+    silently mix up data. One all-reduce (MAX) of (digest, -digest) yields the largest and smallest digest."""
+    import torch
+    import torch.distributed as dist
+
+    digest = plan_digest(plan)
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, low = int(both[0]), -int(both[1])
+    if low != high:
+        raise RuntimeError(f"iteration {iteration}: ranks computed different plans (hash {digest:x} here, "
+                           f"{low:x}..{high:x} across ranks); planning must be deterministic: same flags, "
+                           f"--dcp-profile and code on every rank")
+
+
+def check_longest_fits(config: DcpConfig, cost: CostModel) -> None:
+    """Before the first step: a --seq-length document must fit the domain, else say which flag to change."""
+    import numpy as np
+
+    from dcp_megatron.config import DcpUsageError
+    from dcp_megatron.planner.policies.common import candidate_sizes, check_static_memory, min_fitting_size
+
+    try:
+        check_static_memory(cost)   # its line names the flags (budget, optimizer sharding, TP/PP): kept whole
+        static_problem = ""
+    except ValueError as err:
+        static_problem = f" ({err})"
+    try:
+        min_fitting_size(np.array([config.seq_length]), np.array([0]), candidate_sizes(cost.cluster), cost)
+    except ValueError:
+        # (not the planner's own advice: "e.g. full" recompute, which EP > 1 forbids, and its batcher's options)
+        budget_gib = cost.cluster.mem_budget_bytes / GiB
+        # Advise full recompute only where it may run: EP > 1 takes it out (layout_checks._without_full_recompute).
+        if "full" in cost.allowed_recompute:
+            recompute = ""
+        elif cost.model.ep > 1:
+            recompute = f" (full recompute is off under --expert-model-parallel-size {cost.model.ep})"
+        else:
+            recompute = ", allow full recompute (--dcp-recompute)"
+        raise DcpUsageError(
+            f"a --seq-length {config.seq_length} document fits no CP group of this {cost.cluster.domain_size}-rank "
+            f"domain (largest allowed group {candidate_sizes(cost.cluster)[-1]}) within "
+            f"{budget_gib:.3f} GiB per rank with recompute {'/'.join(cost.allowed_recompute)}: raise "
+            f"--dcp-memory-budget-gb{recompute}, raise --dcp-max-cp-size, lower --seq-length, or use more "
+            f"ranks{static_problem}") from None

@@ -1,0 +1,97 @@
+"""The `--dcp*` flags in Megatron's argument parser and the run's `DcpConfig` built from them.
+
+Both engines parse Megatron's own flags: a megatron.training run through Megatron's parser (with this group added
+by patches/training_arguments.py), the DeepSpeed script through `megatron_parser()` (Megatron's parser, this group,
+and its own flags). Everything downstream gets only the `DcpConfig`, never Megatron's whole `args`.
+"""
+from __future__ import annotations
+
+import argparse
+
+from dcp_megatron.config import (DCP_POLICIES, RECOMPUTE_CHOICES, DcpConfig, local_world_size, parse_comma_list,
+                                 recompute_choices)
+from dcp_megatron.flags.fp8_checks import fp8_row_multiple
+
+# What a patch that wraps an upstream function leaves on the wrapper: the function it wraps (patches/registry.py).
+WRAPPED_ATTR = "dcp_original"
+
+
+def unwrapped(function):
+    """An upstream function as it was before our patches (itself when not wrapped)."""
+    return getattr(function, WRAPPED_ATTR, function)
+
+
+def with_dcp_arguments(add_megatron_arguments):
+    """Megatron's `add_megatron_arguments` followed by the `--dcp*` group (and a fractional timeout)."""
+    def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser = add_megatron_arguments(parser)
+        for action in parser._actions:
+            # An int upstream; timedelta(minutes=...) everywhere it is used takes a float: 0.5 finds a stopped
+            # rank in 30 s (tests, debugging) where the smallest whole value waits a minute.
+            if "--distributed-timeout-minutes" in action.option_strings:
+                action.type = float
+        return add_dcp_arguments(parser)
+
+    return add_arguments
+
+
+def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("data-centric parallelism (dcp-megatron)")
+    group.add_argument("--dcp", action="store_true",
+                       help="plan each global batch: CP size per document, micro-batches per rank, recompute")
+    group.add_argument("--dcp-policy", choices=DCP_POLICIES, default=None, help="planner policy (default: dcp)")
+    group.add_argument("--dcp-max-cp-size", type=int, default=None, help="largest CP group a document may use")
+    group.add_argument("--dcp-memory-budget-gb", type=float, default=None,
+                       help="memory per rank the planner may fill (GiB; default: the cluster preset's)")
+    group.add_argument("--dcp-recompute", default=None,
+                       help=f"comma list of recompute kinds the planner may choose from {','.join(RECOMPUTE_CHOICES)}")
+    group.add_argument("--dcp-profile", default=None, help="measured profile JSON overriding the cost model")
+    group.add_argument("--dcp-dump-plans", default=None, metavar="DIR", help="write each step's plan JSON to DIR")
+    group.add_argument("--dcp-gpus-per-node", type=int, default=None,
+                       help="ranks per node, for the planner's intra- vs inter-node bandwidth (default: torchrun's "
+                            "LOCAL_WORLD_SIZE)")
+    group.add_argument("--dcp-sync-planning", action="store_true",
+                       help="plan each step on the training thread when it starts (default: plan it while the "
+                            "previous step trains, one step ahead)")
+    group.add_argument("--dcp-no-refine", action="store_true",
+                       help="keep the cost model as given (default: correct it every step from measured "
+                            "micro-batch times; PP 1 only)")
+    group.add_argument("--dcp-cp-attention", default=None,
+                       help="comma list of CP attention flavours the planner may choose per micro-batch from "
+                            "allgather,ulysses (ulysses: DeepSpeed script only; default there: both)")
+    group.add_argument("--dcp-row-alignment", type=int, default=None, metavar="N",
+                       help="pad every micro-batch's token rows on a rank to a multiple of N with a masked filler "
+                            "(default: 16 x TP-shards under --fp8-format, what TE's FP8 GEMMs need; else none)")
+    group.add_argument("--dcp-check-plans", action="store_true",
+                       help="all-reduce a hash of every plan to prove all ranks planned the same step (the default)")
+    group.add_argument("--dcp-no-check-plans", action="store_true",
+                       help="skip the per-step plan hash all-reduce (one 16-byte collective per step)")
+    # set by dcp-profile (dcp_megatron/profile.py), which runs the user's script with them
+    group.add_argument("--dcp-profile-out", default=None, metavar="PROFILE.json",
+                       help="profile the model instead of training: time a grid of micro-batches, fit the cost "
+                            "model, write the profile JSON --dcp-profile reads")
+    group.add_argument("--dcp-profile-report", default=None, metavar="REPORT.json",
+                       help="with --dcp-profile-out: write the held-back predicted-vs-measured comparison here")
+    group.add_argument("--dcp-profile-repeats", type=int, default=None, help="timed runs per grid point (default 3)")
+    group.add_argument("--dcp-profile-clock", choices=("cpu", "wall"), default=None,
+                       help="CPU runs: time in process CPU time (default) or wall time; GPU runs use CUDA timing")
+    group.add_argument("--dcp-profile-scale-to-layers", type=int, default=None, metavar="N",
+                       help="the training run's --num-layers when the profiled model is built with fewer")
+    return parser
+
+
+def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
+    recompute = recompute_choices(args.dcp_recompute) or RECOMPUTE_CHOICES
+    return DcpConfig(policy=args.dcp_policy or "dcp", max_cp_size=args.dcp_max_cp_size,
+                     memory_budget_gb=args.dcp_memory_budget_gb, recompute=recompute, profile=args.dcp_profile,
+                     dump_plans=args.dcp_dump_plans, check_plans=not getattr(args, "dcp_no_check_plans", False),
+                     gpus_per_node=(local_world_size() if args.dcp_gpus_per_node is None
+                                    else args.dcp_gpus_per_node),
+                     seq_length=args.seq_length, log_interval=args.log_interval,
+                     plan_ahead=not getattr(args, "dcp_sync_planning", False),
+                     train_iters=getattr(args, "train_iters", None),
+                     iterations_to_skip=frozenset(getattr(args, "iterations_to_skip", None) or ()),
+                     refine=not getattr(args, "dcp_no_refine", False),
+                     cp_attention=parse_comma_list(getattr(args, "dcp_cp_attention", None)) or ("allgather",),
+                     row_multiple=fp8_row_multiple(args), fp8=getattr(args, "fp8", None) is not None,
+                     te_attention=getattr(args, "transformer_impl", None) == "transformer_engine")

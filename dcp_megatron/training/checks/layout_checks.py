@@ -1,0 +1,93 @@
+"""What `--dcp` cannot yet do in a model-parallel layout (Mixture-of-Experts, FSDP; deep and virtual pipelines run).
+
+Called from dcp_args.refuse_conflicting_flags (one line) under `--dcp`, before Megatron builds anything: every
+refusal names the flag to change and says why. The layout facts behind each:
+- PP > 2 and virtual stages: with --dataloader-inter-document-masking Megatron-LM's get_batch reads a batch on
+  every stage and model chunk, so middle stages get each micro-batch's cu_seqlens (DCP hands every chunk its
+  micro-batches; the CP size and group it leaves out there are filled in by patches/models_gpt_gpt_model.py);
+  without it, get_batch returns nothing on middle stages, and a CP > 1 micro-batch would run there without its
+  documents: refused.
+- MoE with expert parallelism: every MoE layer's dispatch/combine all-to-alls (forward and backward) pair up
+  the micro-batches of the EP group's ranks. The plan runs them in lockstep (one micro-batch per group per
+  wave, planner.model.ModelShape.lockstep); full recompute would replay a layer's forward all-to-alls in
+  backward on recomputing ranks only, so it is taken out of --dcp-recompute's choices.
+- MoE with TP > 1 (Megatron requires sequence parallelism there): each TP rank routes its share of the rows;
+  the per-document token counts are summed over the TP group and the micro-batch's CP group in turn.
+- Multi-token prediction (`--mtp-num-layers`): its layers shift labels and hidden states along the packed rows
+  and run their own routers; not yet carried through DCP's per-micro-batch groups and documents: refused.
+- Sharded weights (`--use-megatron-fsdp`, `--use-torch-fsdp2`): every module's forward and backward all-gather
+  its weights over the DP x CP group, so every rank would have to run the same micro-batches in lockstep (as
+  ZeRO-3 does under DeepSpeed); megatron-core 0.19.2's implementations need CUDA (Megatron-FSDP creates
+  `torch.cuda.Stream`s, megatron_fsdp.py; the FSDP2 wrapper builds a "cuda" DeviceMesh,
+  torch_fully_sharded_data_parallel.py), so their exactness under --dcp is not verified: refused.
+- `global_aux_loss` reduces per micro-batch over the whole TP x DP x CP group, which ranks running different
+  micro-batch counts cannot join; `quantile_balancing` gathers router logits per micro-batch and is untested
+  with per-micro-batch groups.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from dcp_megatron.config import DcpUsageError, recompute_choices
+
+_NO_PER_MICROBATCH_BALANCING = ("global_aux_loss", "quantile_balancing")
+
+
+def check_dcp_layout(args: argparse.Namespace) -> None:
+    """Refuse (DcpUsageError) what --dcp cannot honour in this layout; narrow --dcp-recompute for EP > 1."""
+    virtual_stages = any(getattr(args, name, None) is not None for name in (
+        "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+        "num_virtual_stages_per_pipeline_rank"))
+    refusals = (
+        ((args.pipeline_model_parallel_size > 2 or virtual_stages) and not args.dataloader_inter_document_masking,
+         f"--dcp with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}"
+         f"{' and virtual pipeline stages' if virtual_stages else ''} needs --dataloader-inter-document-masking: "
+         "without it Megatron-LM's get_batch hands middle stages no batch, so their attention would run without "
+         "the micro-batch's documents and CP group"),
+    )
+    for flag, sharded in (("--use-megatron-fsdp", getattr(args, "use_megatron_fsdp", False)),
+                          ("--use-torch-fsdp2", getattr(args, "use_torch_fsdp2", False))):
+        refusals += (
+            (bool(sharded),
+             f"{flag} is not supported with --dcp: it all-gathers every module's weights over the DP x CP group in "
+             "each forward and backward, which ranks running their own micro-batches do not pair up, and "
+             "megatron-core 0.19.2's implementation needs CUDA, so it is not verified exact; use "
+             "--use-distributed-optimizer, or DeepSpeed ZeRO-3 under --dcp (pretrain_gpt_deepspeed.py)"),
+        )
+    num_experts = getattr(args, "num_experts", None)
+    if num_experts:
+        balancing = args.moe_router_load_balancing_type
+        balancing = balancing if isinstance(balancing, list) else [balancing]
+        unsupported = [kind for kind in balancing if kind in _NO_PER_MICROBATCH_BALANCING]
+        refusals += (
+            (bool(unsupported),
+             f"--moe-router-load-balancing-type {' '.join(unsupported)} is not supported with --dcp: it reduces "
+             "over the whole domain per micro-batch, which ranks running different micro-batch counts cannot "
+             "join; use aux_loss, seq_aux_loss, sinkhorn or none"),
+        )
+    refusals += (
+        (bool(getattr(args, "mtp_num_layers", None)),
+         f"--mtp-num-layers {getattr(args, 'mtp_num_layers', None)} is not supported with --dcp: multi-token "
+         "prediction shifts labels along the packed rows of a micro-batch, which DCP does not yet carry over its "
+         "per-micro-batch CP groups; drop --mtp-num-layers or --dcp"),
+    )
+    for refused, message in refusals:
+        if refused:
+            raise DcpUsageError(message)
+    if num_experts and args.expert_model_parallel_size > 1:
+        _without_full_recompute(args)
+
+
+def _without_full_recompute(args: argparse.Namespace) -> None:
+    """EP > 1: a recomputing rank would replay its MoE all-to-alls in backward alone (module docstring)."""
+    reason = (f"--expert-model-parallel-size {args.expert_model_parallel_size}: full recompute would replay MoE "
+              "all-to-alls in backward on the recomputing ranks only")
+    kinds = recompute_choices(args.dcp_recompute)   # "" or "," is refused, not read as every kind
+    if kinds is not None:
+        if "full" in kinds:
+            raise DcpUsageError(f"--dcp-recompute {args.dcp_recompute}: drop 'full' ({reason})")
+        return
+    args.dcp_recompute = "none,selective"
+    if int(os.environ.get("RANK", getattr(args, "rank", 0) or 0)) == 0:
+        print(f"dcp: --dcp-recompute none,selective ({reason})", flush=True)

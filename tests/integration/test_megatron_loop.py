@@ -1,0 +1,324 @@
+"""`--dcp` inside megatron.training's own loop, end to end (real runs, 1-2 CPU ranks, gloo, fp32).
+
+Three ways in: a user's unmodified megatron.training script through `-m dcp_megatron.launch`
+(our script with its two DCP lines stripped), our `pretrain_scripts/pretrain_gpt.py` run
+directly (it carries the two lines), stopped half way and resumed from Megatron's checkpoint, and
+the same script on two torchrun agents (`--nnodes 2` on localhost, one rank each). Every
+run trains the same 6 global batches of Megatron's mock dataset (documents separated by
+`--dataloader-inter-document-masking`), so loss traces must agree whatever the layout.
+The reference is independent of DCP: one rank, Megatron's own plain path (8 micro-batches of
+one sample, per-token loss). DCP runs other micro-batch counts per rank (8/9, 4/5, ...), so a
+wrong 1/num-micro-batches scale would not cancel out against it. (Megatron's own path with
+`--micro-batch-size > 1` and packed documents is not used as the reference: on CPU its loss
+already differs from the one-sample-per-micro-batch runs by 1e-4 to 2e-3 at step 1.)
+"""
+from __future__ import annotations
+
+import glob
+import re
+import subprocess
+
+import pytest
+import torch
+
+from tests.support.dist_utils import free_port
+from tests.support.megatron_runs import (CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, REPO, microbatches_planned, microbatches_seen,
+                                parse_output, read_plan_dumps, run_env, run_training, strip_dcp_lines,
+                                torchrun_command, flatten_state)
+
+pytestmark = pytest.mark.timeout(1500)
+
+# 4 MiB per rank: with this tiny model, 480 local tokens fit without recompute, so 1,024-token
+# documents need CP 2 or recompute and short ones run alone: plans mix CP sizes and recompute.
+SMALL_BUDGET = ["--dcp-memory-budget-gb", "0.004"]
+ITERS = 6
+HALF = 3    # the direct run stops here (saving) and the resumed run continues from its checkpoint
+TOLERANCE = 1e-5
+# Resume runs: evaluated after every step (the validation loss depends on the weights alone) and without
+# --use-distributed-optimizer: resuming Megatron's distributed optimizer on CPU (torch Adam, no Apex/TE)
+# leaves the uninterrupted trace even without --dcp (docs/megatron.md, "Not yet").
+RESUME_BASE = [flag for flag in LLAMA_TINY if flag != "--use-distributed-optimizer"]
+RESUME_FLAGS = ["--eval-interval", "1"]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_loop")
+    user_script = str(root / "user_pretrain_gpt.py")
+    strip_dcp_lines(OUR_SCRIPT, user_script)
+    return root, user_script
+
+
+@pytest.fixture(scope="module")
+def runs(work):
+    root, user_script = work
+    cache: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = _RUNS[name](root, user_script).check()
+        return cache[name]
+
+    return get
+
+
+# Saves each rank's main_grad after the first step (before clipping and the optimizer step; no checkpoint
+# content beyond that is kept): test_gradients_equal_an_independent_one_device_reference reads them.
+def _wgrads(root, name):
+    return ["--save", str(root / f"wgrads_{name}"), "--save-interval", "1000", "--save-wgrads-interval", "1",
+            "--no-save-optim", "--no-save-rng"]
+
+
+# Megatron's rerun of a suspect step (default --rerun-mode validate_results): an injected suspect result at step 2
+# (its first validated step) makes Megatron run the step again and compare each rank's value. The check that
+# takes it is a non-fatal one (unexpectedly large grads, --check-for-large-grads; the NaN check, fatal, is off),
+# so the run goes on after the rerun and trains its ten steps.
+RERUN_FLAGS = ["--no-check-for-nan-in-loss-and-grad", "--check-for-large-grads", "--error-injection-rate", "1",
+               "--error-injection-type", "correct_result"]
+
+
+def _two_agents(root, script):
+    """Multi-node on one machine: two torchrun agents on localhost (`--nnodes 2`, one rank each). The planner
+    then sees one rank per node (LOCAL_WORLD_SIZE 1), so every CP group of 2 crosses nodes in its cost model:
+    plans may differ from the single-node runs', the loss trace may not. It refines its cost model online and
+    reruns step 2 (RERUN_FLAGS)."""
+    flags = [*LLAMA_TINY, *CPU_FLAGS, "--train-iters", str(ITERS), "--dcp", *SMALL_BUDGET, *RERUN_FLAGS]
+    port = free_port()
+    agents = [subprocess.Popen(torchrun_command(OUR_SCRIPT, flags, nproc=1, launcher=False, port=port, nnodes=2,
+                                                node_rank=node), cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    outputs = []
+    for agent in agents:
+        out, _ = agent.communicate(timeout=600)
+        outputs.append(parse_output(agent.returncode, out).check())
+    # Megatron prints iteration lines on the last rank (node 1), DCP its plan lines on rank 0 (node 0).
+    return parse_output(0, outputs[0].output + outputs[1].output)
+
+
+_DIRECT = ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--dcp-sync-planning", "--dcp-no-refine"]
+
+_RUNS = {
+    # One rank, no DCP, the whole global batch as one micro-batch: the independent reference.
+    "reference": lambda root, script: run_training(OUR_SCRIPT, _wgrads(root, "reference"), nproc=1, launcher=False,
+                                                   iters=ITERS),
+    # Way 1: the user's unmodified script through the launcher, without and with --dcp. The --dcp run is also the
+    # uninterrupted trace the resumed runs continue (evaluated after every step, RESUME_BASE).
+    # Without any CPU flag: the launcher's patched validate_args defaults them on this GPU-less machine.
+    "plain": lambda root, script: run_training(script, [], iters=ITERS, cpu_flags=False),
+    # --dcp-no-refine here and in the resume runs: plans from the configured cost model only, so the runs' plan
+    # files can be compared (measured corrections would make them depend on this machine's timing).
+    "dcp_launcher": lambda root, script: run_training(
+        script, ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--dcp-dump-plans", str(root / "plans"), "--dcp-check-plans",
+                 "--dcp-no-refine", "--tensorboard-dir", str(root / "tb"), *_wgrads(root, "dcp")],
+        iters=ITERS, base=RESUME_BASE),
+    # Way 3 (and 2: the script carries the two lines): our script run directly, stopped at step 3 and resumed from
+    # Megatron's checkpoint. These two plan each step when it starts (--dcp-sync-planning); all others plan one
+    # step ahead.
+    "dcp_direct_first_half": lambda root, script: run_training(
+        OUR_SCRIPT, [*_DIRECT, "--save", str(root / "ckpt"), "--save-interval", str(HALF), "--exit-interval", str(HALF),
+                     "--dcp-dump-plans", str(root / "plans_sync")], launcher=False, iters=ITERS, base=RESUME_BASE),
+    "dcp_direct_resumed": lambda root, script: run_training(
+        OUR_SCRIPT, [*_DIRECT, "--load", str(root / "ckpt"), "--save", str(root / "ckpt"), "--save-interval", str(HALF),
+                     "--dcp-dump-plans", str(root / "plans_sync")], launcher=False, iters=ITERS, base=RESUME_BASE),
+    "two_agents": _two_agents,
+    # Megatron's static layout (CP 2 for every document, one recompute setting) run by the same runtime.
+    "static_cp2": lambda root, script: run_training(
+        script, ["--dcp", "--dcp-policy", "static", *SMALL_BUDGET], iters=ITERS),
+}
+
+
+def _assert_same_trace(trace, reference, what):
+    assert len(trace) == len(reference) == ITERS, (what, trace, reference)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(trace, reference))
+    assert worst <= TOLERANCE, f"{what}: loss trace differs from the reference by {worst:.2e}\n{trace}\n{reference}"
+
+
+@pytest.mark.parametrize("name", ["plain", "dcp_launcher", "static_cp2", "two_agents"])
+def test_loss_trace_equals_the_one_rank_one_microbatch_reference(runs, name):
+    _assert_same_trace(runs(name).loss_trace(), runs("reference").loss_trace(), name)
+
+
+def test_grad_norms_equal_across_layouts(runs):
+    reference = runs("reference").grad_norms
+    for name in ("plain", "dcp_launcher", "static_cp2", "two_agents"):   # every run whose loss trace is checked
+        norms = runs(name).grad_norms
+        assert norms.keys() == reference.keys()
+        for step, norm in norms.items():
+            assert norm == pytest.approx(reference[step], rel=2e-3, abs=2e-3), (name, step, norm, reference[step])
+
+
+def test_resumed_dcp_run_continues_the_trace(runs):
+    """Megatron's --save/--load resume a --dcp run: weights (validation loss after every step), gradient norms
+    and training losses continue the uninterrupted run; the one exception is Megatron's own: the training
+    loss it prints for the second step after a resume differs, also without --dcp, while that step's
+    gradient norm and every later loss match (an upstream logging quirk, docs/megatron.md "Not yet")."""
+    full, first, resumed = runs("dcp_launcher"), runs("dcp_direct_first_half"), runs("dcp_direct_resumed")
+    assert sorted(first.losses) == list(range(1, HALF + 1)) and sorted(resumed.losses) == list(range(HALF + 1, ITERS + 1))
+    assert "successfully loaded checkpoint" in resumed.output and f"at iteration {HALF}" in resumed.output
+    combined_eval = {**first.eval_losses, **resumed.eval_losses}
+    assert sorted(combined_eval) == sorted(full.eval_losses) and len(combined_eval) >= ITERS
+    for step, loss in full.eval_losses.items():
+        assert combined_eval[step] == pytest.approx(loss, rel=TOLERANCE), ("validation", step)
+    norms = {**first.grad_norms, **resumed.grad_norms}
+    assert norms == full.grad_norms
+    losses = {**first.losses, **resumed.losses}
+    for step, loss in full.losses.items():
+        if step != HALF + 2:
+            assert losses[step] == pytest.approx(loss, rel=TOLERANCE), ("training", step)
+
+
+def test_the_dynamic_path_ran_with_dcps_own_plans(runs, work):
+    root, _ = work
+    run = runs("dcp_launcher")
+    steps = run.dcp_steps
+    assert sorted(steps) == list(range(1, ITERS + 1)), "every training step must be planned by DCP"
+    assert all(s["policy"] == "dcp" for s in steps.values()), "plans must be dcp's own, not a fallback baseline"
+    mixed = [i for i, s in steps.items() if "cp1" in s["cp_sizes"] and "cp2" in s["cp_sizes"]]
+    unequal = [i for i, s in steps.items() if min(s["counts"]) != max(s["counts"])]
+    assert mixed, f"no step mixed CP sizes 1 and 2: {steps}"
+    assert unequal, f"no step ran different micro-batch counts on the two ranks: {steps}"
+    assert any(s["recompute"] != "none" for s in steps.values())
+    plans = read_plan_dumps(root / "plans")
+    assert len(plans) == ITERS
+    assert all(plan.domain_size == 2 for plan in plans)
+    assert {g.size for plan in plans for wave in plan.waves for g in wave.groups} == {1, 2}
+    assert [plan.num_microbatches(0) for plan in plans] != [plan.num_microbatches(1) for plan in plans]
+    # the log's label names a fallback (dcp(fallback:<baseline>)); the plan's own flag says it too
+    assert not [i for i, plan in enumerate(plans, start=1) if plan.extra.get("fallback")]
+
+
+def test_every_microbatch_ran_with_the_recompute_and_group_its_plan_named(runs, work):
+    """Inside Megatron's loop, per rank and micro-batch: the recompute its backward replayed (counted from inside
+    the checkpointed calls) and the CP group the decoder was handed when its forward ran (recorded next to the
+    dumped plans) are the plan's."""
+    root, _ = work
+    runs("dcp_launcher")
+    plans = read_plan_dumps(root / "plans")
+    kinds, mixed_steps = set(), []
+    for rank in range(2):
+        for step, plan in enumerate(plans, start=1):
+            seen = microbatches_seen(root / "plans", rank, step)
+            assert seen == microbatches_planned(plan, rank), (rank, step)
+            ran = {recompute for _, recompute in seen}
+            kinds |= ran
+            if len(ran) > 1:
+                mixed_steps.append((rank, step, sorted(ran)))
+    assert {"none", "selective"} <= kinds, f"the runs never ran both no and selective recompute: {kinds}"
+    assert mixed_steps, "no rank ran different recompute kinds in the micro-batches of one step"
+
+
+def test_tensorboard_event_files_hold_the_dcp_scalars_of_every_step(runs, work):
+    """--tensorboard-dir: Megatron's own writer (last rank) holds the dcp/* scalars of every step, equal to
+    what the dumped plans say (recomputed here from the plans, not by the code under test)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root, _ = work
+    runs("dcp_launcher")
+    events = EventAccumulator(str(root / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    assert "lm loss" in scalars, "Megatron's own tags are in the same event files"
+    plans = read_plan_dumps(root / "plans")
+    steps = list(range(1, ITERS + 1))
+    for tag in ("dcp/cp_size_min", "dcp/cp_size_max", "dcp/microbatches_per_rank_min", "dcp/microbatches_per_rank_max",
+                "dcp/recompute_share", "dcp/predicted_step_s", "dcp/predicted_unrefined_s", "dcp/measured_step_s",
+                "dcp/prediction_error", "dcp/planning_s", "dcp/exposed_planning_s", "dcp/lower_bound_ratio",
+                "dcp/tokens", "dcp/tokens_padded", "dcp/fallback"):
+        assert sorted(scalars.get(tag, {})) == steps, tag
+    for step, plan in zip(steps, plans):
+        def at(tag):
+            return scalars[tag][step]
+        sizes = [g.size for w in plan.waves for g in w.groups for mb in g.microbatches for _ in mb.sequences]
+        counts = [plan.num_microbatches(r) for r in range(plan.domain_size)]
+        mbs = [mb for w in plan.waves for g in w.groups for mb in g.microbatches if mb.sequences]
+        pads = [-(-n // (2 * g.size)) * 2 * g.size - n for w in plan.waves for g in w.groups
+                for mb in g.microbatches for n in mb.lengths]
+        assert (at("dcp/cp_size_min"), at("dcp/cp_size_max")) == (min(sizes), max(sizes))
+        for size in set(sizes):
+            assert at(f"dcp/sequences_cp{size}") == sizes.count(size)
+        assert (at("dcp/microbatches_per_rank_min"), at("dcp/microbatches_per_rank_max")) == (min(counts), max(counts))
+        assert at("dcp/recompute_share") == pytest.approx(sum(mb.recompute.kind != "none" for mb in mbs) / len(mbs))
+        assert at("dcp/tokens") == sum(n for mb in mbs for n in mb.lengths) and at("dcp/tokens_padded") == sum(pads)
+        assert at("dcp/predicted_step_s") == pytest.approx(plan.est_step_time_s, rel=1e-6)
+        assert at("dcp/predicted_unrefined_s") == at("dcp/predicted_step_s")       # --dcp-no-refine
+        assert at("dcp/lower_bound_ratio") == pytest.approx(plan.est_step_time_s / plan.lower_bound_s, rel=1e-6)
+        measured = at("dcp/measured_step_s")
+        assert measured > 0 and at("dcp/prediction_error") == pytest.approx(
+            abs(plan.est_step_time_s - measured) / measured, rel=1e-5)
+        assert 0 <= at("dcp/exposed_planning_s") and 0 < at("dcp/planning_s")
+    assert any(scalars["dcp/tokens_padded"].values()), "some document was padded for CP 2"
+    assert len(set(scalars["dcp/cp_size_min"].values()) | set(scalars["dcp/cp_size_max"].values())) == 2
+
+
+def test_two_agents_ran_dcp_plans_with_cp_groups_across_nodes(runs):
+    steps = runs("two_agents").dcp_steps
+    assert sorted(steps) == list(range(1, ITERS + 1)) and all(s["policy"] == "dcp" for s in steps.values())
+    assert any("cp2" in s["cp_sizes"] for s in steps.values()), steps
+
+
+def test_a_rerun_of_a_suspect_step_replays_its_plan_and_reproduces_every_ranks_value(runs):
+    """Megatron reran step 2 (RERUN_FLAGS): the rerun ran the first run's plan (the same plan line, prediction
+    included, although online refinement is on: the step's times refine the cost model only once it is accepted),
+    and every rank's compared value came out the same (a replay, so a reproducible fault reads as one)."""
+    output = runs("two_agents").output
+    lines: dict[int, list[str]] = {}
+    for line in output.splitlines():
+        match = re.search(r" dcp iteration\s+(\d+) (\| .*?) \| forward-backward", line)
+        if match:
+            lines.setdefault(int(match[1]), []).append(match[2])
+    assert sorted(lines) == list(range(1, ITERS + 1)), sorted(lines)
+    rerun = [step for step, plans in lines.items() if len(plans) > 1]
+    assert rerun == [2] and len(lines[2]) == 2, {step: len(plans) for step, plans in lines.items()}
+    assert lines[2][0] == lines[2][1], f"the rerun of step 2 ran another plan:\n{lines[2][0]}\n{lines[2][1]}"
+    compared = re.findall(r"Rank (\d+), .*First rerun: unexpected result is reproducible within the tolerance "
+                          r"\((\S+) = (\S+)\)", output)
+    assert sorted(rank for rank, _, _ in compared) == ["0", "1"], compared
+    assert all(first == again for _, first, again in compared), compared
+    assert "measured corrections" in output, "online refinement never changed the cost model"
+
+
+def test_static_policy_runs_every_document_on_cp2(runs):
+    steps = runs("static_cp2").dcp_steps
+    assert steps and all(s["cp_sizes"].startswith("cp2") and "cp1" not in s["cp_sizes"] for s in steps.values())
+
+
+def test_plain_run_has_no_dcp_steps(runs):
+    assert runs("plain").dcp_steps == {}
+    # run without --distributed-backend gloo and the other CPU flags: defaulted, and said in one line
+    assert "dcp: no GPU found, so this run uses --distributed-backend gloo --transformer-impl local" in runs("plain").output
+
+
+def test_gradients_equal_an_independent_one_device_reference(runs, work):
+    """main_grad after the first step (saved before clipping): --dcp on 2 ranks vs 1 rank with one micro-batch."""
+    root, _ = work
+    grads = {}
+    for name, run in (("reference", "reference"), ("dcp", "dcp_launcher")):
+        runs(run)
+        (path,) = glob.glob(str(root / f"wgrads_{name}" / "wgrads" / "iter_0000001" / "*"))
+        grads[name] = torch.load(path, map_location="cpu", weights_only=False)
+    reference, dcp = (flatten_state(grads[k]) for k in ("reference", "dcp"))
+    assert reference.keys() == dcp.keys() and reference
+    worst = max(float((dcp[k] - reference[k]).abs().max() / reference[k].abs().max().clamp(min=1e-30))
+                for k in reference)
+    print(f"gradients vs the 1-device reference: max relative error {worst:.2e} over {len(reference)} tensors")
+    assert worst <= 1e-5, f"gradients differ from the 1-device reference: max relative error {worst:.2e}"
+
+
+_PLANNING = re.compile(r" dcp iteration\s+(\d+) \|.*?\| planning \(ms\): ([0-9.]+) (ahead|at step start), exposed ([0-9.]+) \|")
+
+
+def test_plans_made_one_step_ahead_equal_plans_made_at_each_step(runs, work):
+    """Planning off the critical path changes when a plan is made, never what: the launcher run planned each
+    step during the previous one, the direct runs (stopped at 3, resumed) at each step's start; their plan files
+    are identical."""
+    root, _ = work
+    ahead, sync = runs("dcp_launcher"), [runs("dcp_direct_first_half"), runs("dcp_direct_resumed")]
+    for name in [f"step_{i:07d}.json" for i in range(1, ITERS + 1)]:
+        with open(root / "plans" / name) as f, open(root / "plans_sync" / name) as g:
+            assert f.read() == g.read(), name
+    ahead_steps = {int(m[1]): (m[3], float(m[2]), float(m[4])) for m in _PLANNING.finditer(ahead.output)}
+    sync_steps = {int(m[1]): (m[3], float(m[2]), float(m[4])) for run in sync for m in _PLANNING.finditer(run.output)}
+    assert sorted(ahead_steps) == sorted(sync_steps) == list(range(1, ITERS + 1))
+    # The first step has no previous one to plan behind; every later one was planned during its predecessor.
+    assert [ahead_steps[i][0] for i in range(1, ITERS + 1)] == ["at step start"] + ["ahead"] * (ITERS - 1)
+    assert all(when == "at step start" and exposed == planning for when, planning, exposed in sync_steps.values())

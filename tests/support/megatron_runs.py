@@ -1,0 +1,200 @@
+"""Launch real megatron.training runs from tests and read what they print.
+
+`run_training(...)` starts torchrun (optionally through `-m dcp_megatron.launch`) on a script
+with the flag set of Megatron-LM's Llama-3 example at tiny size (GQA, RoPE, SwiGLU, RMSNorm,
+untied embeddings, no bias, distributed optimizer, per-token loss, cosine LR, clip-grad, eval)
+plus the CPU flags, and returns the exit code, the output and the parsed iteration lines.
+Each launch costs ~15-30 s on 2 cores (imports and start-up): tests share runs through
+module-scoped fixtures.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from tests.support.dist_utils import free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OUR_SCRIPT = os.path.join(REPO, "pretrain_scripts", "pretrain_gpt.py")
+
+LLAMA_TINY = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+    "--ffn-hidden-size 128 --seq-length 1024 --max-position-embeddings 1024 "
+    "--micro-batch-size 1 --global-batch-size 8 "
+    "--position-embedding-type rope --swiglu --normalization RMSNorm --disable-bias-linear "
+    "--untie-embeddings-and-output-weights --use-distributed-optimizer --calculate-per-token-loss "
+    "--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 2 --clip-grad 1.0 --weight-decay 0.1 "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 256 --split 98,1,1 --eval-iters 1 --eval-interval 5 "
+    "--dataloader-inter-document-masking --attention-dropout 0 --hidden-dropout 0 --log-interval 1 --seed 1234"
+).split()
+
+CPU_FLAGS = (
+    "--transformer-impl local --use-cpu-initialization --distributed-backend gloo --no-gradient-accumulation-fusion "
+    "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
+    "--no-persist-layer-norm --distributed-timeout-minutes 3"
+).split()
+
+_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+)")
+_ITERATION_NUMBER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
+_MOE_METRIC = re.compile(r"\| ((?:seq_)?load_balancing_loss|z_loss): ([0-9.E+-]+)")
+_EVAL = re.compile(r"validation loss at iteration (\d+) (?:on validation set )?\| lm loss value: ([0-9.E+-]+)")
+_DCP = re.compile(r" dcp iteration\s+(\d+) \| plan (\S+): .*?cp sizes (\S+) \| micro-batches/rank (\S+) .*?"
+                  r"recompute (\S+) \| predicted \(ms\): ([0-9.]+) \| forward-backward \(ms\): ([0-9.]+)")
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    output: str
+    losses: dict[int, float] = field(default_factory=dict)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    dcp_steps: dict[int, dict] = field(default_factory=dict)
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    moe_metrics: dict[str, dict[int, float]] = field(default_factory=dict)   # MoE router losses logged per step
+
+    @property
+    def z_losses(self) -> dict[int, float]:
+        return self.moe_metrics.get("z_loss", {})
+
+    def loss_trace(self) -> list[float]:
+        return [self.losses[i] for i in sorted(self.losses)]
+
+    def check(self) -> "RunResult":
+        assert self.returncode == 0, f"run failed (exit {self.returncode}):\n{self.output[-6000:]}"
+        return self
+
+
+def parse_output(returncode: int, output: str) -> RunResult:
+    result = RunResult(returncode, output)
+    for match in _ITERATION.finditer(output):
+        result.losses[int(match[1])] = float(match[2])
+        result.grad_norms[int(match[1])] = float(match[3])
+    for line in output.splitlines():
+        iteration = _ITERATION_NUMBER.search(line)
+        for match in _MOE_METRIC.finditer(line) if iteration else ():
+            result.moe_metrics.setdefault(match[1], {})[int(iteration[1])] = float(match[2])
+    for match in _EVAL.finditer(output):
+        result.eval_losses[int(match[1])] = float(match[2])
+    for match in _DCP.finditer(output):
+        result.dcp_steps[int(match[1])] = {
+            "policy": match[2], "cp_sizes": match[3], "counts": [int(c) for c in match[4].split("/")],
+            "recompute": match[5], "predicted_ms": float(match[6]), "measured_ms": float(match[7])}
+    return result
+
+
+def torchrun_command(script: str, flags: list[str], *, nproc: int, launcher: bool, port: int,
+                     nnodes: int = 1, node_rank: int = 0) -> list[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}",
+               f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}"]
+    command += ["-m", "dcp_megatron.launch", script] if launcher else [script]
+    return command + flags
+
+
+def run_env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_training(script: str, extra: list[str], *, nproc: int = 2, launcher: bool = True, iters: int = 10,
+                 base: tuple[str, ...] | list[str] = LLAMA_TINY, timeout_s: float = 600,
+                 cpu_flags: bool = True) -> RunResult:
+    """`cpu_flags=False`: none of CPU_FLAGS but the timeout (the patched validate_args defaults the others)."""
+    cpu = CPU_FLAGS if cpu_flags else CPU_FLAGS[CPU_FLAGS.index("--distributed-timeout-minutes"):]
+    flags = list(base) + cpu + ["--train-iters", str(iters)] + list(extra)
+    command = torchrun_command(script, flags, nproc=nproc, launcher=launcher, port=free_port())
+    proc = subprocess.run(command, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout_s)
+    return parse_output(proc.returncode, proc.stdout + proc.stderr)
+
+
+class LazyRuns:
+    """A test module's launches, each started on first use and shared (a `-k` selection starts only what its tests
+    read). `specs[name]()` runs one; `after(name, run)` runs `name` first (e.g. the checkpoint `run` loads)."""
+
+    def __init__(self, root) -> None:
+        self.root = root
+        self.specs: dict = {}
+        self._done: dict[str, RunResult] = {}
+
+    def __call__(self, name: str) -> RunResult:
+        if name not in self._done:
+            self._done[name] = self.specs[name]().check()
+            (self.root / f"{name}.log").write_text(self._done[name].output)   # for a failure's post-mortem
+        return self._done[name]
+
+    def after(self, name: str, run):
+        self(name)
+        return run()
+
+
+def read_plan_dumps(directory, *, count: int | None = None) -> list:
+    """The StepPlans a --dcp-dump-plans DIR holds, in step order (`count`: exactly that many)."""
+    from dcp_megatron.planner.plan import StepPlan
+
+    plans = []
+    for path in sorted(glob.glob(os.path.join(str(directory), "step_*.json"))):
+        with open(path) as f:
+            plans.append(StepPlan.from_json(f.read()))
+    assert count is None or len(plans) == count, (directory, len(plans), count)
+    return plans
+
+
+def strip_dcp_lines(source: str, destination: str) -> None:
+    """A copy of our script without its two DCP lines: a user's unmodified Megatron script."""
+    with open(source) as f:
+        text = f.read()
+    stripped = text.replace("import dcp_megatron\n\ndcp_megatron.enable()\n", "")
+    assert stripped != text, "pretrain_gpt.py no longer has the two lines this helper removes"
+    with open(destination, "w") as f:
+        f.write(stripped)
+
+
+def microbatches_seen(directory, rank: int, iteration: int) -> list[tuple]:
+    """(CP group's global ranks or None, recompute that RAN) of each micro-batch a rank's decoder ran at an
+    iteration, from the trace --dcp-dump-plans writes next to the plans (dcp_megatron/core/microbatch_trace.py:
+    the recompute is what its backward replayed, not what the model's switches said)."""
+    import json
+
+    with open(os.path.join(str(directory), f"microbatches_rank{rank}.jsonl")) as f:
+        records = [json.loads(line) for line in f if json.loads(line)["iteration"] == iteration]
+    assert not [r for r in records if "unattributed_replays" in r], (rank, iteration, records)
+    return [(r["group_ranks"], r["recompute"]) for r in records]
+
+
+def microbatches_planned(plan, rank: int) -> list[tuple]:
+    """The same as the plan names it for a domain rank (TP 1, PP 1: domain ranks are global ranks); an idle
+    rank runs one filler without a group or recompute."""
+    expected = [(list(group.ranks) if group.size > 1 else None, str(mb.recompute))
+                for _, group in plan.rank_schedule(rank) for mb in group.microbatches]
+    return expected or [(None, "none")]
+
+
+def flatten_state(state, prefix: str = "") -> dict:
+    """A (nested) state dict of tensors, e.g. Megatron's saved wgrads, as {dotted name: float tensor}."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return {prefix: state.float()}
+    out = {}
+    for key, value in state.items():
+        out.update(flatten_state(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def tiny_local_gpt(*, num_layers: int, max_sequence_length: int):
+    """A tiny megatron-core GPTModel on the local spec (RoPE, no bias, no dropout); model-parallel state must be
+    initialised and the patch set applied by the caller."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model_parallel_cuda_manual_seed(1)
+    config = TransformerConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                               hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
+                    max_sequence_length=max_sequence_length, position_embedding_type="rope")

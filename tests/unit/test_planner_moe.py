@@ -1,0 +1,227 @@
+"""Mixture-of-Experts in the planner: FLOPs, weights and memory of the experts, the EP all-to-alls, the
+simulator's --ep and the Megatron adapter's MoE flags. Numbers worked by hand on a tiny MoE shape."""
+import argparse
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from dcp_megatron.planner.bounds import lower_bound
+from dcp_megatron.planner.cluster import cluster_preset
+from dcp_megatron.planner.cost import CostModel
+from dcp_megatron.planner.gpu_costs import GpuCosts
+from dcp_megatron.planner.model import ModelShape, model_preset
+from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
+from dcp_megatron.simulate import SimulationConfig, main, simulate
+from tests.support.planner_helpers import tiny_cluster
+
+# 2 layers, hidden 8, 2 heads of 4 (1 KV head), plain (non-gated) MLPs, 4 experts of width 12, top-2.
+TINY_MOE = ModelShape(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, ffn_hidden_size=16,
+                      vocab_size=10, gated_mlp=False, num_experts=4, moe_topk=2, moe_ffn_hidden_size=12)
+
+
+def test_tiny_moe_params_and_flops_by_hand():
+    m = TINY_MOE
+    assert m.attn_params_per_layer == 8 * (8 + 8) + 8 * 8                 # q, k, v in; output: 192
+    assert m.expert_mlp_params == 2 * 8 * 12                               # one expert: 192
+    assert m.router_params_per_layer == 8 * 4                              # 32
+    assert m.mlp_params_per_layer == 32 + 4 * 192                          # every expert stored: 800
+    assert m.active_mlp_params_per_layer == 32 + 2 * 192                   # router + top-2: 416
+    assert m.linear_params == 2 * (192 + 800) + 8 * 10                     # 2064
+    assert m.num_params == 2064 + 8 * 10 + (2 * 2 * 8 + 8)                 # + embedding, norms: 2184
+    assert m.linear_flops_per_token == 6.0 * (2 * (192 + 416) + 8 * 10)    # top-2 experts, not all: 7776
+    assert m.expert_params == 2 * 4 * 192                                  # 1536
+    assert dataclasses.replace(m, ep=2).params_per_rank(m.num_params) == (2184 - 1536) + 1536 / 2   # 1416
+    # the expert width defaults to the dense FFN width
+    assert dataclasses.replace(m, moe_ffn_hidden_size=None).expert_mlp_params == 2 * 8 * 16
+
+
+def test_tiny_moe_static_and_activation_memory_by_hand():
+    cluster = tiny_cluster(4)
+    sharded = CostModel(dataclasses.replace(TINY_MOE, ep=2), cluster)
+    # dense 648 params: 2 + 4 + 12/4 B; 2 of 4 experts (768 params): 2 + 4 + 12/(4/2) B (expert-DP of 2)
+    assert sharded.static_bytes == 648 * 9 + 768 * 12
+    whole = CostModel(dataclasses.replace(TINY_MOE, ep=2), dataclasses.replace(cluster, distributed_optimizer=False))
+    assert whole.static_bytes == (648 + 768) * 18
+    assert CostModel(TINY_MOE, cluster).static_bytes == 648 * 9 + 1536 * 9       # EP 1: every expert on the rank
+    # FP8 weight copies: 2 B per linear weight held, experts / ep
+    fp8 = CostModel(dataclasses.replace(TINY_MOE, ep=2), cluster, gpu=GpuCosts(fp8=True))
+    assert fp8.static_bytes - sharded.static_bytes == 2 * ((2064 - 1536) + 768)
+    # activations: the MLP's 19 of the 34 bytes x top-2 x width 12/16 -> 34 + 19 x 0.5; x 2 layers x hidden 8,
+    # + fp32 logits 4 x vocab 10
+    assert sharded.bytes_per_local_token(NO_RECOMPUTE) == (34 + 9.5) * 2 * 8 + 40
+    assert sharded.bytes_per_local_token(SELECTIVE) == (32 + 9.5) * 2 * 8 + 40
+    # full recompute of both layers: their inputs (2) + one layer's working set while it reruns
+    assert sharded.bytes_per_local_token(Recompute("full", 2)) == (2 * 2 + 43.5) * 8 + 40
+
+
+def test_all_to_all_seconds_by_hand():
+    """EP 2 on the tiny cluster (10 GB/s in a node, 1 us per collective): per local token, layer and pass
+    8/1 x top-2 x 2 B x 1/2 = 16 B; 2 layers x (4 passes + 2 per recomputed layer)."""
+    cluster = tiny_cluster(4)
+    ep1, ep2 = CostModel(TINY_MOE, cluster), CostModel(dataclasses.replace(TINY_MOE, ep=2), cluster)
+    per_pass = 100 * 16 / 1e10 + 1e-6
+    for recompute, passes in ((NO_RECOMPUTE, 8), (SELECTIVE, 8), (Recompute("full", 1), 10), (Recompute("full", 2), 12)):
+        added = ep2.microbatch_time([100], 1, recompute=recompute) - ep1.microbatch_time([100], 1, recompute=recompute)
+        assert added == pytest.approx(passes * per_pass, rel=1e-9), recompute
+    # CP 2: each rank dispatches its 50 local tokens
+    assert (ep2.microbatch_time([100], 2) - ep1.microbatch_time([100], 2)) == pytest.approx(8 * (50 * 16 / 1e10 + 1e-6))
+
+
+def test_all_to_all_is_zero_at_ep1_and_grows_with_ep():
+    lengths = [32768, 4096, 700]
+    cluster = cluster_preset("h200", domain_size=32)              # 8 ranks per node: EP 8 stays inside one
+    mixtral = model_preset("mixtral-8x7b")
+    ep1 = CostModel(mixtral, cluster)
+    assert ep1.moe.seconds(1e6) == 0.0
+    times = [CostModel(dataclasses.replace(mixtral, ep=ep), cluster).microbatch_time(lengths, 2) for ep in (1, 2, 4, 8)]
+    assert times == sorted(times) and len(set(times)) == 4
+    # EP 16 leaves the node: inter-node bandwidth, far more than the (15/16) / (7/8) volume ratio
+    ep8 = CostModel(dataclasses.replace(mixtral, ep=8), cluster)
+    ep16 = CostModel(dataclasses.replace(mixtral, ep=16, num_experts=16), cluster)
+    assert ep16.moe.seconds_per_local_token > 5 * ep8.moe.seconds_per_local_token
+
+
+def test_all_to_all_invariant_over_random_micro_batches():
+    """For any micro-batch, CP size and recompute: EP adds exactly moe.seconds(local tokens, recomputed layers),
+    the same at every first rank, and never less at a larger EP."""
+    rng = np.random.default_rng(7)
+    cluster = cluster_preset("h200", domain_size=16, gpus_per_node=4)
+    costs = [CostModel(model_preset("mixtral-8x7b", tp=2, ep=ep), cluster) for ep in (1, 2, 4, 8)]
+    for _ in range(40):
+        lengths = rng.integers(1, 200_000, size=rng.integers(1, 6)).tolist()
+        cp = int(rng.choice([1, 2, 4, 8, 16]))
+        recompute = Recompute("full", int(rng.integers(1, 33))) if rng.random() < 0.5 else NO_RECOMPUTE
+        first = int(rng.integers(0, 16 - cp + 1))
+        local = float(sum(CostModel.padded(np.array(lengths), cp)) / cp)
+        base = costs[0].microbatch_time(lengths, cp, first_rank=first, recompute=recompute)
+        added = [c.microbatch_time(lengths, cp, first_rank=first, recompute=recompute) - base for c in costs[1:]]
+        for cost, extra in zip(costs[1:], added):
+            assert extra == pytest.approx(cost.moe.seconds(local, recompute.full_layers), rel=1e-9, abs=1e-12)
+        assert added == sorted(added) and added[0] > 0
+
+
+def test_moe_shape_and_cost_model_refuse_bad_values():
+    for changes, field in (({"num_experts": -1}, "num_experts"), ({"moe_topk": 0}, "moe_topk"),
+                           ({"moe_topk": 5}, "moe_topk"), ({"moe_ffn_hidden_size": 0}, "moe_ffn_hidden_size"),
+                           ({"ep": 3}, "ep"), ({"num_experts": None, "ep": 2}, "ep")):
+        with pytest.raises(ValueError, match=field):
+            dataclasses.replace(TINY_MOE, **changes)
+    with pytest.raises(ValueError, match="ep=4 does not divide the domain of 2"):
+        CostModel(dataclasses.replace(TINY_MOE, ep=4), tiny_cluster(2))
+
+
+def test_dense_presets_keep_their_numbers():
+    """Pinned before MoE entered the cost model (same values at the commit before it)."""
+    expected = {
+        "llama3-8b": (1, 1, 8030261248, 45027950592.0, 70824193024, 0.7658162336383516, 152244022272, 11284,
+                      1.266326790096843),
+        "llama3-70b": (8, 2, 70553706496, 417010286592.0, 40063171968, 0.32774941307385774, 85697199488, 31177,
+                       0.46022274444189804),
+        "gpt-tiny": (1, 1, 918656, 5111808.0, 1618517600, 0.004166926110470787, 1937284704, 6439220,
+                     0.006039865962926455),
+    }
+    for name, (tp, pp, params, flops, static, time_s, memory, max_local, bound) in expected.items():
+        model = model_preset(name, tp=tp, pp=pp)
+        cost = CostModel(model, cluster_preset("h200", domain_size=16), gpu=GpuCosts(fp8=True, communicators=True))
+        assert (model.num_params, model.linear_flops_per_token, cost.static_bytes) == (params, flops, static), name
+        assert cost.microbatch_time([32768, 1000], 4, recompute=Recompute("full", 2)) == pytest.approx(time_s, rel=1e-12)
+        assert (cost.microbatch_memory([32768], 2), cost.max_local_tokens(NO_RECOMPUTE)) == (memory, max_local)
+        assert lower_bound([(0, 100000), (1, 5000), (2, 300)], cost) == pytest.approx(bound, rel=1e-12)
+
+
+def test_mixtral_preset_counts():
+    m = model_preset("mixtral-8x7b")
+    assert m.num_params == pytest.approx(46.7e9, rel=0.01)          # Mixtral-8x7B: 46.7B parameters
+    assert m.active_linear_params + m.hidden_size * m.vocab_size == pytest.approx(12.9e9, rel=0.02)   # 12.9B active
+
+
+def test_lower_bound_charges_the_all_to_alls_and_stays_below_plans():
+    from dcp_megatron.planner.policies import make_plan
+    from dcp_megatron.planner.rescore import rescored
+    from dcp_megatron.planner.timeline import plan_makespan
+
+    cluster = cluster_preset("h200", domain_size=16, gpus_per_node=4)
+    batch = [(i, n) for i, n in enumerate([60000, 9000, 4000, 2500, 1200, 800, 500, 300] * 4)]
+    ep8 = CostModel(model_preset("mixtral-8x7b", tp=2, ep=8), cluster)
+    zeroed = CostModel(model_preset("mixtral-8x7b", tp=2, ep=8), cluster)
+    zeroed.moe = dataclasses.replace(zeroed.moe, seconds_per_local_token=0.0, latency_s=0.0)
+    bound = lower_bound(batch, ep8)
+    assert bound > lower_bound(batch, zeroed) * 1.05
+    for policy in ("static", "megatron-dynamic", "dcp"):
+        assert plan_makespan(rescored(make_plan(policy, batch, ep8, max_seq_len=60000), ep8)) >= bound
+
+
+@pytest.fixture(scope="module")
+def moe_runs():
+    def run(model: str, cluster: str, gpus: int, tp: int, ep: int, tokens: int, max_seq_len: int | None):
+        config = SimulationConfig(lengths="builtin:prolong", model=model, cluster=cluster, gpus=gpus, gpus_per_node=8,
+                                  tp=tp, ep=ep, tokens_per_step=tokens, steps=2, seed=3, max_seq_len=max_seq_len,
+                                  overlong="truncate")
+        return simulate(config, keep_step=1)
+    return {"tiny ep2": run("gpt-tiny-moe", "cpu", 4, 1, 2, 8192, 2048),
+            "tiny ep1": run("gpt-tiny-moe", "cpu", 4, 1, 1, 8192, 2048),
+            "mixtral ep8": run("mixtral-8x7b", "h200", 16, 2, 8, 262144, None)}
+
+
+def test_simulator_ep_plans_in_lockstep(moe_runs):
+    for run in ("tiny ep2", "mixtral ep8"):
+        result, kept = moe_runs[run]
+        assert set(kept) == set(result.config.policies)
+        for name, plan in kept.items():        # simulate() already validated every plan of every step
+            assert all(len(g.microbatches) == 1 for wave in plan.waves for g in wave.groups), (run, name)
+            counts = [sum(1 for wave in plan.waves for g in wave.groups if g.first_rank <= r < g.first_rank + g.size)
+                      for r in range(plan.domain_size)]
+            assert len(set(counts)) == 1, (run, name, counts)
+        assert result.to_json()["config"]["ep"] == result.config.ep > 1
+    # the premise: at EP 1 the same batch gets a group with several micro-batches in one wave
+    _, kept_ep1 = moe_runs["tiny ep1"]
+    assert any(len(g.microbatches) > 1 for plan in kept_ep1.values() for wave in plan.waves for g in wave.groups)
+
+
+def test_simulator_ep_flag_is_validated(capsys, tmp_path):
+    with pytest.raises(ValueError, match="--ep 3 does not divide the domain of 8"):
+        SimulationConfig(lengths="builtin:prolong", gpus=8, ep=3)
+    with pytest.raises(ValueError, match="--ep must be a positive integer"):
+        SimulationConfig(lengths="builtin:prolong", gpus=8, ep=0)
+    assert main(["--lengths", "builtin:prolong", "--model", "llama3-8b", "--gpus", "8", "--ep", "2", "--steps", "1"]) == 2
+    assert "ep=2 needs experts" in capsys.readouterr().err
+    out = tmp_path / "r.json"
+    assert main(["--lengths", "builtin:lognormal", "--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2", "--ep", "8",
+                 "--steps", "1", "--tokens-per-step", "65536", "--policies", "static,dcp", "--json", str(out)]) == 0
+    assert "ep=8" in capsys.readouterr().out and json.loads(out.read_text())["config"]["ep"] == 8
+
+
+def test_megatron_adapter_passes_the_moe_flags():
+    from dcp_megatron.core.planning import model_shape_from_args
+
+    args = argparse.Namespace(
+        num_layers=4, hidden_size=64, num_attention_heads=4, group_query_attention=False, num_query_groups=None,
+        kv_channels=16, ffn_hidden_size=256, padded_vocab_size=512, swiglu=True, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1, expert_model_parallel_size=2, num_experts=4, moe_router_topk=1,
+        moe_ffn_hidden_size=None)
+    shape = model_shape_from_args(args)
+    assert (shape.num_experts, shape.moe_topk, shape.ep, shape.expert_mlp_params) == (4, 1, 2, 3 * 64 * 256)
+    shape = model_shape_from_args(argparse.Namespace(**{**vars(args), "moe_ffn_hidden_size": 96}))
+    assert shape.expert_mlp_params == 3 * 64 * 96
+    dense = model_shape_from_args(argparse.Namespace(**{**vars(args), "num_experts": None}))
+    assert not dense.is_moe and dense.ep == 1 and dense.linear_flops_per_token == 6.0 * dense.linear_params
+
+
+def test_simulator_recompute_flag_limits_every_policy(tmp_path):
+    """--recompute none,selective (what --dcp allows under EP > 1) reaches every policy's cost model: the tiny
+    MoE's 2,048-token documents then run without full recompute, which they use when it is allowed."""
+    def kinds(recompute: str) -> set[str]:
+        out = tmp_path / recompute.replace(",", "_")
+        assert main(["--lengths", "builtin:prolong", "--model", "gpt-tiny-moe", "--cluster", "cpu", "--gpus", "4",
+                     "--ep", "2", "--tokens-per-step", "8192", "--max-seq-len", "2048", "--overlong", "truncate",
+                     "--steps", "2", "--seed", "3", "--recompute", recompute, "--dump-plans", str(out)]) == 0
+        from dcp_megatron.planner.plan import StepPlan
+        return {mb.recompute.kind for path in out.glob("*/step_*.json")
+                for plan in [StepPlan.from_json(path.read_text())] for w in plan.waves for g in w.groups
+                for mb in g.microbatches if mb.sequences}
+    assert "full" in kinds("none,selective,full")
+    assert "full" not in kinds("none,selective")
+    with pytest.raises(ValueError, match="--recompute: .*unknown recompute kind"):
+        SimulationConfig(lengths="builtin:prolong", recompute=("none", "everything"))

@@ -104,3 +104,20 @@ def test_model_shape_zero_stage_default_keeps_plans():
     assert model.zero_stage is None and not model.lockstep
     cluster = cluster_preset("cpu", domain_size=2)
     assert CostModel(model, cluster).static_bytes == CostModel(_at(1, model), cluster).static_bytes
+
+
+def test_a_document_that_fits_nowhere_under_zero3_is_not_told_to_allow_full_recompute():
+    import dataclasses
+
+    from dcp_megatron.config import DcpConfig, DcpUsageError
+    from dcp_megatron.core.planning import check_longest_fits
+    from dcp_megatron.planner.cluster import cpu_cluster
+    from dcp_megatron.planner.cost import CostModel
+    from dcp_megatron.planner.model import model_preset
+
+    shape = dataclasses.replace(model_preset("gpt-tiny"), zero_stage=3)
+    cost = CostModel(shape, cpu_cluster(2), allowed_recompute=("none",))
+    with pytest.raises(DcpUsageError) as info:
+        check_longest_fits(DcpConfig(seq_length=1 << 20, recompute=("none",)), cost)
+    assert "recompute is off under ZeRO stage 3" in str(info.value), info.value
+    assert "allow full recompute" not in str(info.value)

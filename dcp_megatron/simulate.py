@@ -18,6 +18,12 @@ model charges the all-to-alls.
 run) defaults to the longest document among those the run's `--steps` batches contain,
 capped at `--tokens-per-step`: the cap a user who tuned the static layout for this data
 would pick, and the most favourable one for the static baselines.
+
+Baselines are tuned as their users tune them (`dcp_megatron.planner.baseline_sweep`): before the
+run is scored, each selected baseline with run-wide knobs (static's CP size and recompute,
+megatron-dynamic's per-rank token cap, smallest CP size and recompute, megatron-hybrid's cap and
+recompute) gets the single setting with the lowest mean step over the run's batches; the grid and
+the winner are printed. `--no-tune` plans them at their defaults instead. `dcp` is never tuned.
 """
 from __future__ import annotations
 
@@ -65,6 +71,7 @@ class SimulationConfig:
     overlong: str = "error"
     profile: str | None = None        # cost-model profile JSON
     recompute: tuple[str, ...] = RECOMPUTE_KINDS   # the kinds every policy may use (--dcp-recompute's choice)
+    tune_baselines: bool = True       # sweep each baseline's run-wide setting over the run's batches
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node", "tp", "pp", "ep", "tokens_per_step", "steps"):
@@ -96,6 +103,8 @@ class SimulationConfig:
             raise ValueError(f"--recompute: {err}") from None
         if not self.lengths:
             raise ValueError("--lengths is empty; give a file or builtin:NAME")
+        if not isinstance(self.tune_baselines, bool):
+            raise ValueError(f"tune_baselines must be a bool, got {self.tune_baselines!r}")
 
     @property
     def domain_size(self) -> int:
@@ -112,12 +121,14 @@ class SimulationResult:
     max_seq_len: int
     batches: list[GlobalBatch]
     runs: dict[str, PolicyRun]
+    sweeps: dict = dataclasses.field(default_factory=dict)   # baseline -> SweepResult (tuned runs)
 
     def to_json(self) -> dict:
         config = dataclasses.asdict(self.config)
         config.update(policies=list(self.config.policies), domain_size=self.config.domain_size,
                       max_seq_len=self.max_seq_len, num_batches=len(self.batches))
-        return {"config": config, "policies": summarize(self.runs)}
+        return {"config": config, "policies": summarize(self.runs),
+                "settings": {name: result.to_json() for name, result in self.sweeps.items()}}
 
 
 def documents(lengths: str, seed: int) -> Iterable[tuple[int, int]]:
@@ -176,13 +187,22 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
         print(f"dcp-simulate: note: the data holds only {len(batches)} of the {config.steps} steps asked for",
               file=sys.stderr)
     runs = {name: PolicyRun(name=name, mem_bytes_per_gpu=cluster.mem_bytes_per_gpu) for name in config.policies}
+    sweeps = {}
+    if config.tune_baselines:
+        from dcp_megatron.planner.baseline_sweep import SWEPT_POLICIES, sweep
+        for name in (p for p in config.policies if p in SWEPT_POLICIES):
+            try:
+                sweeps[name] = sweep(name, [b.sequences for b in batches], cost, max_seq_len=max_seq_len)
+            except ValueError as err:
+                raise PolicyFailure(f"tuning policy {name!r} failed: {err}") from err
     kept: dict[str, StepPlan] = {}
     for batch in batches:
         bound = lower_bound(batch.sequences, cost)
         for name in config.policies:
             started = time.perf_counter()
             try:
-                plan = make_plan(name, batch.sequences, cost, max_seq_len=max_seq_len)
+                plan = make_plan(name, batch.sequences, cost, max_seq_len=max_seq_len,
+                                 setting=sweeps[name].winner if name in sweeps else None)
             except ValueError as err:
                 raise PolicyFailure(f"policy {name!r} failed on step {batch.step}: {err}") from err
             plan_s = time.perf_counter() - started
@@ -199,7 +219,7 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
                                 num_tokens=batch.num_tokens, plan_s=plan_s, plan=scored)
             if batch.step == keep_step:
                 kept[name] = dataclasses.replace(scored, est_step_time_s=plan_makespan(scored), lower_bound_s=bound)
-    return SimulationResult(config=config, max_seq_len=max_seq_len, batches=batches, runs=runs), kept
+    return SimulationResult(config=config, max_seq_len=max_seq_len, batches=batches, runs=runs, sweeps=sweeps), kept
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of the recompute kinds policies may use (a run's --dcp-recompute; under EP > 1 "
                    "--dcp takes out full)")
     p.add_argument("--profile", default=None, help="cost-model profile JSON (overrides the preset's constants)")
+    p.add_argument("--no-tune", action="store_true",
+                   help="plan the baselines at their default settings instead of sweeping each one's run-wide "
+                   "setting over the run's batches (dcp_megatron/planner/baseline_sweep.py)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the metrics as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="draw one step's per-rank timelines")
     p.add_argument("--plot-step", type=int, default=0, help="which step --plot draws")
@@ -240,7 +263,7 @@ def config_from_args(args: argparse.Namespace) -> SimulationConfig:
                             gpus_per_node=args.gpus_per_node, tp=args.tp, pp=args.pp, ep=args.ep,
                             tokens_per_step=args.tokens_per_step, steps=args.steps, policies=policies,
                             seed=args.seed, max_seq_len=args.max_seq_len, overlong=args.overlong,
-                            profile=args.profile,
+                            profile=args.profile, tune_baselines=not args.no_tune,
                             recompute=tuple(k.strip() for k in args.recompute.split(",") if k.strip()))
 
 
@@ -258,6 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dcp-simulate: error: {err}", file=sys.stderr)
         return 1
     report = result.to_json()
+    from dcp_megatron.planner.baseline_sweep import format_sweep
+    for sweep_result in result.sweeps.values():
+        print(format_sweep(sweep_result))
     print(f"{config.lengths}: {len(result.batches)} steps of <= {config.tokens_per_step} tokens, "
           f"max_seq_len={result.max_seq_len}, {config.model} on {config.gpus}x{config.cluster} "
           f"(tp={config.tp} pp={config.pp} ep={config.ep}, domain {config.domain_size})")

@@ -216,7 +216,8 @@ def test_simulator_recompute_flag_limits_every_policy(tmp_path):
         out = tmp_path / recompute.replace(",", "_")
         assert main(["--lengths", "builtin:prolong", "--model", "gpt-tiny-moe", "--cluster", "cpu", "--gpus", "4",
                      "--ep", "2", "--tokens-per-step", "8192", "--max-seq-len", "2048", "--overlong", "truncate",
-                     "--steps", "2", "--seed", "3", "--recompute", recompute, "--dump-plans", str(out)]) == 0
+                     "--steps", "2", "--seed", "3", "--recompute", recompute, "--dump-plans", str(out),
+                     "--no-tune"]) == 0   # untuned: the static default picks full where allowed
         from dcp_megatron.planner.plan import StepPlan
         return {mb.recompute.kind for path in out.glob("*/step_*.json")
                 for plan in [StepPlan.from_json(path.read_text())] for w in plan.waves for g in w.groups

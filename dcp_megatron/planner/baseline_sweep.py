@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, StepPlan
-from dcp_megatron.planner.policies.settings import DynamicSetting, StaticSetting
+from dcp_megatron.planner.policies.settings import DynamicSetting, StaticSetting, check_recompute_fits
 
 STATIC_POLICIES = ("static", "static-balanced")
 DYNAMIC_POLICIES = ("megatron-dynamic", "megatron-hybrid")
@@ -113,8 +113,10 @@ def grid_of(policy: str, cost, max_seq_len: int) -> list:
 
 
 def sweep(policy: str, batches: Sequence[Sequence[tuple[int, int]]], cost, *, max_seq_len: int,
-          grid: Sequence | None = None) -> SweepResult:
-    """The setting of `grid` (default `grid_of`) with the lowest mean step over `batches`, and every point."""
+          grid: Sequence | None = None, score: Callable[[int, object], float] | None = None) -> SweepResult:
+    """The setting of `grid` (default `grid_of`) with the lowest mean step over `batches`, and every point.
+    `score(j, setting)`: batch j's step time under the setting (default: its plan's, by the cost model;
+    ValueError: the setting cannot run it)."""
     from dcp_megatron.planner.policies import make_plan
     from dcp_megatron.planner.policies.common import check_batch
     from dcp_megatron.planner.policies.cp_flavour import choose_cp_attention
@@ -132,12 +134,15 @@ def sweep(policy: str, batches: Sequence[Sequence[tuple[int, int]]], cost, *, ma
     def step_time(j: int, setting) -> float:
         if policy == "megatron-dynamic":
             key = (j, setting.token_cap, setting.min_cp_size)
+            # the memory check of every setting, also when its cap's schedule is already known
+            check_recompute_fits(cost, setting.token_cap, setting.recompute, f"megatron-dynamic ({setting})")
             if key not in schedules:
                 schedules[key] = dynamic_schedule(arrays[j][1], cost, setting)
             waves = waves_of_schedule(schedules[key], *arrays[j], cost, setting.recompute)
             return plan_makespan(StepPlan(domain_size=cost.cluster.domain_size, waves=choose_cp_attention(waves, cost)))
         return make_plan(policy, batches[j], cost, max_seq_len=max_seq_len, setting=setting).est_step_time_s
 
+    step_time = score or step_time
     best_total, best, points = math.inf, None, []
     for setting in grid:
         total, note = 0.0, ""

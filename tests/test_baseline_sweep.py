@@ -5,7 +5,7 @@ tiny_cost(2) (gpt-tiny, 4 layers, 2 ranks, CP at most 2): at most 2,537 local to
 """
 import pytest
 
-from dcp_megatron.planner.baseline_sweep import dynamic_grid, static_grid, sweep, token_caps
+from dcp_megatron.planner.baseline_sweep import dynamic_grid, grid_of, static_grid, sweep, token_caps
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 from dcp_megatron.planner.policies import make_plan
 from dcp_megatron.planner.policies.settings import DynamicSetting, StaticSetting, default_dynamic_setting
@@ -105,9 +105,10 @@ def test_grids_hold_what_a_user_would_try():
                                        StaticSetting(cp_size=2, recompute=NO_RECOMPUTE),
                                        StaticSetting(cp_size=2, recompute=SELECTIVE)]
     # caps: 256 x 2^(k/2) rounded to 256 (..., 2,816, 4,096, 5,888, 8,192), plus the most none (2,537),
-    # selective (2,678) and the strongest recompute (full 4: 6,650) hold, from the longest sequence's share
-    # of CP 2 (3,000) up to 6,650
-    assert token_caps(cost, 6000, 2) == [4096, 5888, 6650]
+    # selective (2,678) and full 2, 3, 4 (3,161, 4,285, 6,650: full 2 is the fewest holding 3,000) hold,
+    # from the longest sequence's share of CP 2 (3,000) up to 6,650
+    assert token_caps(cost, 6000, 2) == [3161, 4096, 4285, 5888, 6650]
+    assert default_dynamic_setting(cost, 6000, [1, 2]) in grid_of("megatron-dynamic", cost, 6000)
     grid = dynamic_grid(cost, 6000)
     assert {s.min_cp_size for s in grid} == {1, 2}
     assert DynamicSetting(token_cap=4096, recompute=FULL3) in grid      # the fewest full layers holding 4,096

@@ -8,8 +8,9 @@ budget. `sweep` does that over a grid and returns every point and the winner:
   with every recompute that can hold a micro-batch of one run-length sequence: none, selective, and, when
   none does not fit, the fewest full layers that fit (more full layers only add time to the same layout).
 - `megatron-dynamic` (`DynamicSetting`): per-rank token caps (`max_seqlen_per_dp_cp_rank`: 256 x 2^(k/2)
-  rounded to 256, and the most tokens each of none, selective and the strongest recompute allow, from the
-  longest sequence's share of the largest CP size up to what memory allows), the smallest dynamic CP size (1, 2), and per cap every run-wide recompute that fits it
+  rounded to 256, and the most tokens each of none, selective, the strongest recompute and the fewest 1-4 full
+  layers that hold the longest sequence allow, from that sequence's share of the largest CP size up to what
+  memory allows: so the untuned default is a point of the grid), the smallest dynamic CP size (1, 2), and per cap every run-wide recompute that fits it
   (none, selective, the fewest full layers that fit). `megatron-hybrid`: the same caps and recompute (it has no
   smallest-size knob). A cap below the longest sequence's share of the largest CP size cannot run.
 - Not swept, because the cost model does not represent them yet: megatron-core's per-module
@@ -35,6 +36,7 @@ DYNAMIC_POLICIES = ("megatron-dynamic", "megatron-hybrid")
 SWEPT_POLICIES = STATIC_POLICIES + DYNAMIC_POLICIES
 SMALLEST_CAP = 256       # caps 256 x 2^(k/2), rounded to CAP_ROUNDING tokens
 CAP_ROUNDING = 256
+FULL_LIMIT_CAPS = 4      # memory limits of k_min .. k_min + 3 full layers (k_min: the fewest holding the longest)
 MIN_CP_SIZES = (1, 2)
 
 
@@ -90,6 +92,10 @@ def token_caps(cost, longest: int, top_size: int) -> list[int]:
         caps.add(cap)
         k += 1
     caps.update(cost.max_local_tokens(r) for r in cost.recompute_options() if r.kind != "full")
+    # the most tokens the fewest full layers that hold the longest sequence allow, and a few more layers
+    full = [cost.max_local_tokens(r) for r in cost.recompute_options() if r.kind == "full"]
+    first = next((i for i, cap in enumerate(full) if cap >= need), len(full))
+    caps.update(full[first:first + FULL_LIMIT_CAPS])
     return sorted(c for c in caps if need <= c <= most)
 
 

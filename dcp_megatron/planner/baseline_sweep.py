@@ -100,11 +100,11 @@ def token_caps(cost, longest: int, top_size: int) -> list[int]:
 
 
 def dynamic_grid(cost, max_seq_len: int, policy: str = "megatron-dynamic") -> list[DynamicSetting]:
-    from dcp_megatron.planner.policies.common import pow2_sizes
+    from dcp_megatron.planner.policies.hybrid import hybrid_cp_sizes
     from dcp_megatron.planner.policies.megatron_dynamic import dynamic_cp_sizes
 
     D, limit = cost.cluster.domain_size, cost.cluster.cp_size_limit
-    top = dynamic_cp_sizes(D, limit)[-1] if policy == "megatron-dynamic" else pow2_sizes(limit)[-1]
+    top = (dynamic_cp_sizes if policy == "megatron-dynamic" else hybrid_cp_sizes)(D, limit)[-1]
     smallest = [s for s in MIN_CP_SIZES if s <= top] if policy == "megatron-dynamic" else [1]
     return [DynamicSetting(token_cap=int(cap), recompute=r, min_cp_size=m)
             for m in smallest for cap in token_caps(cost, max_seq_len, top) for r in _recompute_candidates(cost, cap)]

@@ -20,7 +20,8 @@ two moments 12 B sharded over the domain with the distributed optimizer; all /(t
 parallel divides by tp); selective recompute drops the attention output (32·h); full recompute
 of k layers keeps 2·h for those layers plus one layer's working set (34·h) while recomputing
 + under FP8 / with NCCL communicators: gpu_costs.py (FP8 weight copies, per-communicator buffers)
-+ fp32 logits of vocab/tp per token on the last stage. Activations and logits are per local
++ the output layer at the cross-entropy peak on the last stage: bf16 logits (2 B) and their fp32 upcast
+(4 B) of vocab/tp per token, both alive (docs/cost_model.md, "The output layer"). Activations and logits are per local
 token (padded tokens / c). With PP, stage 0 holds pp micro-batches in flight (1F1B); the
 bound used is max(pp·activations, activations + logits).
 
@@ -41,7 +42,7 @@ estimate: interpolated log-log in length among the rows of the largest listed cp
 scaled by cp_row/c, extrapolated as L² beyond the table. `activation_bytes_per_hidden` (measured
 bytes saved for backward per local token per layer per hidden/tp unit, by recompute kind; "full" is a
 recomputed layer's) replaces the 34 / 32 / 2 above, `output_bytes_per_vocab` (per local token per
-vocab/tp unit, outside the layers) the fp32 logits' 4.
+vocab/tp unit, outside the layers) the output layer's 6.
 """
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ ACT_BYTES_PER_TOKEN_LAYER = 34      # × hidden, bf16, Korthikanti et al. withou
 SELECTIVE_BYTES_PER_TOKEN_LAYER = 32  # the attention output is recomputed
 FULL_BYTES_PER_TOKEN_LAYER = 2      # the layer input only
 CP_PASSES = 3                       # K/V gather forward, again in backward, dK/dV reduce-scatter
+# bf16 logits + the fp32 copy vocab_parallel_cross_entropy makes of them (alive together), per vocab/tp unit
+OUTPUT_BYTES_PER_VOCAB = 2 + 4
 
 
 class CostModel:
@@ -125,7 +128,7 @@ class CostModel:
             "none": ACT_BYTES_PER_TOKEN_LAYER, "selective": SELECTIVE_BYTES_PER_TOKEN_LAYER,
             "full": FULL_BYTES_PER_TOKEN_LAYER})
         self._act_factors.update((profile or {}).get("activation_bytes_per_hidden", {}))
-        self._logit_bytes_per_token = (profile or {}).get("output_bytes_per_vocab", 4.0) * m.vocab_size / m.tp
+        self._logit_bytes_per_token = (profile or {}).get("output_bytes_per_vocab", OUTPUT_BYTES_PER_VOCAB) * m.vocab_size / m.tp
         self._latency_per_mb = cluster.collective_latency_s * self.layers_per_stage * CP_PASSES
         params = (m.num_params - m.expert_params) / split
         expert_params = m.expert_params / (split * m.ep)     # num_experts / ep experts per rank

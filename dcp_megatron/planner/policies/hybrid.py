@@ -3,7 +3,9 @@
 - max tokens per rank: the setting's cap (the user's `max_seqlen_per_dp_cp_rank`; a
   `DynamicSetting`, tuned by planner/baseline_sweep.py in the simulator, else
   `default_dynamic_setting`);
-- CP size of a sequence: the smallest power of two whose per-rank share of the sequence fits that;
+- CP size of a sequence: the smallest power of two, or the whole domain (megatron-core builds a
+  group "for every power of 2 of GPUs or the entire DPxCP group"), whose per-rank share of the
+  sequence fits that;
 - workload L²/c; per CP size, sequences longest-workload first into equal-work buckets of at
   most the per-rank token cap (as many buckets as tokens and the class's share of the
   domain need), dealt in serpentine order (least-worked-first when that would overflow);
@@ -32,7 +34,7 @@ def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None, 
     `packing` (the static layout dcp's fallback shares) is not used: this scheduler has its own setting."""
     cluster = cost.cluster
     D = cluster.domain_size
-    sizes = pow2_sizes(cluster.cp_size_limit)
+    sizes = hybrid_cp_sizes(D, cluster.cp_size_limit)
     if setting is None:
         setting = cost.memoised(("hybrid_default", int(max_seq_len)),
                                 lambda: default_dynamic_setting(cost, max_seq_len, sizes))
@@ -98,6 +100,11 @@ def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None, 
     for w, groups in enumerate(out):
         groups.extend(_idle(rank, cost) for rank in range(next_rank[w], D))
     return tuple(Wave(tuple(groups)) for groups in out)
+
+
+def hybrid_cp_sizes(domain_size: int, limit: int) -> list[int]:
+    """Powers of two up to `limit`, and the whole domain when it is allowed."""
+    return sorted(set(pow2_sizes(limit)) | ({domain_size} if domain_size <= limit else set()))
 
 
 def _equal_work_buckets(order: np.ndarray, work: np.ndarray, tokens: np.ndarray, cap: int,

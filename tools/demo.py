@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     parser.add_argument("--global-batch-size", type=int, default=4, help="samples of --seq-length per step")
     parser.add_argument("--max-files", type=int, default=60, help="standard-library modules to read")
     parser.add_argument("--memory-budget-gb", type=float, default=0.02,
-                        help="modelled memory per rank (GiB): 0.02 holds ~490 local tokens without recompute, so a "
+                        help="modelled memory per rank (GiB): 0.02 holds ~480 local tokens without recompute, so a "
                              "full-length document needs CP 2 and recompute, as long documents do on real GPUs")
     parser.add_argument("--out", default=os.path.join(ROOT, "demo_out"), help="where the plot and JSON go")
     parser.add_argument("--modelled-only", action="store_true",

@@ -17,8 +17,8 @@ budget. `sweep` does that over a grid and returns every point and the winner:
   `recompute_modules` (mlp, moe_act, ...) and fine-grained activation offloading (`offload_modules`).
 
 A setting is scored by the mean over the batches of the plan's modelled step time (the same cost model that
-scores every policy). A point whose running sum passes the best full sum so far is stopped there (it cannot
-win; printed as such). Ties keep the grid's first point.
+scores every policy). The untuned default is scored first; a point whose running sum passes the best full sum
+so far is stopped there (it cannot win; printed as such). Ties keep the grid's first point.
 """
 from __future__ import annotations
 
@@ -149,9 +149,11 @@ def sweep(policy: str, batches: Sequence[Sequence[tuple[int, int]]], cost, *, ma
         return make_plan(policy, batches[j], cost, max_seq_len=max_seq_len, setting=setting).est_step_time_s
 
     step_time = score or step_time
-    best_total, best, points = math.inf, None, []
-    for setting in grid:
-        total, note = 0.0, ""
+    # The untuned default first when it is a grid point: its total then stops slower points early.
+    first = grid.index(default) if (default := _default_setting(policy, cost, max_seq_len)) in grid else 0
+    best_total, best, points = math.inf, None, [None] * len(grid)
+    for i in [first] + [i for i in range(len(grid)) if i != first]:
+        setting, total, note = grid[i], 0.0, ""
         try:
             for j in range(len(batches)):
                 total += step_time(j, setting)
@@ -161,14 +163,32 @@ def sweep(policy: str, batches: Sequence[Sequence[tuple[int, int]]], cost, *, ma
         except ValueError as err:
             note = f"cannot run: {err}"
         if note:
-            points.append(SweepPoint(setting, None, note))
+            points[i] = SweepPoint(setting, None, note)
             continue
-        points.append(SweepPoint(setting, total / len(batches)))
-        if total < best_total:
+        points[i] = SweepPoint(setting, total / len(batches))
+        if total < best_total or (total == best_total and i < grid.index(best)):   # ties: the grid's first
             best_total, best = total, setting
     if best is None:
         raise ValueError(f"{policy}: no setting of the grid runs every batch: {points[0].note}")
     return SweepResult(policy, tuple(points), best, best_total / len(batches), len(batches))
+
+
+def _default_setting(policy: str, cost, max_seq_len: int):
+    """The setting the policy plans with when given none (None when that is no single setting)."""
+    from dcp_megatron.planner.policies.hybrid import hybrid_cp_sizes
+    from dcp_megatron.planner.policies.megatron_dynamic import dynamic_cp_sizes
+    from dcp_megatron.planner.policies.settings import default_dynamic_setting
+    from dcp_megatron.planner.policies.static import static_layout
+
+    D, limit = cost.cluster.domain_size, cost.cluster.cp_size_limit
+    try:
+        if policy in STATIC_POLICIES:
+            layout = static_layout(cost, max_seq_len)
+            return StaticSetting(cp_size=layout.cp_size, recompute=layout.recompute)
+        sizes = (dynamic_cp_sizes if policy == "megatron-dynamic" else hybrid_cp_sizes)(D, limit)
+        return default_dynamic_setting(cost, max_seq_len, sizes)
+    except ValueError:
+        return None
 
 
 def format_sweep(result: SweepResult) -> str:

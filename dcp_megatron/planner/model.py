@@ -21,6 +21,10 @@ class ModelShape:
     num_experts: int | None = None        # 0 / None: a dense model
     moe_topk: int = 2                     # experts each token is routed to
     moe_ffn_hidden_size: int | None = None   # one expert's FFN width; None: ffn_hidden_size
+    # What the layers keep for backward (planner/activations.py): megatron-core's --transformer-impl and
+    # --sequence-parallel (norm inputs and outputs are split over tp only with it)
+    transformer_impl: str = "transformer_engine"   # or "local" (our CPU runs)
+    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -29,6 +33,9 @@ class ModelShape:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelShape.{name} must be a positive int, got {value!r}")
         self._check_moe()
+        if self.transformer_impl not in ("transformer_engine", "local"):
+            raise ValueError(f"ModelShape.transformer_impl must be 'transformer_engine' or 'local', "
+                             f"got {self.transformer_impl!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.num_heads % self.tp:

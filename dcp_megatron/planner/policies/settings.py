@@ -55,7 +55,7 @@ class DynamicSetting:
 
 def check_recompute_fits(cost, local_tokens: int, recompute: Recompute, what: str) -> None:
     """ValueError unless `recompute` is allowed and a micro-batch of `local_tokens` per rank fits with it."""
-    if recompute.kind not in cost.allowed_recompute:
+    if not cost.allows(recompute):
         raise ValueError(f"{what}: recompute {recompute} is not among the allowed {list(cost.allowed_recompute)}")
     if recompute.kind == "full" and recompute.full_layers > cost.layers_per_stage:
         raise ValueError(f"{what}: recompute {recompute} exceeds the stage's {cost.layers_per_stage} layers")

@@ -14,7 +14,7 @@ from dcp_megatron.planner.validate import validate
 from dcp_megatron.simulate import SimulationConfig, simulate
 from tests.planner_helpers import tiny_cost
 
-FULL3, FULL4 = Recompute("full", 3), Recompute("full", 4)
+FULL2, FULL3, FULL4 = Recompute("full", 2), Recompute("full", 3), Recompute("full", 4)
 
 
 def _recomputes(plan) -> set[str]:
@@ -55,8 +55,8 @@ def test_a_larger_cap_wins_by_one_microbatch_when_it_needs_no_recompute():
 
 
 def test_a_cap_that_needs_recompute_pays_it_on_every_microbatch_and_loses():
-    """Four 2,000-token documents on 2 ranks. Cap 2,410 without recompute: 2 micro-batches of one document per
-    rank. Cap 5,844 holds two per rank (4,000) in one micro-batch only with full recompute of all 4 layers, which
+    """Four 2,000-token documents on 2 ranks. Cap 2,529 without recompute: 2 micro-batches of one document per
+    rank. Cap 6,015 holds two per rank (4,000) in one micro-batch only with full recompute of all 4 layers, which
     adds 1/3 of the compute: far more than the one micro-batch overhead it saves. A cap whose recompute does
     not fit it cannot run."""
     cost = tiny_cost(2)
@@ -64,7 +64,7 @@ def test_a_cap_that_needs_recompute_pays_it_on_every_microbatch_and_loses():
     none_cap = DynamicSetting(token_cap=cost.max_local_tokens(NO_RECOMPUTE), recompute=NO_RECOMPUTE)
     full_cap = DynamicSetting(token_cap=cost.max_local_tokens(FULL4), recompute=FULL4)
     too_big = DynamicSetting(token_cap=cost.max_local_tokens(FULL4), recompute=NO_RECOMPUTE)
-    assert (none_cap.token_cap, full_cap.token_cap) == (2410, 5844)
+    assert (none_cap.token_cap, full_cap.token_cap) == (2529, 6015)
     result = sweep("megatron-dynamic", [batch], cost, max_seq_len=2000, grid=[full_cap, none_cap, too_big])
     assert result.winner == none_cap
     assert "cannot run" in result.points[2].note and "does not fit" in result.points[2].note
@@ -87,33 +87,33 @@ def test_the_run_wide_recompute_is_paid_by_light_microbatches_too():
 
 def test_the_default_cap_comes_from_memory_not_from_the_static_layout():
     """Untuned, megatron-dynamic's cap is the most tokens memory holds with the least recompute that holds the
-    run's longest sequence on the largest CP size (2): 3,000 tokens -> 1,500 per rank -> none, cap 2,410;
-    6,000 -> 3,000 per rank -> full 3 (cap 3,936). The static layout (CP 2, capacity 1,500 / 3,000) plays no part."""
+    run's longest sequence on the largest CP size (2): 3,000 tokens -> 1,500 per rank -> none, cap 2,529;
+    6,000 -> 3,000 per rank -> full 2 (cap 3,101). The static layout (CP 2, capacity 1,500 / 3,000) plays no part."""
     cost = tiny_cost(2)
-    assert default_dynamic_setting(cost, 3000, [1, 2]) == DynamicSetting(token_cap=2410, recompute=NO_RECOMPUTE)
-    assert default_dynamic_setting(cost, 6000, [1, 2]) == DynamicSetting(token_cap=3936, recompute=FULL3)
+    assert default_dynamic_setting(cost, 3000, [1, 2]) == DynamicSetting(token_cap=2529, recompute=NO_RECOMPUTE)
+    assert default_dynamic_setting(cost, 6000, [1, 2]) == DynamicSetting(token_cap=3101, recompute=FULL2)
     batch = [(0, 3000), (1, 1000), (2, 900)]
     plan = make_plan("megatron-dynamic", batch, cost, max_seq_len=3000)
     tuned = make_plan("megatron-dynamic", batch, cost, max_seq_len=3000, setting=DynamicSetting(
-        token_cap=2410, recompute=NO_RECOMPUTE))
+        token_cap=2529, recompute=NO_RECOMPUTE))
     assert plan.dumps() == tuned.dumps() and _recomputes(plan) == {"none"}
 
 
 def test_grids_hold_what_a_user_would_try():
     cost = tiny_cost(2)
-    # static, max_seq_len 4,000: CP 1 holds 4,000 per rank only with full 4; CP 2 holds 2,000 with none or selective
-    assert static_grid(cost, 4000) == [StaticSetting(cp_size=1, recompute=FULL4),
+    # static, max_seq_len 4,000: CP 1 holds 4,000 per rank only with full 3 or more; CP 2 holds 2,000 with none or selective
+    assert static_grid(cost, 4000) == [StaticSetting(cp_size=1, recompute=FULL3),
                                        StaticSetting(cp_size=2, recompute=NO_RECOMPUTE),
                                        StaticSetting(cp_size=2, recompute=SELECTIVE)]
-    # caps: 256 x 2^(k/2) rounded to 256 (..., 2,816, 4,096, 5,888), plus the most none (2,410), selective
-    # (2,537) and full 3, 4 (3,936, 5,844: full 3 is the fewest holding 3,000) hold, from the longest
-    # sequence's share of CP 2 (3,000) up to 5,844
-    assert token_caps(cost, 6000, 2) == [3936, 4096, 5844]
+    # caps: 256 x 2^(k/2) rounded to 256 (..., 2,816, 4,096, 5,888), plus the most none (2,529), selective
+    # (2,537) and full 2, 3, 4 (3,101, 4,092, 6,015: full 2 is the fewest holding 3,000) hold, from the longest
+    # sequence's share of CP 2 (3,000) up to 6,015
+    assert token_caps(cost, 6000, 2) == [3101, 4092, 4096, 5888, 6015]
     assert default_dynamic_setting(cost, 6000, [1, 2]) in grid_of("megatron-dynamic", cost, 6000)
     grid = dynamic_grid(cost, 6000)
     assert {s.min_cp_size for s in grid} == {1, 2}
-    assert DynamicSetting(token_cap=3936, recompute=FULL3) in grid      # the fewest full layers holding 3,936
-    assert DynamicSetting(token_cap=3936, recompute=FULL4) not in grid  # more layers: only slower
+    assert DynamicSetting(token_cap=4092, recompute=FULL3) in grid      # the fewest full layers holding 4,092
+    assert DynamicSetting(token_cap=4092, recompute=FULL4) not in grid  # more layers: only slower
     assert all(cost.memory_from_tokens(s.token_cap, s.recompute) <= cost.cluster.mem_budget_bytes for s in grid)
     with pytest.raises(ValueError, match="takes a DynamicSetting"):
         make_plan("megatron-dynamic", [(0, 10)], cost, max_seq_len=10, setting=StaticSetting(cp_size=1,

@@ -26,7 +26,7 @@ from itertools import combinations
 import numpy as np
 
 from dcp_megatron.planner.activations import freed_by_offload, freed_by_recompute, layer_tensors
-from dcp_megatron.planner.plan import RECOMPUTE_MODULE_NAMES, Recompute
+from dcp_megatron.planner.plan import NO_RECOMPUTE, RECOMPUTE_MODULE_NAMES, SELECTIVE, Recompute
 
 MENU_NAMES = ("none", "selective", "full") + tuple(m for m in RECOMPUTE_MODULE_NAMES if m != "shared_experts") \
     + ("offload",)
@@ -88,6 +88,8 @@ def light_reliefs(model, names: tuple[str, ...], *, can_offload: bool) -> list[R
     held = {r: held_bytes_per_layer(model, r, tensors) for r in options}
     keep = [b for b in options if not any(
         a != b and a.modules <= b.modules and a.offload <= b.offload and held[a] <= held[b] for a in options)]
+    # the module singletons for none and core attention: callers test `is NO_RECOMPUTE`
+    keep = [NO_RECOMPUTE if r == NO_RECOMPUTE else SELECTIVE if r == SELECTIVE else r for r in keep]
     return sorted(keep, key=lambda r: (-held[r], len(r.modules) + len(r.offload)))
 
 

@@ -39,7 +39,8 @@ from typing import Iterable, Sequence
 
 from dcp_megatron.planner.batcher import OVERLONG_MODES, GlobalBatch, GlobalBatcher
 from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost_profile import RECOMPUTE_KINDS, check_allowed_recompute
+from dcp_megatron.planner.cost_profile import check_allowed_recompute
+from dcp_megatron.planner.relief import MENU_NAMES
 from dcp_megatron.planner.distributions import iter_builtin_lengths, read_lengths
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import StepPlan
@@ -70,7 +71,7 @@ class SimulationConfig:
     max_seq_len: int | None = None    # None: see the module docstring
     overlong: str = "error"
     profile: str | None = None        # cost-model profile JSON
-    recompute: tuple[str, ...] = RECOMPUTE_KINDS   # the kinds every policy may use (--dcp-recompute's choice)
+    recompute: tuple[str, ...] = MENU_NAMES   # the reliefs every policy may use (--dcp-recompute's menu, relief.py)
     tune_baselines: bool = True       # sweep each baseline's run-wide setting over the run's batches
 
     def __post_init__(self) -> None:

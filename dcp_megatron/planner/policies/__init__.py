@@ -19,6 +19,7 @@ from dcp_megatron.planner.policies.cp_flavour import choose_cp_attention
 from dcp_megatron.planner.policies.dcp import plan_dcp
 from dcp_megatron.planner.policies.hybrid import plan_megatron_hybrid
 from dcp_megatron.planner.policies.megatron_dynamic import plan_megatron_dynamic
+from dcp_megatron.planner.policies.relief_pass import with_own_reliefs
 from dcp_megatron.planner.policies.settings import DynamicSetting, StaticSetting
 from dcp_megatron.planner.policies.static import plan_static, plan_static_balanced, static_packing
 from dcp_megatron.planner.timeline import plan_makespan
@@ -74,7 +75,10 @@ def make_plan(policy: str, batch: Sequence[tuple[int, int]], cost, *, max_seq_le
                         must_beat=best.est_step_time_s)
         if waves is None:
             continue
-        other = _finish("dcp", waves, cost, bound, extra={"fallback": name})
+        # seeded with the baseline's layout, each micro-batch with its own cheapest relief (relief_pass.py):
+        # dcp's plan when a relief changed, the baseline's (a fallback) when nothing did
+        own, changed = with_own_reliefs(waves, cost)
+        other = _finish("dcp", own, cost, bound, extra={"seeded_from": name} if changed else {"fallback": name})
         if other.est_step_time_s < best.est_step_time_s:
             best = other
     return best

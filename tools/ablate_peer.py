@@ -10,7 +10,11 @@ On the simulator's batches (H200 preset, --tokens-per-step per step), per domain
   md-tuned     megatron-dynamic tuned: (token cap, smallest CP size, recompute) swept over the same batches
                (planner/baseline_sweep.py; the winner is printed)
   dcp-norc     dcp planning without any recompute (CP sizes must then hold every micro-batch)
-  dcp          ours, untuned (per-micro-batch CP size and recompute, any group size, memory-aware)
+  md-old       megatron-dynamic tuned on the old menu (none, core-attention recompute, full k: no MLP recompute)
+  dcp-old      dcp on the old menu: per-micro-batch relief without module recompute or offload
+  dcp-runwide  dcp with md-tuned's run-wide relief as its only relief besides full layers (module relief per
+               micro-batch vs run-wide)
+  dcp          ours, untuned (per-micro-batch CP size and relief from the whole menu, any group size)
 Modelled, not measured. Each column is a speed-up over the tuned static (higher is better); the last column is
 dcp over the tuned megatron-dynamic.
 """
@@ -25,11 +29,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dcp_megatron.planner.baseline_sweep import sweep  # noqa: E402
 from dcp_megatron.planner.cluster import cluster_preset  # noqa: E402
 from dcp_megatron.planner.cost import CostModel  # noqa: E402
+from dcp_megatron.planner.relief import MENU_NAMES  # noqa: E402
 from dcp_megatron.planner.model import model_preset  # noqa: E402
 from dcp_megatron.planner.policies import make_plan  # noqa: E402
 from dcp_megatron.simulate import SimulationConfig, cut_batches  # noqa: E402
 
-COLUMNS = ("static", "md", "md-tuned", "dcp-norc", "dcp")
+COLUMNS = ("static", "md", "md-old", "md-tuned", "dcp-norc", "dcp-old", "dcp-runwide", "dcp")
+LEGACY = ("none", "selective", "full")
 
 
 def mean_steps(batches, cost, max_seq_len: int) -> tuple[dict[str, float], dict[str, str]]:
@@ -37,7 +43,13 @@ def mean_steps(batches, cost, max_seq_len: int) -> tuple[dict[str, float], dict[
     tuned = {name: sweep(name, seqs, cost, max_seq_len=max_seq_len) for name in ("static", "megatron-dynamic")}
     out = {"static": tuned["static"].winner_mean_step_s, "md-tuned": tuned["megatron-dynamic"].winner_mean_step_s}
     no_recompute = CostModel(cost.model, cost.cluster, allowed_recompute=("none",))
-    for name, policy, model in (("md", "megatron-dynamic", cost), ("dcp", "dcp", cost), ("dcp-norc", "dcp", no_recompute)):
+    old = CostModel(cost.model, cost.cluster, allowed_recompute=LEGACY)
+    out["md-old"] = sweep("megatron-dynamic", seqs, old, max_seq_len=max_seq_len).winner_mean_step_s
+    winner = tuned["megatron-dynamic"].winner.recompute
+    runwide = CostModel(cost.model, cost.cluster, allowed_recompute=tuple(
+        {"none", "full"} | set(winner.modules) | ({"offload"} if winner.offload else set())))
+    for name, policy, model in (("md", "megatron-dynamic", cost), ("dcp", "dcp", cost), ("dcp-norc", "dcp", no_recompute),
+                                ("dcp-old", "dcp", old), ("dcp-runwide", "dcp", runwide)):
         try:
             out[name] = sum(make_plan(policy, s, model, max_seq_len=max_seq_len).est_step_time_s for s in seqs) / len(seqs)
         except ValueError:           # a document fits no group without recompute
@@ -62,7 +74,8 @@ def main(argv=None) -> int:
             config = SimulationConfig(lengths=lengths, gpus=domain * args.tp, steps=args.steps, model=args.model,
                                       tp=args.tp, tokens_per_step=args.tokens_per_step)
             cost = CostModel(model_preset(config.model, tp=args.tp),
-                             cluster_preset(config.cluster, domain_size=domain, gpus_per_node=config.domain_ranks_per_node))
+                             cluster_preset(config.cluster, domain_size=domain, gpus_per_node=config.domain_ranks_per_node),
+                             allowed_recompute=MENU_NAMES)
             batches, max_seq_len = cut_batches(config)
             means, settings = mean_steps(batches, cost, max_seq_len)
             cells = " | ".join(f"{means['static'] / means[c]:.2f}x" for c in COLUMNS)

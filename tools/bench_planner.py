@@ -47,8 +47,8 @@ def main(argv=None) -> int:
     if args.batches < 2:
         parser.error(f"--batches must be at least 2 (planning ahead needs a next step), got {args.batches}")
 
-    from dcp_megatron.planner.relief import MENU_NAMES  # noqa: E402
-from dcp_megatron.planner.cost import CostModel
+    from dcp_megatron.planner.cost import CostModel
+    from dcp_megatron.planner.relief import MENU_NAMES
     from dcp_megatron.planner.policies import make_plan
 
     cost = CostModel(model_preset(args.model), cluster_preset(args.cluster, domain_size=args.gpus),

@@ -77,8 +77,8 @@ def measure_workload(name: str, cost, tokens_per_step: int, steps: int, seed: in
 def measure_milp(args) -> list[dict]:
     from dcp_megatron.planner.bounds import lower_bound
     from dcp_megatron.planner.cluster import cluster_preset
-    from dcp_megatron.planner.relief import MENU_NAMES  # noqa: E402
-from dcp_megatron.planner.cost import CostModel
+    from dcp_megatron.planner.cost import CostModel
+    from dcp_megatron.planner.relief import MENU_NAMES
     from dcp_megatron.planner.milp_reference import solve_family
     from dcp_megatron.planner.model import model_preset
     from dcp_megatron.planner.policies import make_plan
@@ -130,6 +130,7 @@ def main(argv=None) -> int:
     from dcp_megatron.planner.cluster import cluster_preset
     from dcp_megatron.planner.cost import CostModel
     from dcp_megatron.planner.model import model_preset
+    from dcp_megatron.planner.relief import MENU_NAMES
 
     cost = CostModel(model_preset(args.model), cluster_preset(args.cluster, domain_size=args.gpus),
                      allowed_recompute=MENU_NAMES)   # the whole relief menu (relief.py)

@@ -390,8 +390,10 @@ class CostModel:
 
     def choose_recompute(self, local_tokens: float, compute_s: float, attn_s: float,
                          cp_size: int) -> Recompute | None:
-        """`best_recompute_from_sums` with a shortcut for the common case: none when it fits."""
-        if self.base_recompute is NO_RECOMPUTE and local_tokens <= self.max_local_tokens(NO_RECOMPUTE):
+        """`best_recompute_from_sums` with a shortcut for the common case: none when it fits (the fastest, unless
+        measured corrections (`time_scale`) make another relief faster)."""
+        if (self.base_recompute is NO_RECOMPUTE and not self.time_scale
+                and local_tokens <= self.max_local_tokens(NO_RECOMPUTE)):
             return NO_RECOMPUTE
         return self.best_recompute_from_sums(local_tokens, compute_s, attn_s, cp_size)
 

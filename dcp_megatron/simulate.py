@@ -20,6 +20,12 @@ model charges the all-to-alls.
 run) defaults to the longest document among those the run's `--steps` batches contain,
 capped at `--tokens-per-step`: the cap a user who tuned the static layout for this data
 would pick, and the most favourable one for the static baselines.
+
+Baselines are tuned as their users tune them (`dcp_megatron.planner.baseline_sweep`): before the
+run is scored, each selected baseline with run-wide knobs (static's CP size and recompute,
+megatron-dynamic's per-rank token cap, smallest CP size and recompute, megatron-hybrid's cap and
+recompute) gets the single setting with the lowest mean step over the run's batches; the grid and
+the winner are printed. `--no-tune` plans them at their defaults instead. `dcp` is never tuned.
 """
 from __future__ import annotations
 
@@ -35,7 +41,8 @@ from typing import Iterable, Sequence
 
 from dcp_megatron.planner.batcher import OVERLONG_MODES, GlobalBatch, GlobalBatcher
 from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost_profile import RECOMPUTE_KINDS, check_allowed_recompute
+from dcp_megatron.planner.cost_profile import check_allowed_recompute
+from dcp_megatron.planner.relief import MENU_NAMES
 from dcp_megatron.planner.distributions import iter_builtin_lengths, read_lengths
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import StepPlan
@@ -66,7 +73,8 @@ class SimulationConfig:
     max_seq_len: int | None = None    # None: see the module docstring
     overlong: str = "error"
     profile: str | None = None        # cost-model profile JSON
-    recompute: tuple[str, ...] = RECOMPUTE_KINDS   # the kinds every policy may use (--dcp-recompute's choice)
+    recompute: tuple[str, ...] = MENU_NAMES   # the reliefs every policy may use (--dcp-recompute's menu, relief.py)
+    tune_baselines: bool = True       # sweep each baseline's run-wide setting over the run's batches
     zero_stage: int | None = None     # None: ZeRO-1 (the distributed optimizer); 3: lockstep, weight gathers
 
     def __post_init__(self) -> None:
@@ -101,6 +109,8 @@ class SimulationConfig:
             raise ValueError("--lengths is empty; give a file or builtin:NAME")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if not isinstance(self.tune_baselines, bool):
+            raise ValueError(f"tune_baselines must be a bool, got {self.tune_baselines!r}")
 
     @property
     def domain_size(self) -> int:
@@ -117,12 +127,14 @@ class SimulationResult:
     max_seq_len: int
     batches: list[GlobalBatch]
     runs: dict[str, PolicyRun]
+    sweeps: dict = dataclasses.field(default_factory=dict)   # baseline -> SweepResult (tuned runs)
 
     def to_json(self) -> dict:
         config = dataclasses.asdict(self.config)
         config.update(policies=list(self.config.policies), domain_size=self.config.domain_size,
                       max_seq_len=self.max_seq_len, num_batches=len(self.batches))
-        return {"config": config, "policies": summarize(self.runs)}
+        return {"config": config, "policies": summarize(self.runs),
+                "settings": {name: result.to_json() for name, result in self.sweeps.items()}}
 
 
 def documents(lengths: str, seed: int) -> Iterable[tuple[int, int]]:
@@ -182,13 +194,22 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
         print(f"dcp-simulate: note: the data holds only {len(batches)} of the {config.steps} steps asked for",
               file=sys.stderr)
     runs = {name: PolicyRun(name=name, mem_bytes_per_gpu=cluster.mem_bytes_per_gpu) for name in config.policies}
+    sweeps = {}
+    if config.tune_baselines:
+        from dcp_megatron.planner.baseline_sweep import SWEPT_POLICIES, sweep
+        for name in (p for p in config.policies if p in SWEPT_POLICIES):
+            try:
+                sweeps[name] = sweep(name, [b.sequences for b in batches], cost, max_seq_len=max_seq_len)
+            except ValueError as err:
+                raise PolicyFailure(f"tuning policy {name!r} failed: {err}") from err
     kept: dict[str, StepPlan] = {}
     for batch in batches:
         bound = lower_bound(batch.sequences, cost)
         for name in config.policies:
             started = time.perf_counter()
             try:
-                plan = make_plan(name, batch.sequences, cost, max_seq_len=max_seq_len)
+                plan = make_plan(name, batch.sequences, cost, max_seq_len=max_seq_len,
+                                 setting=sweeps[name].winner if name in sweeps else None)
             except ValueError as err:
                 raise PolicyFailure(f"policy {name!r} failed on step {batch.step}: {err}") from err
             plan_s = time.perf_counter() - started
@@ -205,7 +226,7 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
                                 num_tokens=batch.num_tokens, plan_s=plan_s, plan=scored)
             if batch.step == keep_step:
                 kept[name] = dataclasses.replace(scored, est_step_time_s=plan_makespan(scored), lower_bound_s=bound)
-    return SimulationResult(config=config, max_seq_len=max_seq_len, batches=batches, runs=runs), kept
+    return SimulationResult(config=config, max_seq_len=max_seq_len, batches=batches, runs=runs, sweeps=sweeps), kept
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3),
                    help="ZeRO stage over the domain (default: 1, the distributed optimizer); 3 shards the weights: "
                    "every policy plans in lockstep and pays the per-micro-batch weight gathers")
+    p.add_argument("--no-tune", action="store_true",
+                   help="plan the baselines at their default settings instead of sweeping each one's run-wide "
+                   "setting over the run's batches (dcp_megatron/planner/baseline_sweep.py)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the metrics as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="draw one step's per-rank timelines")
     p.add_argument("--plot-step", type=int, default=0, help="which step --plot draws")
@@ -249,7 +273,7 @@ def config_from_args(args: argparse.Namespace) -> SimulationConfig:
                             gpus_per_node=args.gpus_per_node, tp=args.tp, pp=args.pp, ep=args.ep,
                             tokens_per_step=args.tokens_per_step, steps=args.steps, policies=policies,
                             seed=args.seed, max_seq_len=args.max_seq_len, overlong=args.overlong,
-                            profile=args.profile, zero_stage=args.zero_stage,
+                            profile=args.profile, zero_stage=args.zero_stage, tune_baselines=not args.no_tune,
                             recompute=tuple(k.strip() for k in args.recompute.split(",") if k.strip()))
 
 
@@ -267,6 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dcp-simulate: error: {err}", file=sys.stderr)
         return 1
     report = result.to_json()
+    from dcp_megatron.planner.baseline_sweep import format_sweep
+    for sweep_result in result.sweeps.values():
+        print(format_sweep(sweep_result))
     print(f"{config.lengths}: {len(result.batches)} steps of <= {config.tokens_per_step} tokens, "
           f"max_seq_len={result.max_seq_len}, {config.model} on {config.gpus}x{config.cluster} "
           f"(tp={config.tp} pp={config.pp} ep={config.ep}, domain {config.domain_size}"

@@ -48,9 +48,11 @@ def main(argv=None) -> int:
         parser.error(f"--batches must be at least 2 (planning ahead needs a next step), got {args.batches}")
 
     from dcp_megatron.planner.cost import CostModel
+    from dcp_megatron.planner.relief import MENU_NAMES
     from dcp_megatron.planner.policies import make_plan
 
-    cost = CostModel(model_preset(args.model), cluster_preset(args.cluster, domain_size=args.gpus))
+    cost = CostModel(model_preset(args.model), cluster_preset(args.cluster, domain_size=args.gpus),
+                     allowed_recompute=MENU_NAMES)   # the whole relief menu (relief.py)
     batcher = GlobalBatcher(tokens_per_step=args.tokens_per_step, max_seq_len=args.tokens_per_step, overlong="split")
     docs = enumerate(iter_builtin_lengths(args.distribution, args.seed))
     batches = list(itertools.islice(batcher.batches(docs), args.batches))

@@ -78,11 +78,13 @@ def measure_milp(args) -> list[dict]:
     from dcp_megatron.planner.bounds import lower_bound
     from dcp_megatron.planner.cluster import cluster_preset
     from dcp_megatron.planner.cost import CostModel
+    from dcp_megatron.planner.relief import MENU_NAMES
     from dcp_megatron.planner.milp_reference import solve_family
     from dcp_megatron.planner.model import model_preset
     from dcp_megatron.planner.policies import make_plan
 
-    cost = CostModel(model_preset(args.model), cluster_preset(args.cluster, domain_size=args.milp_gpus))
+    cost = CostModel(model_preset(args.model), cluster_preset(args.cluster, domain_size=args.milp_gpus),
+                     allowed_recompute=MENU_NAMES)
     rows = []
     for batch in batches_of("bytescale", args.tokens_per_step, args.milp_instances, args.seed):
         scaled = [(sid, max(1, int(round(length * args.milp_scale)))) for sid, length in batch.sequences]
@@ -128,8 +130,10 @@ def main(argv=None) -> int:
     from dcp_megatron.planner.cluster import cluster_preset
     from dcp_megatron.planner.cost import CostModel
     from dcp_megatron.planner.model import model_preset
+    from dcp_megatron.planner.relief import MENU_NAMES
 
-    cost = CostModel(model_preset(args.model), cluster_preset(args.cluster, domain_size=args.gpus))
+    cost = CostModel(model_preset(args.model), cluster_preset(args.cluster, domain_size=args.gpus),
+                     allowed_recompute=MENU_NAMES)   # the whole relief menu (relief.py)
     report = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "workloads": {}, "milp": None}
     print(f"dcp / lower bound, {args.model} on {args.gpus} {args.cluster}, {args.tokens_per_step} tokens per step")
     print("  (fam_p95: dcp / the best any plan on aligned power-of-two groups with one long document per")

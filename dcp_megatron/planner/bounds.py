@@ -36,7 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE
+from dcp_megatron.planner.plan import Recompute
 from dcp_megatron.planner.policies.common import candidate_sizes, check_batch, check_static_memory, divisor_sizes
 
 # a bound must never exceed a real plan: judge "fits" with a hair of slack against float rounding
@@ -182,10 +182,13 @@ def least_recompute_extra(local: np.ndarray, compute: np.ndarray, attn: np.ndarr
     recompute policies whose memory fits `local` tokens per rank; inf where none fits."""
     room = (cost.cluster.mem_budget_bytes - cost.static_bytes) * FIT_SLACK
     best = np.full(np.shape(local), math.inf)
-    for option in (NO_RECOMPUTE, SELECTIVE):
-        if option.kind in cost.allowed_recompute:
-            extra, _ = cost.recompute_extra(compute, attn, option)
-            best = np.where(local * cost.bytes_per_local_token(option) <= room, np.minimum(best, extra), best)
+    for option in cost.recompute_options():
+        if option.kind == "full":
+            continue
+        # offload's exposed PCIe time shrinks as compute grows: counted as 0 here, so the floor stays one
+        modules_only = Recompute(option.kind, modules=option.modules)
+        extra, _ = cost.recompute_extra(compute, attn, modules_only, local)
+        best = np.where(local * cost.bytes_per_local_token(option) <= room, np.minimum(best, extra), best)
     if "full" in cost.allowed_recompute:
         # memory falls as the number k of recomputed layers grows, the extra rises with k: the fewest that fit
         options = cost.full_recompute_options()

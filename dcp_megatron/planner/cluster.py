@@ -40,6 +40,7 @@ class ClusterSpec:
     recompute_cost_factor: float = 1.0
     fp8_gemm_flops: float = 0.0            # achieved FP8 GEMM rate; 0: none known (FP8 runs are charged gemm_flops)
     communicator_bytes: int = 0            # device memory one NCCL communicator holds (gpu_costs.py)
+    host_link_bw: float = 0.0              # bytes/s per GPU to host memory, one way; 0: no activation offload
 
     def __post_init__(self) -> None:
         if not isinstance(self.domain_size, int) or self.domain_size <= 0:
@@ -66,6 +67,8 @@ class ClusterSpec:
         if self.fp8_gemm_flops < 0 or self.communicator_bytes < 0:
             raise ValueError(f"ClusterSpec.fp8_gemm_flops and communicator_bytes must be >= 0, got "
                              f"{self.fp8_gemm_flops}, {self.communicator_bytes}")
+        if self.host_link_bw < 0:
+            raise ValueError(f"ClusterSpec.host_link_bw must be >= 0, got {self.host_link_bw}")
         if self.max_cp_size < 0:
             raise ValueError(f"ClusterSpec.max_cp_size must be >= 0, got {self.max_cp_size}")
 
@@ -120,6 +123,9 @@ def _h200(domain_size: int = 8) -> ClusterSpec:
         # Estimate, not measured: NCCL_BUFFSIZE 4 MiB x (send + receive) x up to 16 p2p channels to the
         # ring's two neighbours = 128 MiB per CP communicator (NVLS buffers are not set up for p2p-only use).
         communicator_bytes=128 * 2 ** 20,
+        # PCIe Gen5 x16 to the host: 64 GB/s a direction datasheet, ~50 GB/s achieved (estimate, not measured
+        # here); what fine-grained activation offloading moves (planner/relief.py)
+        host_link_bw=50e9,
     )
 
 

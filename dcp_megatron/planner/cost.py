@@ -18,11 +18,13 @@ memory per rank = static (bf16 weights 2 B + fp32 grads 4 B per parameter, Adam 
 two moments 12 B sharded over the domain with the distributed optimizer; all /(tp·pp); an MoE's experts
 /(tp·pp·ep), their optimizer states sharded over the domain / ep, their expert-data-parallel ranks;
 ZeRO-2 / ZeRO-3 shard gradients / weights too, and ZeRO-3 gathers weights per micro-batch: param_sharding.py)
-+ activations per token per layer: 34·h/tp bytes (flash attention: no s² term; sequence
-parallel divides by tp); selective recompute drops the attention output (32·h); full recompute
-of k layers keeps 2·h for those layers plus one layer's working set (34·h) while recomputing
++ activations per token per layer: what megatron-core 0.19.2 keeps per tensor (activations.py: SwiGLU,
+GQA, MoE, TP/SP, TE vs local spec); a micro-batch's relief (relief.py: recompute modules, offload, or full
+recompute of k layers, which keeps the layer input plus one layer's working set while recomputing) frees
+some of it
 + under FP8 / with NCCL communicators: gpu_costs.py (FP8 weight copies, per-communicator buffers)
-+ fp32 logits of vocab/tp per token on the last stage. Activations and logits are per local
++ the output layer at the cross-entropy peak on the last stage: bf16 logits (2 B) and their fp32 upcast
+(4 B) of vocab/tp per token, both alive (docs/cost_model.md, "The output layer"). Activations and logits are per local
 token (padded tokens / c). With PP, stage 0 holds pp micro-batches in flight (1F1B); the
 bound used is max(pp·activations, activations + logits).
 
@@ -43,7 +45,7 @@ estimate: interpolated log-log in length among the rows of the largest listed cp
 scaled by cp_row/c, extrapolated as L² beyond the table. `activation_bytes_per_hidden` (measured
 bytes saved for backward per local token per layer per hidden/tp unit, by recompute kind; "full" is a
 recomputed layer's) replaces the 34 / 32 / 2 above, `output_bytes_per_vocab` (per local token per
-vocab/tp unit, outside the layers) the fp32 logits' 4.
+vocab/tp unit, outside the layers) the output layer's 6.
 """
 from __future__ import annotations
 
@@ -58,14 +60,15 @@ from dcp_megatron.planner.cost_profile import (PROFILE_SCALARS, RECOMPUTE_KINDS,
                                                check_cp_attention, check_profile, load_profile)
 from dcp_megatron.planner.gpu_costs import GpuCosts
 from dcp_megatron.planner.model import ModelShape
-from dcp_megatron.planner.moe_cost import MoeComm, moe_activation_factors
+from dcp_megatron.planner.activations import full_layer_bytes, layer_tensors
+from dcp_megatron.planner.moe_cost import MoeComm
 from dcp_megatron.planner.param_sharding import ParamGathers, static_state_bytes
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
+from dcp_megatron.planner.relief import ReliefCosts, allows, held_bytes_per_layer, light_reliefs, menu_names
 
-ACT_BYTES_PER_TOKEN_LAYER = 34      # × hidden, bf16, Korthikanti et al. without the s² term
-SELECTIVE_BYTES_PER_TOKEN_LAYER = 32  # the attention output is recomputed
-FULL_BYTES_PER_TOKEN_LAYER = 2      # the layer input only
 CP_PASSES = 3                       # K/V gather forward, again in backward, dK/dV reduce-scatter
+# bf16 logits + the fp32 copy vocab_parallel_cross_entropy makes of them (alive together), per vocab/tp unit
+OUTPUT_BYTES_PER_VOCAB = 2 + 4
 
 
 class CostModel:
@@ -79,7 +82,7 @@ class CostModel:
         if not isinstance(cluster, ClusterSpec):
             raise ValueError(f"CostModel needs a ClusterSpec, got {type(cluster).__name__}")
         # the recompute kinds every choice below is restricted to (validate checks plans against it)
-        self.allowed_recompute: tuple[str, ...] = check_allowed_recompute(allowed_recompute)
+        self.allowed_recompute: tuple[str, ...] = menu_names(allowed_recompute)
         # the CP attention flavours plans may use: "allgather" (K/V all-gather, overlapped) and "ulysses"
         self.cp_attention: tuple[str, ...] = check_cp_attention(cp_attention)
         self.prefer_ulysses = tuple(cp_attention) == ("ulysses",) or cp_attention == "ulysses"
@@ -122,13 +125,10 @@ class CostModel:
         self._heads_per_rank = max(m.num_heads // m.tp, 1)
         self._kv_heads_per_rank = max(m.num_kv_heads // m.tp, 1)
         self._kv_bytes_per_token = 2 * kv_heads_per_rank * m.head_dim * 2 * self.layers_per_stage
-        h_per_rank = m.hidden_size / m.tp
-        self._act_per_token_layer = h_per_rank       # × bytes-per-token-layer factor
-        self._act_factors = moe_activation_factors(m, {
-            "none": ACT_BYTES_PER_TOKEN_LAYER, "selective": SELECTIVE_BYTES_PER_TOKEN_LAYER,
-            "full": FULL_BYTES_PER_TOKEN_LAYER})
-        self._act_factors.update((profile or {}).get("activation_bytes_per_hidden", {}))
-        self._logit_bytes_per_token = (profile or {}).get("output_bytes_per_vocab", 4.0) * m.vocab_size / m.tp
+        self._relief_costs = ReliefCosts(m, cluster, self.moe, self.layers_per_stage)
+        light = light_reliefs(m, self.allowed_recompute, can_offload=cluster.host_link_bw > 0)
+        self._init_layer_bytes(m, light, (profile or {}).get("activation_bytes_per_hidden", {}))
+        self._logit_bytes_per_token = (profile or {}).get("output_bytes_per_vocab", OUTPUT_BYTES_PER_VOCAB) * m.vocab_size / m.tp
         self._latency_per_mb = cluster.collective_latency_s * self.layers_per_stage * CP_PASSES
         # weights, gradients, optimizer states as the ZeRO stage shards them; stage 3's weight gathers
         self.static_bytes = static_state_bytes(m, cluster) + gpu.static_bytes(m, cluster)
@@ -136,7 +136,7 @@ class CostModel:
         self._none_bytes_per_token = self._bytes_per_local_token(NO_RECOMPUTE)
         self._full_options = [Recompute("full", k) for k in range(1, self.layers_per_stage + 1)]
         allowed = self.allowed_recompute
-        self._light_options = [r for r in (NO_RECOMPUTE, SELECTIVE) if r.kind in allowed]
+        self._light_options = light
         self._options = self._light_options + (self._full_options if "full" in allowed else [])
         # base: what a micro-batch gets when memory is no issue (none when allowed: the fastest);
         # strongest: the one holding the most tokens (the last option: memory falls along the list)
@@ -145,6 +145,24 @@ class CostModel:
         self._full_bytes_per_token = np.array([self.bytes_per_local_token(r) for r in self._full_options])
         self._none_max_local = None
         self._none_max_local = self.max_local_tokens(NO_RECOMPUTE)
+
+    def _init_layer_bytes(self, m, light, measured: dict) -> None:
+        """Bytes per local token one layer keeps, per light relief and fully recomputed (activations.py); a
+        profile's measured factors (per hidden/tp unit) scale the table to its "none", and replace core-attention
+        recompute's ("selective") and a recomputed layer's ("full")."""
+        unit = m.hidden_size / m.tp
+        tensors = layer_tensors(m)
+        none = float(sum(tensors.values()))
+        scale = measured["none"] * unit / none if "none" in measured else 1.0
+        self._layer_bytes = {r: held_bytes_per_layer(m, r, tensors) * scale for r in set(light) | {NO_RECOMPUTE}}
+        if "selective" in measured:
+            self._layer_bytes[SELECTIVE] = measured["selective"] * unit
+        self._layer_bytes_none = self._layer_bytes[NO_RECOMPUTE]
+        self._layer_bytes_full = measured["full"] * unit if "full" in measured else full_layer_bytes(m)
+
+    def allows(self, recompute: Recompute) -> bool:
+        """Whether plans may use this relief (the menu `allowed_recompute` names; validate checks plans)."""
+        return allows(self.allowed_recompute, recompute) and (recompute.kind == "full" or recompute in self._layer_bytes)
 
     def with_time_scale(self, time_scale: dict) -> "CostModel":
         """The same cost model with micro-batch times scaled per (cp size, recompute kind)."""
@@ -240,7 +258,7 @@ class CostModel:
         return self._attn_flops_per_len2 * lp * lp / (rate * cp_size)
 
     # ---- from sums over a micro-batch's documents ----------------------------------------
-    def recompute_extra(self, compute_s, attn_s, recompute: Recompute):
+    def recompute_extra(self, compute_s, attn_s, recompute: Recompute, local_tokens=0.0):
         """(added compute seconds, K/V communication passes) of a recompute policy; scalars or arrays.
 
         Full recompute of k of n layers reruns k/n of the forward (1/3 of fwd+bwd) and its CP
@@ -248,9 +266,10 @@ class CostModel:
         if recompute.kind == "full":
             frac = recompute.full_layers / self.layers_per_stage
             return self.full_recompute_seconds(compute_s, recompute.full_layers), CP_PASSES + frac
-        if recompute.kind == "selective":
-            return attn_s / 3.0 * self.cluster.recompute_cost_factor, CP_PASSES + 1
-        return 0.0, CP_PASSES
+        if recompute is NO_RECOMPUTE:
+            return 0.0, CP_PASSES
+        return (self._relief_costs.extra_seconds(local_tokens, compute_s, attn_s, recompute),
+                CP_PASSES + ("core_attn" in recompute.modules))   # recomputed core attention re-gathers K/V
 
     def full_recompute_seconds(self, compute_s, full_layers):
         """Added seconds of full recompute of `full_layers` layers; either argument may be an array."""
@@ -260,7 +279,7 @@ class CostModel:
                        first_rank: int, recompute: Recompute) -> float:
         if local_tokens <= 0:
             return self.cluster.microbatch_overhead_s
-        extra, passes = self.recompute_extra(compute_s, attn_s, recompute)
+        extra, passes = self.recompute_extra(compute_s, attn_s, recompute, local_tokens)
         t = (self.cluster.microbatch_overhead_s + compute_s + extra
              + self.moe.seconds(local_tokens, recompute.full_layers))
         if self.param_gathers.active:
@@ -277,7 +296,7 @@ class CostModel:
     def times_from_sums(self, local_tokens: np.ndarray, compute_s: np.ndarray, attn_s: np.ndarray,
                         cp_sizes, first_ranks: np.ndarray, recompute: Recompute) -> np.ndarray:
         """`time_from_sums` of many micro-batches at once (the same floats); cp_sizes int or array."""
-        extra, passes = self.recompute_extra(compute_s, attn_s, recompute)
+        extra, passes = self.recompute_extra(compute_s, attn_s, recompute, local_tokens)
         t = (self.cluster.microbatch_overhead_s + compute_s + extra
              + self.moe.seconds(local_tokens, recompute.full_layers))
         if self.param_gathers.active:
@@ -326,22 +345,25 @@ class CostModel:
         return cached
 
     def _held_per_layer(self, recompute: Recompute) -> float:
-        """Bytes per local token per hidden/tp unit the layers hold for backward (sum over the stage's layers)."""
-        n, f = self.layers_per_stage, self._act_factors
+        """Bytes per local token the stage's layers hold for backward with this relief."""
+        n = self.layers_per_stage
         if recompute.kind == "full":
             k = recompute.full_layers
-            return (n - k) * f["none"] + k * f["full"]
-        return n * f["selective" if recompute.kind == "selective" else "none"]
+            return (n - k) * self._layer_bytes_none + k * self._layer_bytes_full
+        held = self._layer_bytes.get(recompute)
+        if held is None:     # a relief off this model's menu (validate refuses it): counted as none
+            held = self._layer_bytes_none
+        return n * held
 
     def held_bytes_per_local_token(self, recompute: Recompute) -> float:
         """Bytes per local token saved for backward during one stage's forward (no pipelining): what the
         profiler measures; the peak adds the recomputed layer's working set (`bytes_per_local_token`)."""
-        return self._held_per_layer(recompute) * self._act_per_token_layer + self._logit_bytes_per_token
+        return self._held_per_layer(recompute) + self._logit_bytes_per_token
 
     def _bytes_per_local_token(self, recompute: Recompute) -> float:
         # full recompute: one layer's working set (a non-recomputed layer's activations) while it reruns
-        working = self._act_factors["none"] if recompute.kind == "full" else 0.0
-        act = (self._held_per_layer(recompute) + working) * self._act_per_token_layer
+        working = self._layer_bytes_none if recompute.kind == "full" else 0.0
+        act = self._held_per_layer(recompute) + working
         return max(self.model.pp * act, act + self._logit_bytes_per_token)
 
     def memory_from_tokens(self, local_tokens: float, recompute: Recompute) -> int:
@@ -366,19 +388,22 @@ class CostModel:
         return self._full_bytes_per_token
 
     def recompute_options(self) -> list[Recompute]:
-        """The allowed of none, selective, full 1..n: memory falls (not strictly) along the list."""
+        """The allowed reliefs: the light ones (none, recompute modules, offload; relief.py) most bytes kept first,
+        then full 1..n (memory falls along those)."""
         return list(self._options)
 
     def choose_recompute(self, local_tokens: float, compute_s: float, attn_s: float,
                          cp_size: int) -> Recompute | None:
-        """`best_recompute_from_sums` with a shortcut for the common case: none when it fits."""
-        if self.base_recompute is NO_RECOMPUTE and local_tokens <= self.max_local_tokens(NO_RECOMPUTE):
+        """`best_recompute_from_sums` with a shortcut for the common case: none when it fits (the fastest, unless
+        measured corrections (`time_scale`) make another relief faster)."""
+        if (self.base_recompute is NO_RECOMPUTE and not self.time_scale
+                and local_tokens <= self.max_local_tokens(NO_RECOMPUTE)):
             return NO_RECOMPUTE
         return self.best_recompute_from_sums(local_tokens, compute_s, attn_s, cp_size)
 
     def best_recompute_from_sums(self, local_tokens: float, compute_s: float, attn_s: float,
                                  cp_size: int) -> Recompute | None:
-        """Fastest allowed recompute that fits: none, selective or the fewest full layers that fit."""
+        """Fastest allowed relief that fits: a light one (relief.py's menu) or the fewest full layers that fit."""
         room = self.cluster.mem_budget_bytes - self.static_bytes
         fitting = [r for r in self._light_options if local_tokens * self.bytes_per_local_token(r) <= room]
         if "full" in self.allowed_recompute and (not fitting or fitting[0] is not NO_RECOMPUTE):
@@ -443,7 +468,7 @@ class CostModel:
         local, compute_s, attn_s = self._sums(lengths, cp_size)
         if local <= 0:
             return self.cluster.microbatch_overhead_s
-        extra, passes = self.recompute_extra(compute_s, attn_s, recompute)
+        extra, passes = self.recompute_extra(compute_s, attn_s, recompute, local)
         bw = self.cluster.intra_node_bw if self.cluster.same_node(first_rank, cp_size) else self.cluster.inter_node_bw
         comm = float(self._ulysses_comm_seconds(local, passes, cp_size, bw))
         t = (self.cluster.microbatch_overhead_s + compute_s + extra + comm + self._latency_per_mb

@@ -78,15 +78,7 @@ def check_cp_attention(allowed) -> tuple[str, ...]:
 
 
 def check_allowed_recompute(allowed) -> tuple[str, ...]:
-    """The recompute kinds a planner may choose, in RECOMPUTE_KINDS order; ValueError naming
-    bad values for an empty set or names outside RECOMPUTE_KINDS."""
-    if isinstance(allowed, str):
-        raise ValueError(f"allowed_recompute must be a collection of kinds such as ('none', 'full'), "
-                         f"not the string {allowed!r}")
-    names = tuple(allowed)
-    bad = [a for a in names if a not in RECOMPUTE_KINDS]
-    if bad:
-        raise ValueError(f"allowed_recompute: unknown recompute kind(s) {bad}; choose from {list(RECOMPUTE_KINDS)}")
-    if not names:
-        raise ValueError(f"allowed_recompute must name at least one of {list(RECOMPUTE_KINDS)}, got an empty set")
-    return tuple(k for k in RECOMPUTE_KINDS if k in names)
+    """The relief menu names a planner may choose from (relief.MENU_NAMES order); ValueError naming bad values
+    for an empty set or unknown names."""
+    from dcp_megatron.planner.relief import menu_names
+    return menu_names(allowed)

@@ -23,6 +23,10 @@ class ModelShape:
     moe_ffn_hidden_size: int | None = None   # one expert's FFN width; None: ffn_hidden_size
     # ZeRO stage over the DCP domain (param_sharding.py); None: the cluster's distributed_optimizer (1 or 0)
     zero_stage: int | None = None
+    # What the layers keep for backward (planner/activations.py): megatron-core's --transformer-impl and
+    # --sequence-parallel (norm inputs and outputs are split over tp only with it)
+    transformer_impl: str = "transformer_engine"   # or "local" (our CPU runs)
+    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -33,6 +37,9 @@ class ModelShape:
         self._check_moe()
         if self.zero_stage is not None and (isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3)):
             raise ValueError(f"ModelShape.zero_stage must be None or 0-3, got {self.zero_stage!r}")
+        if self.transformer_impl not in ("transformer_engine", "local"):
+            raise ValueError(f"ModelShape.transformer_impl must be 'transformer_engine' or 'local', "
+                             f"got {self.transformer_impl!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.num_heads % self.tp:

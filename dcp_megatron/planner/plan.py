@@ -19,23 +19,26 @@ from typing import Any, Iterator
 Sequence = tuple[int, int]
 
 
-# megatron-core 0.19.2's recompute_modules (selective granularity) that a micro-batch's recompute may name.
-RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "moe_act", "layernorm")
+# megatron-core 0.19.2's recompute_modules and offload_modules this planner models (planner/relief.py)
+RECOMPUTE_MODULE_NAMES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts")
+OFFLOAD_MODULE_NAMES = ("core_attn", "attn_proj", "expert_fc1", "moe_act")
 
 
 @dataclass(frozen=True)
 class Recompute:
-    """Recompute policy of one micro-batch.
+    """Memory relief of one micro-batch.
 
-    kind: "none" (keep all activations), "selective" (megatron-core's module recompute: checkpoint `modules` in
-    every layer; core attention alone unless named), or "full" (checkpoint the first `full_layers` layers).
-    JSON: "none", "selective" (core attention: also every plan written before module sets), {"modules": [...]},
-    {"full_layers": k}.
+    kind: "none" (keep all activations), "selective" (megatron-core's selective granularity: recompute
+    the `modules`, default core attention only), or "full" (checkpoint the first `full_layers` layers).
+    offload: megatron-core's fine-grained activation offloading of these modules' inputs (GPU only),
+    with kind none or selective. Runtime code reads `.kind` / `.full_layers`; `modules` / `offload`
+    default so that old plans and old code keep their meaning.
     """
 
     kind: str = "none"
     full_layers: int = 0
     modules: frozenset = frozenset()
+    offload: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         if self.kind not in ("none", "selective", "full"):
@@ -44,15 +47,25 @@ class Recompute:
             raise ValueError(f"full recompute needs full_layers >= 1, got {self.full_layers}")
         if self.kind != "full" and self.full_layers != 0:
             raise ValueError(f"full_layers={self.full_layers} given with recompute kind {self.kind!r}")
-        modules = frozenset(self.modules)
+        modules, offload = frozenset(self.modules), frozenset(self.offload)
         if self.kind == "selective" and not modules:
-            modules = frozenset({"core_attn"})
+            modules = frozenset({"core_attn"})     # megatron-core's default recompute_modules
         if self.kind != "selective" and modules:
-            raise ValueError(f"recompute modules {sorted(modules)} given with recompute kind {self.kind!r}")
-        unknown = sorted(modules - set(RECOMPUTE_MODULES))
-        if unknown:
-            raise ValueError(f"unknown recompute modules {unknown}; megatron-core's are {', '.join(RECOMPUTE_MODULES)}")
+            raise ValueError(f"recompute modules {sorted(modules)} need kind 'selective', got {self.kind!r}")
+        if modules - set(RECOMPUTE_MODULE_NAMES) or offload - set(OFFLOAD_MODULE_NAMES):
+            raise ValueError(f"unknown recompute modules {sorted(modules - set(RECOMPUTE_MODULE_NAMES))} / offload "
+                             f"modules {sorted(offload - set(OFFLOAD_MODULE_NAMES))}; megatron-core's recompute "
+                             f"modules are {', '.join(RECOMPUTE_MODULE_NAMES)}, its offload modules "
+                             f"{', '.join(OFFLOAD_MODULE_NAMES)}")
+        if self.kind == "full" and offload:
+            raise ValueError("offload is not combined with full recompute (a recomputed layer keeps its input only)")
         object.__setattr__(self, "modules", modules)
+        object.__setattr__(self, "offload", offload)
+
+    @property
+    def legacy(self) -> bool:
+        """Expressible in the old plan format: none, selective of core attention, full k."""
+        return not self.offload and self.modules in (frozenset(), frozenset({"core_attn"}))
 
     @staticmethod
     def of_modules(modules) -> "Recompute":
@@ -62,29 +75,36 @@ class Recompute:
     def to_json(self) -> str | dict:
         if self.kind == "full":
             return {"full_layers": self.full_layers}
-        if self.kind == "selective" and self.modules != {"core_attn"}:
-            return {"modules": sorted(self.modules)}
-        return self.kind
+        if self.legacy:
+            return self.kind
+        out = {"modules": sorted(self.modules)}
+        if self.offload:
+            out["offload"] = sorted(self.offload)
+        return out
 
     @staticmethod
     def from_json(obj: Any) -> "Recompute":
         if isinstance(obj, dict):
             if set(obj) == {"full_layers"}:
                 return Recompute("full", int(obj["full_layers"]))
-            if set(obj) == {"modules"} and isinstance(obj["modules"], list) and obj["modules"]:
-                return Recompute("selective", modules=frozenset(obj["modules"]))
-            raise ValueError(f"recompute object must be {{'full_layers': k}} or {{'modules': [...]}}, got {obj!r}")
+            if "modules" in obj and set(obj) <= {"modules", "offload"}:
+                modules = frozenset(str(m) for m in obj["modules"])
+                return Recompute("selective" if modules else "none", modules=modules,
+                                 offload=frozenset(str(m) for m in obj.get("offload", ())))
+            raise ValueError(f"recompute object must be {{'full_layers': k}} or {{'modules': [...], "
+                             f"'offload': [...]}}, got {obj!r}")
         if obj in ("none", "selective"):
             return Recompute(obj)
-        raise ValueError(f"recompute must be 'none', 'selective', {{'modules': [...]}} or {{'full_layers': k}}, "
+        raise ValueError(f"recompute must be 'none', 'selective', {{'full_layers': k}} or {{'modules': [...]}}, "
                          f"got {obj!r}")
 
     def __str__(self) -> str:
         if self.kind == "full":
             return f"full{self.full_layers}"
-        if self.kind == "selective" and self.modules != {"core_attn"}:
-            return "+".join(sorted(self.modules))
-        return self.kind
+        if self.legacy:
+            return self.kind
+        name = "+".join(sorted(self.modules)) or "none"
+        return name + (f"+offload({','.join(sorted(self.offload))})" if self.offload else "")
 
 
 NO_RECOMPUTE = Recompute("none")

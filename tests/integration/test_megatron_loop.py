@@ -28,7 +28,7 @@ from tests.support.megatron_runs import (CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, REPO
 
 pytestmark = pytest.mark.timeout(1500)
 
-# 4 MiB per rank: with this tiny model, 480 local tokens fit without recompute, so 1,024-token
+# 4 MiB per rank: with this tiny model, 438 local tokens fit without recompute, so 1,024-token
 # documents need CP 2 or recompute and short ones run alone: plans mix CP sizes and recompute.
 SMALL_BUDGET = ["--dcp-memory-budget-gb", "0.004"]
 ITERS = 6

@@ -78,7 +78,8 @@ def family_instance(seed: int, cost):
     short filler: every dcp plan of it runs each long document alone, a plan of the MILP's family."""
     room, D = cost.max_local_tokens(cost.base_recompute), cost.cluster.domain_size
     rng = np.random.default_rng(seed)
-    long = rng.integers(D * room // 2 + 2 * D, 5 * D * room, size=int(rng.integers(3, 8)))
+    most = D * cost.max_local_tokens(cost.strongest_recompute)          # what fits the whole domain at all
+    long = rng.integers(D * room // 2 + 2 * D, min(5 * D * room, most), size=int(rng.integers(3, 8)))
     filler = np.array(builtin_lengths("wikipedia", 200, seed))
     filler = filler[filler <= room]
     return list(enumerate(np.r_[long, filler].tolist()))

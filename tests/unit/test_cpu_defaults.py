@@ -1,6 +1,5 @@
 """Without a GPU, the CPU flags are defaulted unless given, and the run says so in one line (no process launched:
 the real runs without CPU flags are in tests/integration/test_deepspeed.py and tests/integration/test_megatron_loop.py)."""
-import argparse
 
 import pytest
 

@@ -35,10 +35,11 @@ def test_static_memory_shards_by_stage():
     # no stage given: the cluster's distributed_optimizer, as before stages existed (1, else 0)
     assert static_state_bytes(QWEN, cluster) == by_stage[1]
     assert static_state_bytes(QWEN, dataclasses.replace(cluster, distributed_optimizer=False)) == by_stage[0]
-    # the cost model uses it: ZeRO-1 does not fit an H200 at TP 1, ZeRO-3 leaves room for ~9k tokens
+    # the cost model uses it: ZeRO-1 does not fit an H200 at TP 1, ZeRO-3 leaves room for ~6.9k tokens
+    # (per-tensor activations, logits at 6 B per vocab entry)
     costs = {stage: CostModel(_at(stage), cluster) for stage in (1, 3)}
     assert costs[1].max_local_tokens(costs[1].base_recompute) == 0
-    assert costs[3].max_local_tokens(costs[3].base_recompute) > 8000
+    assert costs[3].max_local_tokens(costs[3].base_recompute) > 6000
     with pytest.raises(ValueError, match="zero_stage"):
         _at(4)
 

@@ -12,6 +12,7 @@ from dcp_megatron.planner.cluster import cluster_preset
 from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.gpu_costs import GpuCosts
 from dcp_megatron.planner.model import ModelShape, model_preset
+from dcp_megatron.planner.relief import MENU_NAMES
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 from dcp_megatron.simulate import SimulationConfig, main, simulate
 from tests.support.planner_helpers import tiny_cluster
@@ -39,7 +40,7 @@ def test_tiny_moe_params_and_flops_by_hand():
 
 def test_tiny_moe_static_and_activation_memory_by_hand():
     cluster = tiny_cluster(4)
-    sharded = CostModel(dataclasses.replace(TINY_MOE, ep=2), cluster)
+    sharded = CostModel(dataclasses.replace(TINY_MOE, ep=2), cluster, allowed_recompute=MENU_NAMES)
     # dense 648 params: 2 + 4 + 12/4 B; 2 of 4 experts (768 params): 2 + 4 + 12/(4/2) B (expert-DP of 2)
     assert sharded.static_bytes == 648 * 9 + 768 * 12
     whole = CostModel(dataclasses.replace(TINY_MOE, ep=2), dataclasses.replace(cluster, distributed_optimizer=False))
@@ -48,12 +49,17 @@ def test_tiny_moe_static_and_activation_memory_by_hand():
     # FP8 weight copies: 2 B per linear weight held, experts / ep
     fp8 = CostModel(dataclasses.replace(TINY_MOE, ep=2), cluster, gpu=GpuCosts(fp8=True))
     assert fp8.static_bytes - sharded.static_bytes == 2 * ((2064 - 1536) + 768)
-    # activations: the MLP's 19 of the 34 bytes x top-2 x width 12/16 -> 34 + 19 x 0.5; x 2 layers x hidden 8,
-    # + fp32 logits 4 x vocab 10
-    assert sharded.bytes_per_local_token(NO_RECOMPUTE) == (34 + 9.5) * 2 * 8 + 40
-    assert sharded.bytes_per_local_token(SELECTIVE) == (32 + 9.5) * 2 * 8 + 40
-    # full recompute of both layers: their inputs (2) + one layer's working set while it reruns
-    assert sharded.bytes_per_local_token(Recompute("full", 2)) == (2 * 2 + 43.5) * 8 + 40
+    # activations per layer (activations.py, TE spec, bf16): attention norm input and output 2 x 16, q k v 2 x 16,
+    # output 16, LSE 4 B x 2 heads = 88; MoE: pre-MLP norm input and router input 2 x 16, top-2 copies of the
+    # experts' input 2 x 16, fc1 output and activation output 2 x 2 B x 12 each = 160; x 2 layers, + the output
+    # layer's bf16 logits and their fp32 copy, 6 x vocab 10
+    assert sharded.bytes_per_local_token(NO_RECOMPUTE) == (88 + 160) * 2 + 60
+    assert sharded.bytes_per_local_token(SELECTIVE) == (88 - 8 + 160) * 2 + 60          # core_attn frees the LSE
+    moe_act, moe = (Recompute("selective", modules=frozenset({m})) for m in ("moe_act", "moe"))
+    assert sharded.bytes_per_local_token(moe_act) == (88 + 160 - 48) * 2 + 60             # the activation's output
+    assert sharded.bytes_per_local_token(moe) == (88 + 32) * 2 + 60                       # the MoE layer's input only
+    # full recompute of both layers: their inputs (2 x 16) + one layer's working set (248) while it reruns
+    assert sharded.bytes_per_local_token(Recompute("full", 2)) == 2 * 16 + 248 + 60
 
 
 def test_all_to_all_seconds_by_hand():
@@ -113,13 +119,15 @@ def test_moe_shape_and_cost_model_refuse_bad_values():
 
 
 def test_dense_presets_keep_their_numbers():
-    """Pinned before MoE entered the cost model (same values at the commit before it)."""
+    """Pinned before MoE entered the cost model (same values at the commit before it); memory re-pinned when the
+    output layer's count became bf16 logits + their fp32 upcast (6 B per vocab/tp entry, was 4: +2 B x vocab
+    per token on PP 1; PP 2's in-flight activations stay the larger term)."""
     expected = {
-        "llama3-8b": (1, 1, 8030261248, 45027950592.0, 70824193024, 0.7658162336383516, 152244022272, 11284,
+        "llama3-8b": (1, 1, 8030261248, 45027950592.0, 70824193024, 0.7658162336383516, 156513823744, 10721,
                       1.266326790096843),
-        "llama3-70b": (8, 2, 70553706496, 417010286592.0, 40063171968, 0.32774941307385774, 85697199488, 31177,
+        "llama3-70b": (8, 2, 70553706496, 417010286592.0, 40063171968, 0.32774941307385774, 85068053888, 31612,
                        0.46022274444189804),
-        "gpt-tiny": (1, 1, 918656, 5111808.0, 1618517600, 0.004166926110470787, 1937284704, 6439220,
+        "gpt-tiny": (1, 1, 918656, 5111808.0, 1618517600, 0.004166926110470787, 1938333280, 6418108,
                      0.006039865962926455),
     }
     for name, (tp, pp, params, flops, static, time_s, memory, max_local, bound) in expected.items():
@@ -211,7 +219,7 @@ def test_megatron_adapter_passes_the_moe_flags():
 
 def test_simulator_recompute_flag_limits_every_policy(tmp_path):
     """--recompute none,selective (what --dcp allows under EP > 1) reaches every policy's cost model: the tiny
-    MoE's 2,048-token documents then run without full recompute, which they use when it is allowed."""
+    MoE's 2,048-token documents then run without full recompute; --recompute full makes every policy use it."""
     def kinds(recompute: str) -> set[str]:
         out = tmp_path / recompute.replace(",", "_")
         assert main(["--lengths", "builtin:prolong", "--model", "gpt-tiny-moe", "--cluster", "cpu", "--gpus", "4",
@@ -221,7 +229,7 @@ def test_simulator_recompute_flag_limits_every_policy(tmp_path):
         return {mb.recompute.kind for path in out.glob("*/step_*.json")
                 for plan in [StepPlan.from_json(path.read_text())] for w in plan.waves for g in w.groups
                 for mb in g.microbatches if mb.sequences}
-    assert "full" in kinds("none,selective,full")
+    assert kinds("full") == {"full"}
     assert "full" not in kinds("none,selective")
     with pytest.raises(ValueError, match="--recompute: .*unknown recompute kind"):
         SimulationConfig(lengths="builtin:prolong", recompute=("none", "everything"))

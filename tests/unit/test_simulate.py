@@ -1,7 +1,6 @@
 """dcp-simulate end to end, in process, on small settings; the report's definitions; bad input."""
 import json
 import math
-import os
 
 import pytest
 

@@ -2,8 +2,10 @@
 
 All are scored by the same CostModel. `make_plan` fills every micro-batch's estimates, the
 plan's est_step_time_s (the per-rank timeline's makespan) and lower_bound_s. `dcp` also
-plans the baselines and returns the fastest of them (re-labelled, with
-extra["fallback"] naming it) whenever its own plan would be slower, so it never loses.
+plans the baselines at their default settings and returns the fastest of them (re-labelled, with
+extra["fallback"] naming it) whenever its own plan would be slower, so it never loses to an untuned
+baseline. A baseline's run-wide setting (policies/settings.py) is `setting=`; planner/baseline_sweep.py
+tunes it over a run's batches.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from dcp_megatron.planner.policies.cp_flavour import choose_cp_attention
 from dcp_megatron.planner.policies.dcp import plan_dcp
 from dcp_megatron.planner.policies.hybrid import plan_megatron_hybrid
 from dcp_megatron.planner.policies.megatron_dynamic import plan_megatron_dynamic
+from dcp_megatron.planner.policies.relief_pass import with_own_reliefs
+from dcp_megatron.planner.policies.settings import DynamicSetting, StaticSetting
 from dcp_megatron.planner.policies.static import plan_static, plan_static_balanced, static_packing
 from dcp_megatron.planner.timeline import plan_makespan
 
@@ -27,13 +31,18 @@ BASELINES: dict[str, Callable] = {
     "megatron-dynamic": plan_megatron_dynamic,
 }
 POLICIES: tuple[str, ...] = tuple(BASELINES) + ("dcp",)
+SETTING_KINDS: dict[str, type] = {"static": StaticSetting, "static-balanced": StaticSetting,
+                                  "megatron-hybrid": DynamicSetting, "megatron-dynamic": DynamicSetting}
 
 
-def make_plan(policy: str, batch: Sequence[tuple[int, int]], cost, *, max_seq_len: int) -> StepPlan:
+def make_plan(policy: str, batch: Sequence[tuple[int, int]], cost, *, max_seq_len: int,
+              setting: StaticSetting | DynamicSetting | None = None) -> StepPlan:
     """Plan one global batch [(sample_id, length)] with the named policy.
 
     max_seq_len is the run's length cap (the static layouts are chosen from it once per run);
-    ValueError for an unknown policy, bad lengths, repeated ids, or a sequence over the cap."""
+    `setting` a baseline's run-wide setting (None: its default; `dcp` takes none);
+    ValueError for an unknown policy, bad lengths, repeated ids, a sequence over the cap, or a
+    setting of the wrong kind or that cannot run."""
     from dcp_megatron.planner.bounds import lower_bound_of_lengths   # bounds uses policies.common
 
     if policy not in POLICIES:
@@ -46,10 +55,15 @@ def make_plan(policy: str, batch: Sequence[tuple[int, int]], cost, *, max_seq_le
     if longest > max_seq_len:
         j = int(lengths.argmax())
         raise ValueError(f"sample {int(ids[j])} has {longest} tokens, over the run's max_seq_len {max_seq_len}")
+    if setting is not None and not isinstance(setting, SETTING_KINDS.get(policy, ())):
+        kind = SETTING_KINDS.get(policy)
+        raise ValueError(f"policy {policy!r} takes " + (f"a {kind.__name__}" if kind else "no setting")
+                         + f", got {setting!r}")
     min_fitting_size(lengths, ids, candidate_sizes(cost.cluster), cost)   # names a sequence that fits nowhere
     bound = lower_bound_of_lengths(lengths, cost)
     if policy != "dcp":
-        return _finish(policy, BASELINES[policy](ids, lengths, cost, max_seq_len=max_seq_len), cost, bound)
+        return _finish(policy, BASELINES[policy](ids, lengths, cost, max_seq_len=max_seq_len, setting=setting),
+                       cost, bound)
     best = _finish("dcp", plan_dcp(ids, lengths, cost, max_seq_len=max_seq_len), cost, bound)
     try:
         packing = static_packing(ids, lengths, cost, max_seq_len)
@@ -61,7 +75,10 @@ def make_plan(policy: str, batch: Sequence[tuple[int, int]], cost, *, max_seq_le
                         must_beat=best.est_step_time_s)
         if waves is None:
             continue
-        other = _finish("dcp", waves, cost, bound, extra={"fallback": name})
+        # seeded with the baseline's layout, each micro-batch with its own cheapest relief (relief_pass.py):
+        # dcp's plan when a relief changed, the baseline's (a fallback) when nothing did
+        own, changed = with_own_reliefs(waves, cost)
+        other = _finish("dcp", own, cost, bound, extra={"seeded_from": name} if changed else {"fallback": name})
         if other.est_step_time_s < best.est_step_time_s:
             best = other
     return best

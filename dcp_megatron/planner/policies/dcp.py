@@ -33,6 +33,9 @@ from dcp_megatron.planner.policies.dcp_odd import odd_group_alternative
 from dcp_megatron.planner.policies.sized_sequences import SizedSequences
 
 
+WHOLE_DOMAIN_LIMIT = 64     # the whole-domain candidate is tried on domains up to this size (planning time)
+
+
 def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) -> tuple[Wave, ...]:
     if cost.model.lockstep:
         from dcp_megatron.planner.policies.dcp_pipeline import plan_dcp_pipeline
@@ -49,6 +52,7 @@ def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) ->
     # nothing moved, or the long-sequence growth moved the same sequences anyway: one sizing
     if not moved or np.array_equal(cheaper.idx, fitting.idx):
         makespan, _, groups = _list_schedule(ids, lengths, cost, fitting)
+        makespan, groups, fitting = _whole_domain_alternative(ids, lengths, cost, fitting, makespan, groups)
         return assemble_waves(D, odd_group_alternative(ids, lengths, cost, fitting, makespan, groups, _list_schedule))
     makespan, busy, groups = _list_schedule(ids, lengths, cost, cheaper)
     chosen = cheaper
@@ -61,7 +65,22 @@ def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) ->
         other_makespan, _, other_groups = _list_schedule(ids, lengths, cost, fitting)
         if other_makespan < makespan:
             makespan, groups, chosen = other_makespan, other_groups, fitting
+    makespan, groups, chosen = _whole_domain_alternative(ids, lengths, cost, chosen, makespan, groups)
     return assemble_waves(D, odd_group_alternative(ids, lengths, cost, chosen, makespan, groups, _list_schedule))
+
+
+def _whole_domain_alternative(ids, lengths, cost, seqs: SizedSequences, makespan: float, groups: list[Group]):
+    """Every sequence on one whole-domain group instead, packed next-fit with each micro-batch's cheapest relief,
+    where that ends sooner (on a few ranks one group wastes no rank on balance; the sizing rules above grow
+    only the long sequences). Returns (makespan, groups, sizing)."""
+    top = len(seqs.sizes) - 1
+    if seqs.sizes[top] != cost.cluster.domain_size or seqs.sizes[top] > WHOLE_DOMAIN_LIMIT or (seqs.idx == top).all():
+        return makespan, groups, seqs
+    whole = SizedSequences(lengths, seqs.sizes, np.full(lengths.size, top), cost)
+    if not np.isfinite(whole.seconds).all():
+        return makespan, groups, seqs
+    other, _, other_groups = _list_schedule(ids, lengths, cost, whole)
+    return (other, other_groups, whole) if other < makespan else (makespan, groups, seqs)
 
 
 def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequences,
@@ -70,7 +89,7 @@ def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequen
     ranks already busy until `finish` (default: all free at 0)."""
     D, sizes = cost.cluster.domain_size, seqs.sizes
     cap_none = cost.max_local_tokens(cost.base_recompute)   # packing room without (extra) recompute
-    none_allowed = cost.base_recompute is NO_RECOMPUTE
+    none_allowed = cost.base_recompute is NO_RECOMPUTE and not cost.time_scale   # measured: compare every relief
     mem_per_token = cost.bytes_per_local_token(NO_RECOMPUTE)
     pairs = list(zip(ids.tolist(), lengths.tolist()))
     local, compute, attn = seqs.local.tolist(), seqs.compute.tolist(), seqs.attn.tolist()
@@ -123,14 +142,19 @@ def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequen
 
 
 def _next_fit(items: list[int], local: list[float], room: float) -> list[list[int]]:
+    """Micro-batches of `items` (longest first) up to `room` local tokens each: first fit, so a short sequence
+    fills an earlier micro-batch's gap (fewer micro-batches, each paying the fixed overhead)."""
     if len(items) == 1:
         return [items]
-    chunks, current, used = [], [], 0.0
+    chunks: list[list[int]] = []
+    used: list[float] = []
     for i in items:
-        if current and used + local[i] > room:
-            chunks.append(current)
-            current, used = [], 0.0
-        current.append(i)
-        used += local[i]
-    chunks.append(current)
+        for j, u in enumerate(used):
+            if u + local[i] <= room:
+                chunks[j].append(i)
+                used[j] += local[i]
+                break
+        else:
+            chunks.append([i])
+            used.append(local[i])
     return chunks

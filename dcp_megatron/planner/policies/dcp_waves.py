@@ -34,6 +34,7 @@ from dcp_megatron.planner.timeline import one_microbatch_makespan
 
 WAVE_COUNT_CHOICES = 4      # wave counts tried from the fewest that hold the batch
 TARGET_REFINEMENTS = 3      # builds per wave count, the target wave time corrected after each
+LIGHTER_ROOMS = 2           # packing rooms of module reliefs tried beside the room without relief
 
 
 class _SizeClass:
@@ -95,17 +96,15 @@ def plan_mixed_waves(ids: np.ndarray, lengths: np.ndarray, cost, seqs) -> tuple[
     """The best mixed-size plan over a few target wave times; `seqs` a grown SizedSequences.
     None when every candidate has a block that no allowed recompute holds."""
     D = cost.cluster.domain_size
-    cap_none = cost.max_local_tokens(cost.base_recompute)   # packing room without (extra) recompute
     size_arr = np.asarray(seqs.sizes)[seqs.idx]
     rank_seconds = float((seqs.seconds * size_arr).sum())
-    fewest = max(1, math.ceil(float((seqs.local * size_arr).sum()) / (D * cap_none)))
     best, best_time = None, math.inf
-    for num_waves in range(fewest, fewest + WAVE_COUNT_CHOICES):
+    for cap, num_waves in _candidates(cost, float((seqs.local * size_arr).sum()), D):
         target = rank_seconds / (D * num_waves)
         for _ in range(TARGET_REFINEMENTS):
             sized = seqs.copy()
             sized.grow_above(target, len(sized.sizes) - 1)
-            waves = _build(_size_classes(ids, sized), sized.sizes, target, cap_none, D)
+            waves = _build(_size_classes(ids, sized), sized.sizes, target, cap, D)
             laid = [_layout(blocks, D, cost) for blocks in waves]
             t = _makespan(laid, D, cost)
             if t < best_time * (1 - 1e-9):
@@ -119,6 +118,25 @@ def plan_mixed_waves(ids: np.ndarray, lengths: np.ndarray, cost, seqs) -> tuple[
     if best is None:
         return None
     return _waves(best, D, cost, list(zip(ids.tolist(), lengths.tolist())))
+
+
+def _candidates(cost, local_token_sum: float, D: int) -> list[tuple[int, int]]:
+    """(packing room in local tokens, number of waves) pairs to try. The room without (extra) relief first;
+    then the rooms of the lightest module reliefs that hold more (e.g. MLP recompute): in lockstep every
+    micro-batch costs every rank a wave (and under ZeRO-3 a weight gather), so fewer, fuller waves with a
+    cheap relief can beat more waves without one. Each micro-batch's relief is still chosen by its own
+    tokens (`_layout`)."""
+    cap_none = cost.max_local_tokens(cost.base_recompute)
+    caps = [cap_none]
+    for relief in cost.recompute_options():
+        room = cost.max_local_tokens(relief) if relief.kind != "full" else 0
+        if room > caps[-1] * 1.05 and len(caps) <= LIGHTER_ROOMS:
+            caps.append(room)
+    out = []
+    for cap in caps:
+        fewest = max(1, math.ceil(local_token_sum / (D * cap)))
+        out += [(cap, n) for n in range(fewest, fewest + WAVE_COUNT_CHOICES)]
+    return out
 
 
 def _size_classes(ids: np.ndarray, seqs) -> dict[int, _SizeClass]:

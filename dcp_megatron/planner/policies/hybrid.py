@@ -1,15 +1,18 @@
 """`megatron-hybrid`: Megatron-core's hybrid (dynamic) CP scheduler as published (docs/simulator.md).
 
-- max tokens per rank: the static layout's (the user's `max_seqlen_per_dp_cp_rank`);
-- CP size of a sequence: the smallest power of two (or the static CP size) whose per-rank
-  share of the sequence fits that;
+- max tokens per rank: the setting's cap (the user's `max_seqlen_per_dp_cp_rank`; a
+  `DynamicSetting`, tuned by planner/baseline_sweep.py in the simulator, else
+  `default_dynamic_setting`);
+- CP size of a sequence: the smallest power of two, or the whole domain (megatron-core builds a
+  group "for every power of 2 of GPUs or the entire DPxCP group"), whose per-rank share of the
+  sequence fits that;
 - workload L²/c; per CP size, sequences longest-workload first into equal-work buckets of at
   most the per-rank token cap (as many buckets as tokens and the class's share of the
   domain need), dealt in serpentine order (least-worked-first when that would overflow);
 - buckets fill waves (each wave = one Megatron micro-batch step over the whole domain) at the
   first free aligned block; idle ranks are then filled by doubling the smallest groups whose
   buddy block is free;
-- no recompute choice: one global setting, the fastest with which every bucket fits.
+- no recompute choice: the setting's, run-wide (every bucket pays it; it must fit the cap).
 Each group runs its bucket as one micro-batch (so PP > 1 holds naturally); ranks left idle in
 a wave run an empty micro-batch with PP > 1 and nothing with PP = 1.
 """
@@ -21,21 +24,31 @@ import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Wave
 from dcp_megatron.planner.policies.common import lpt_bins, local_tokens, microbatch_from_sums, pow2_sizes
-from dcp_megatron.planner.policies.static import static_layout
+from dcp_megatron.planner.policies.settings import DynamicSetting, check_recompute_fits, default_dynamic_setting
 from dcp_megatron.planner.timeline import one_microbatch_makespan
 
 
-def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None,
-                         must_beat: float | None = None) -> tuple[Wave, ...] | None:
-    """The plan's waves; None when `must_beat` is given and the plan would not be faster."""
+def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None, must_beat: float | None = None,
+                         setting: DynamicSetting | None = None) -> tuple[Wave, ...] | None:
+    """The plan's waves; None when `must_beat` is given and the plan would not be faster.
+    `packing` (the static layout dcp's fallback shares) is not used: this scheduler has its own setting."""
     cluster = cost.cluster
     D = cluster.domain_size
-    layout = packing[0] if packing else static_layout(cost, max_seq_len)
-    cap = layout.capacity_local_tokens
-    sizes = sorted(set(pow2_sizes(cluster.cp_size_limit)) | {layout.cp_size})
-    cp = np.full(lengths.shape, layout.cp_size, dtype=np.int64)
+    sizes = hybrid_cp_sizes(D, cluster.cp_size_limit)
+    if setting is None:
+        setting = cost.memoised(("hybrid_default", int(max_seq_len)),
+                                lambda: default_dynamic_setting(cost, max_seq_len, sizes))
+    cap = setting.token_cap
+    check_recompute_fits(cost, cap, setting.recompute, f"megatron-hybrid ({setting})")
+    cp = np.zeros(lengths.shape, dtype=np.int64)
     for s in reversed(sizes):
         cp[local_tokens(lengths, s) <= cap] = s
+    if not cp.all():
+        j = int(np.flatnonzero(cp == 0)[0])
+        if must_beat is not None:
+            return None
+        raise ValueError(f"megatron-hybrid: a sequence of {int(lengths[j])} tokens fits no CP size up to "
+                         f"{sizes[-1]} at {cap} tokens per rank")
     total_rank_tokens = float((local_tokens(lengths, 1)).sum())
     waves_needed = max(1, math.ceil(total_rank_tokens / (D * cap)))
     bucket_of = np.empty(lengths.size, dtype=np.int64)
@@ -60,13 +73,10 @@ def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None,
         sel = np.flatnonzero(final_size == size)
         for row, part in zip(sums, cost.doc_terms(lengths[sel], size)):
             row += np.bincount(bucket_of[sel], weights=part, minlength=num)
-    # One global setting: the least recompute with which the fullest bucket fits.
-    recompute = next((r for r in cost.recompute_options() if cost.memory_from_tokens(float(sums[0].max()), r)
-                      <= cluster.mem_budget_bytes), None)
-    if recompute is None:
-        raise ValueError(f"megatron-hybrid: a bucket of {int(sums[0].max())} tokens per rank fits no allowed "
-                         f"recompute {list(cost.allowed_recompute)}; allow more recompute, a larger max CP "
-                         f"size or more memory per rank")
+    recompute = setting.recompute            # run-wide; buckets hold at most `cap` tokens per rank
+    if cost.memory_from_tokens(float(sums[0].max()), recompute) > cluster.mem_budget_bytes:
+        raise ValueError(f"megatron-hybrid: a bucket of {int(sums[0].max())} tokens per rank does not fit "
+                         f"with recompute {recompute} (cap {cap})")
     wave_arr, first_arr, size_arr = (np.asarray(x, dtype=np.int64) for x in (wave_of, first_of, size_of))
     run_order = np.lexsort((first_arr, wave_arr)).tolist()
     if must_beat is not None:
@@ -90,6 +100,11 @@ def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None,
     for w, groups in enumerate(out):
         groups.extend(_idle(rank, cost) for rank in range(next_rank[w], D))
     return tuple(Wave(tuple(groups)) for groups in out)
+
+
+def hybrid_cp_sizes(domain_size: int, limit: int) -> list[int]:
+    """Powers of two up to `limit`, and the whole domain when it is allowed."""
+    return sorted(set(pow2_sizes(limit)) | ({domain_size} if domain_size <= limit else set()))
 
 
 def _equal_work_buckets(order: np.ndarray, work: np.ndarray, tokens: np.ndarray, cap: int,

@@ -5,9 +5,11 @@
 One call builds one micro-batch that spans the whole DP×CP domain (a wave here); the leftovers
 start the next one, until every sequence is placed. Within a micro-batch:
 - allowed CP sizes: powers of two that divide the domain D, and D itself (its pre-built
-  communicators); a sequence's smallest size is the first whose padded per-rank share fits the
-  per-rank token cap (Megatron's `--max-seqlen-per-dp-cp-rank`; here the static layout's
-  capacity, as for `megatron-hybrid`);
+  communicators), from the smallest dynamic CP size up; a sequence's smallest size is the first
+  whose padded per-rank share fits the per-rank token cap (Megatron's
+  `--max-seqlen-per-dp-cp-rank`). Cap, smallest size and recompute are one run-wide
+  `DynamicSetting` (policies/settings.py): tuned over the run's batches by
+  planner/baseline_sweep.py in the simulator, else `default_dynamic_setting`;
 - sequences longest first; the first opens a group of its smallest size; each later one goes to
   the placement (join a group of size c whose packed tokens per rank still fit, or open a group
   of size c on free ranks, for every allowed c >= its smallest) that gives the lowest busiest-rank
@@ -17,11 +19,10 @@ start the next one, until every sequence is placed. Within a micro-batch:
 - free ranks are then filled by growing the first group of the smallest size to the next allowed
   size; when that cannot fill the domain, the micro-batch is rebuilt as one group of all D ranks
   packed in order with what fits (the rest waits);
-- no recompute choice: one global setting, the least with which the fullest micro-batch fits.
+- no recompute choice: the setting's, run-wide (every micro-batch pays it; it must fit the cap).
 Groups are laid out largest first from rank 0, so every group sits on an aligned block (the
 position does not change a group's work). Every rank runs one micro-batch per wave (PP-friendly).
-Not modelled: the VPP alignment split (`microbatch_group_size_per_vp_stage`) and
-`--min-dynamic-context-parallel-size` above 1. When the cluster caps CP below D (max_cp_size),
+Not modelled: the VPP alignment split (`microbatch_group_size_per_vp_stage`). When the cluster caps CP below D (max_cp_size),
 the full-domain fallback is not allowed and the unfilled ranks idle.
 """
 from __future__ import annotations
@@ -32,14 +33,15 @@ import numpy as np
 
 from dcp_megatron.planner.plan import Group, MicroBatch, StepPlan, Wave
 from dcp_megatron.planner.policies.common import microbatch_from_sums
-from dcp_megatron.planner.policies.static import static_layout
+from dcp_megatron.planner.policies.settings import DynamicSetting, check_recompute_fits, default_dynamic_setting
 from dcp_megatron.planner.timeline import plan_makespan
 
 WORKLOAD_SLACK = 0.05   # Megatron's allowance over the busiest-rank workload bound
 
 
-def dynamic_cp_sizes(domain_size: int, limit: int) -> list[int]:
-    """Megatron dev's runtime CP sizes: powers of two dividing D, and D; here at most `limit`."""
+def dynamic_cp_sizes(domain_size: int, limit: int, smallest: int = 1) -> list[int]:
+    """Megatron dev's runtime CP sizes: powers of two dividing D, and D; here at most `limit` and at
+    least `smallest` (its --min-dynamic-context-parallel-size)."""
     sizes, c = [], 1
     while c <= domain_size:
         if domain_size % c == 0:
@@ -47,28 +49,39 @@ def dynamic_cp_sizes(domain_size: int, limit: int) -> list[int]:
         c *= 2
     if sizes[-1] != domain_size:
         sizes.append(domain_size)
-    return [s for s in sizes if s <= limit]
+    return [s for s in sizes if smallest <= s <= limit]
 
 
 def plan_megatron_dynamic(ids, lengths, cost, *, max_seq_len: int, packing=None, must_beat: float | None = None,
-                          token_cap: int | None = None) -> tuple[Wave, ...] | None:
+                          setting: DynamicSetting | None = None) -> tuple[Wave, ...] | None:
     """The plan's waves; None when `must_beat` is given and the plan would not be faster
-    (or this scheduler cannot hold the batch, so it is no contender). `token_cap` overrides the
-    per-rank token cap (default: the static layout's capacity; tools/ablate_peer.py varies it)."""
-    cluster = cost.cluster
-    D = cluster.domain_size
-    cap = token_cap or (packing[0] if packing else static_layout(cost, max_seq_len)).capacity_local_tokens
-    sizes = dynamic_cp_sizes(D, cluster.cp_size_limit)
+    (or this scheduler cannot hold the batch, so it is no contender). `packing` (the static layout
+    dcp's fallback shares) is not used: this scheduler has its own setting."""
+    D = cost.cluster.domain_size
+    setting = setting or cost.memoised(("dynamic_default", int(max_seq_len)), lambda: default_dynamic_setting(
+        cost, max_seq_len, dynamic_cp_sizes(D, cost.cluster.cp_size_limit)))
     try:
-        waves_of_groups = schedule_groups(lengths.tolist(), sizes, D, cap)
+        waves_of_groups = dynamic_schedule(lengths, cost, setting)
     except ValueError:
         if must_beat is not None:
             return None
         raise
-    waves = _to_waves(waves_of_groups, ids, lengths, cost, D)
+    waves = waves_of_schedule(waves_of_groups, ids, lengths, cost, setting.recompute)
     if must_beat is not None and plan_makespan(StepPlan(domain_size=D, waves=waves)) >= must_beat * (1 + 1e-9):
         return None
     return waves
+
+
+def dynamic_schedule(lengths, cost, setting: DynamicSetting) -> list[list[tuple[int, list[int]]]]:
+    """`schedule_groups` under a setting (its recompute checked against the cap; ValueError when the
+    setting cannot run: no allowed size, or a sequence that fits none)."""
+    D = cost.cluster.domain_size
+    check_recompute_fits(cost, setting.token_cap, setting.recompute, f"megatron-dynamic ({setting})")
+    sizes = dynamic_cp_sizes(D, cost.cluster.cp_size_limit, setting.min_cp_size)
+    if not sizes:
+        raise ValueError(f"megatron-dynamic: no CP size from {setting.min_cp_size} up to "
+                         f"{cost.cluster.cp_size_limit} on a domain of {D}")
+    return schedule_groups(np.asarray(lengths).tolist(), sizes, D, setting.token_cap)
 
 
 def schedule_groups(lengths: list[int], sizes: list[int], D: int, cap: int) -> list[list[tuple[int, list[int]]]]:
@@ -198,20 +211,15 @@ def _one_microbatch(order, t: _Tables, D: int, cap: int):
     return list(zip(size, members)), leftovers
 
 
-def _to_waves(waves_of_groups, ids, lengths, cost, D: int) -> tuple[Wave, ...]:
+def waves_of_schedule(waves_of_groups, ids, lengths, cost, recompute) -> tuple[Wave, ...]:
+    """The waves of a schedule with one run-wide recompute (the schedule does not depend on it)."""
+    D = cost.cluster.domain_size
     seqs = list(zip(ids.tolist(), lengths.tolist()))
     # per document, once per CP size used (elementwise, so a group's slice sums to the same floats)
     terms = {s: cost.doc_terms(lengths, s) for s in {s for groups in waves_of_groups for s, _ in groups}}
     sums = []                                         # per wave, per group: (local, compute, attn)
     for groups in waves_of_groups:
         sums.append([tuple(float(x[members].sum()) for x in terms[s]) for s, members in groups])
-    fullest = max(t[0] for w in sums for t in w)
-    recompute = next((r for r in cost.recompute_options()
-                      if cost.memory_from_tokens(fullest, r) <= cost.cluster.mem_budget_bytes), None)
-    if recompute is None:
-        raise ValueError(f"megatron-dynamic: a micro-batch of {int(fullest)} tokens per rank fits no allowed "
-                         f"recompute {list(cost.allowed_recompute)}; allow more recompute, a larger max CP "
-                         f"size or more memory per rank")
     waves = []
     for groups, group_sums in zip(waves_of_groups, sums):
         out, first = [], 0

@@ -1,11 +1,11 @@
 """Megatron's default layout and its balanced variant (docs/simulator.md).
 
-`static`: one (CP size c, recompute) pair for the whole run, the one a user who tuned it
-would pick: among CP sizes dividing D, with the fastest recompute with which a micro-batch
-holding one sequence of the run's length cap fits, the pair with the fewest rank-seconds for
-two full micro-batches: that longest sequence, and the same capacity packed with
-`TYPICAL_DOC_LEN`-token documents (a tuned user measures both; the long one alone would favour
-large groups whose communication short documents cannot hide). Sequences are packed in
+`static`: one (CP size c, recompute) pair for the whole run (a `StaticSetting`). The simulator
+gives it the pair with the lowest mean step over the run's batches (planner/baseline_sweep.py).
+Without a setting (the default, also dcp's fallback): among CP sizes dividing D, with the fastest
+recompute with which a micro-batch holding one sequence of the run's length cap fits, the pair
+with the fewest rank-seconds for two full micro-batches: that longest sequence, and the same
+capacity packed with `TYPICAL_DOC_LEN`-token documents. Sequences are packed in
 order into micro-batches of the cap's padded tokens
 (each sequence padded to 2c), micro-batches are dealt round-robin to the D/c replicas. With
 PP = 1 counts may differ by one between replicas (the tail replicas run one fewer); with
@@ -23,6 +23,7 @@ import numpy as np
 
 from dcp_megatron.planner.plan import Group, Recompute, Wave
 from dcp_megatron.planner.policies.common import divisor_sizes, local_tokens, microbatch_from_sums
+from dcp_megatron.planner.policies.settings import StaticSetting, check_recompute_fits
 
 
 TYPICAL_DOC_LEN = 4096   # a common pretraining sequence length
@@ -34,9 +35,22 @@ class StaticLayout(NamedTuple):
     capacity_local_tokens: int   # padded tokens per rank of a full micro-batch
 
 
-def static_layout(cost, max_seq_len: int) -> StaticLayout:
-    """The run's layout for this length cap (computed once per cost model and cap)."""
+def static_layout(cost, max_seq_len: int, setting: StaticSetting | None = None) -> StaticLayout:
+    """The run's layout for this length cap: the setting's, else the default (once per cost model and cap)."""
+    if setting is not None:
+        return cost.memoised(("static_layout", int(max_seq_len), setting),
+                             lambda: _layout_of(cost, int(max_seq_len), setting))
     return cost.memoised(("static_layout", int(max_seq_len)), lambda: _choose_layout(cost, int(max_seq_len)))
+
+
+def _layout_of(cost, max_seq_len: int, setting: StaticSetting) -> StaticLayout:
+    c = setting.cp_size
+    if c not in divisor_sizes(cost.cluster):
+        raise ValueError(f"static: CP size {c} does not divide the domain ({cost.cluster.domain_size}) "
+                         f"or exceeds the max CP size {cost.cluster.cp_size_limit}")
+    capacity = int(local_tokens(np.array([max_seq_len]), c)[0])
+    check_recompute_fits(cost, capacity, setting.recompute, f"static at CP {c} (max_seq_len {max_seq_len})")
+    return StaticLayout(c, setting.recompute, capacity)
 
 
 def _choose_layout(cost, max_seq_len: int) -> StaticLayout:
@@ -84,7 +98,7 @@ def _microbatches(ids, lengths, cost, layout) -> list[tuple[tuple, float, float,
 
 
 def _build(cost, layout, per_replica: list[list[tuple]]) -> tuple[Wave, ...]:
-    c, pp = layout.cp_size, cost.model.pp
+    c = layout.cp_size
     replicas = len(per_replica)
 
     def mb(item, first_rank):
@@ -101,9 +115,10 @@ def _build(cost, layout, per_replica: list[list[tuple]]) -> tuple[Wave, ...]:
                  for w in range(count))
 
 
-def static_packing(ids, lengths, cost, max_seq_len: int) -> tuple[StaticLayout, list[tuple]]:
+def static_packing(ids, lengths, cost, max_seq_len: int,
+                   setting: StaticSetting | None = None) -> tuple[StaticLayout, list[tuple]]:
     """The run's static layout and this batch's micro-batches under it (shared by both policies)."""
-    layout = static_layout(cost, max_seq_len)
+    layout = static_layout(cost, max_seq_len, setting)
     return layout, _microbatches(ids, lengths, cost, layout)
 
 
@@ -117,19 +132,19 @@ def _cannot_beat(cost, layout, items, must_beat: float | None) -> bool:
     return max(max(times), sum(times) / replicas) >= must_beat * (1 + 1e-9)   # margin: rounding
 
 
-def plan_static(ids, lengths, cost, *, max_seq_len: int, packing=None,
+def plan_static(ids, lengths, cost, *, max_seq_len: int, packing=None, setting: StaticSetting | None = None,
                 must_beat: float | None = None) -> tuple[Wave, ...] | None:
     """The plan's waves; None when `must_beat` is given and the plan cannot be faster."""
-    layout, items = packing or static_packing(ids, lengths, cost, max_seq_len)
+    layout, items = packing or static_packing(ids, lengths, cost, max_seq_len, setting)
     if _cannot_beat(cost, layout, items, must_beat):
         return None
     replicas = cost.cluster.domain_size // layout.cp_size
     return _build(cost, layout, [items[r::replicas] for r in range(replicas)])
 
 
-def plan_static_balanced(ids, lengths, cost, *, max_seq_len: int, packing=None,
+def plan_static_balanced(ids, lengths, cost, *, max_seq_len: int, packing=None, setting: StaticSetting | None = None,
                          must_beat: float | None = None) -> tuple[Wave, ...] | None:
-    layout, items = packing or static_packing(ids, lengths, cost, max_seq_len)
+    layout, items = packing or static_packing(ids, lengths, cost, max_seq_len, setting)
     if _cannot_beat(cost, layout, items, must_beat):
         return None
     c = layout.cp_size

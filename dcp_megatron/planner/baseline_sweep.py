@@ -1,0 +1,201 @@
+"""Baselines tuned as their users tune them: one run-wide setting per baseline, swept over a run's batches.
+
+A user of Megatron's static layout or of dev's dynamic CP sets its knobs once for the run (they cannot change
+per step) and, tuning, keeps the setting with the lowest mean step over the run's batches within the memory
+budget. `sweep` does that over a grid and returns every point and the winner:
+
+- `static`, `static-balanced` (`StaticSetting`): every CP size dividing the domain up to the max CP size, each
+  with every recompute that can hold a micro-batch of one run-length sequence: none, selective, and, when
+  none does not fit, the fewest full layers that fit (more full layers only add time to the same layout).
+- `megatron-dynamic` (`DynamicSetting`): per-rank token caps (`max_seqlen_per_dp_cp_rank`: 256 x 2^(k/2)
+  rounded to 256, and the most tokens each of none, selective, the strongest recompute and the fewest 1-4 full
+  layers that hold the longest sequence allow, from that sequence's share of the largest CP size up to what
+  memory allows: so the untuned default is a point of the grid), the smallest dynamic CP size (1, 2), and per cap every run-wide recompute that fits it
+  (none, selective, the fewest full layers that fit). `megatron-hybrid`: the same caps and recompute (it has no
+  smallest-size knob). A cap below the longest sequence's share of the largest CP size cannot run.
+- Not swept, because the cost model does not represent them yet: megatron-core's per-module
+  `recompute_modules` (mlp, moe_act, ...) and fine-grained activation offloading (`offload_modules`).
+
+A setting is scored by the mean over the batches of the plan's modelled step time (the same cost model that
+scores every policy). The untuned default is scored first; a point whose running sum passes the best full sum
+so far is stopped there (it cannot win; printed as such). Ties keep the grid's first point.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from dcp_megatron.planner.plan import NO_RECOMPUTE, StepPlan
+from dcp_megatron.planner.policies.settings import DynamicSetting, StaticSetting, check_recompute_fits
+
+STATIC_POLICIES = ("static", "static-balanced")
+DYNAMIC_POLICIES = ("megatron-dynamic", "megatron-hybrid")
+SWEPT_POLICIES = STATIC_POLICIES + DYNAMIC_POLICIES
+SMALLEST_CAP = 256       # caps 256 x 2^(k/2), rounded to CAP_ROUNDING tokens
+CAP_ROUNDING = 256
+FULL_LIMIT_CAPS = 4      # memory limits of k_min .. k_min + 3 full layers (k_min: the fewest holding the longest)
+MIN_CP_SIZES = (1, 2)
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    setting: StaticSetting | DynamicSetting
+    mean_step_s: float | None     # None: stopped early or cannot run (see `note`)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    policy: str
+    points: tuple[SweepPoint, ...]
+    winner: StaticSetting | DynamicSetting
+    winner_mean_step_s: float
+    num_batches: int
+
+    def to_json(self) -> dict:
+        return {"winner": str(self.winner), "winner_mean_step_s": self.winner_mean_step_s,
+                "num_batches": self.num_batches,
+                "grid": [{"setting": str(p.setting), "mean_step_s": p.mean_step_s, "note": p.note}
+                         for p in self.points]}
+
+
+def _recompute_candidates(cost, local_tokens: int) -> list:
+    """Run-wide recompute settings worth trying for micro-batches of up to `local_tokens` per rank."""
+    room = cost.cluster.mem_budget_bytes - cost.static_bytes
+    out = [r for r in cost.recompute_options() if r.kind != "full" and cost.max_local_tokens(r) >= local_tokens]
+    if "full" in cost.allowed_recompute and (not out or out[0] is not NO_RECOMPUTE):
+        k = cost._fewest_full_layers(float(local_tokens), room)
+        if k is not None:
+            out.append(cost.full_recompute_options()[k - 1])
+    return out
+
+
+def static_grid(cost, max_seq_len: int) -> list[StaticSetting]:
+    from dcp_megatron.planner.policies.common import divisor_sizes, local_tokens
+
+    grid = []
+    for c in divisor_sizes(cost.cluster):
+        capacity = int(local_tokens(np.array([max_seq_len]), c)[0])
+        grid += [StaticSetting(cp_size=c, recompute=r) for r in _recompute_candidates(cost, capacity)]
+    return grid
+
+
+def token_caps(cost, longest: int, top_size: int) -> list[int]:
+    """The caps `dynamic_grid` tries (ascending): those that hold the longest sequence on `top_size` ranks."""
+    most = cost.max_local_tokens(cost.strongest_recompute)
+    need = 2 * -(-int(longest) // (2 * top_size))
+    caps, k = {most}, 0
+    while (cap := int(round(SMALLEST_CAP * 2 ** (k / 2) / CAP_ROUNDING)) * CAP_ROUNDING) <= most:
+        caps.add(cap)
+        k += 1
+    caps.update(cost.max_local_tokens(r) for r in cost.recompute_options() if r.kind != "full")
+    # the most tokens the fewest full layers that hold the longest sequence allow, and a few more layers
+    full = [cost.max_local_tokens(r) for r in cost.recompute_options() if r.kind == "full"]
+    first = next((i for i, cap in enumerate(full) if cap >= need), len(full))
+    caps.update(full[first:first + FULL_LIMIT_CAPS])
+    return sorted(c for c in caps if need <= c <= most)
+
+
+def dynamic_grid(cost, max_seq_len: int, policy: str = "megatron-dynamic") -> list[DynamicSetting]:
+    from dcp_megatron.planner.policies.hybrid import hybrid_cp_sizes
+    from dcp_megatron.planner.policies.megatron_dynamic import dynamic_cp_sizes
+
+    D, limit = cost.cluster.domain_size, cost.cluster.cp_size_limit
+    top = (dynamic_cp_sizes if policy == "megatron-dynamic" else hybrid_cp_sizes)(D, limit)[-1]
+    smallest = [s for s in MIN_CP_SIZES if s <= top] if policy == "megatron-dynamic" else [1]
+    return [DynamicSetting(token_cap=int(cap), recompute=r, min_cp_size=m)
+            for m in smallest for cap in token_caps(cost, max_seq_len, top) for r in _recompute_candidates(cost, cap)]
+
+
+def grid_of(policy: str, cost, max_seq_len: int) -> list:
+    if policy in STATIC_POLICIES:
+        return static_grid(cost, max_seq_len)
+    if policy in DYNAMIC_POLICIES:
+        return dynamic_grid(cost, max_seq_len, policy)
+    raise ValueError(f"policy {policy!r} has no run-wide setting to sweep; sweepable: {', '.join(SWEPT_POLICIES)}")
+
+
+def sweep(policy: str, batches: Sequence[Sequence[tuple[int, int]]], cost, *, max_seq_len: int,
+          grid: Sequence | None = None, score: Callable[[int, object], float] | None = None) -> SweepResult:
+    """The setting of `grid` (default `grid_of`) with the lowest mean step over `batches`, and every point.
+    `score(j, setting)`: batch j's step time under the setting (default: its plan's, by the cost model;
+    ValueError: the setting cannot run it)."""
+    from dcp_megatron.planner.policies import make_plan
+    from dcp_megatron.planner.policies.common import check_batch
+    from dcp_megatron.planner.policies.cp_flavour import choose_cp_attention
+    from dcp_megatron.planner.policies.megatron_dynamic import dynamic_schedule, waves_of_schedule
+    from dcp_megatron.planner.timeline import plan_makespan
+
+    if not batches:
+        raise ValueError("sweep needs at least one batch")
+    grid = list(grid_of(policy, cost, max_seq_len) if grid is None else grid)
+    if not grid:
+        raise ValueError(f"{policy}: no setting of the grid can hold max_seq_len {max_seq_len} in memory")
+    arrays = [check_batch(b) for b in batches]
+    schedules: dict = {}          # (batch index, cap, min cp) -> dynamic schedule (the recompute does not change it)
+
+    def step_time(j: int, setting) -> float:
+        if policy == "megatron-dynamic":
+            key = (j, setting.token_cap, setting.min_cp_size)
+            # the memory check of every setting, also when its cap's schedule is already known
+            check_recompute_fits(cost, setting.token_cap, setting.recompute, f"megatron-dynamic ({setting})")
+            if key not in schedules:
+                schedules[key] = dynamic_schedule(arrays[j][1], cost, setting)
+            waves = waves_of_schedule(schedules[key], *arrays[j], cost, setting.recompute)
+            return plan_makespan(StepPlan(domain_size=cost.cluster.domain_size, waves=choose_cp_attention(waves, cost)))
+        return make_plan(policy, batches[j], cost, max_seq_len=max_seq_len, setting=setting).est_step_time_s
+
+    step_time = score or step_time
+    # The untuned default first when it is a grid point: its total then stops slower points early.
+    first = grid.index(default) if (default := _default_setting(policy, cost, max_seq_len)) in grid else 0
+    best_total, best, points = math.inf, None, [None] * len(grid)
+    for i in [first] + [i for i in range(len(grid)) if i != first]:
+        setting, total, note = grid[i], 0.0, ""
+        try:
+            for j in range(len(batches)):
+                total += step_time(j, setting)
+                if total > best_total * (1 + 1e-12) and j + 1 < len(batches):
+                    note = f"stopped after {j + 1} of {len(batches)} batches: slower than the best"
+                    break
+        except ValueError as err:
+            note = f"cannot run: {err}"
+        if note:
+            points[i] = SweepPoint(setting, None, note)
+            continue
+        points[i] = SweepPoint(setting, total / len(batches))
+        if total < best_total or (total == best_total and i < grid.index(best)):   # ties: the grid's first
+            best_total, best = total, setting
+    if best is None:
+        raise ValueError(f"{policy}: no setting of the grid runs every batch: {points[0].note}")
+    return SweepResult(policy, tuple(points), best, best_total / len(batches), len(batches))
+
+
+def _default_setting(policy: str, cost, max_seq_len: int):
+    """The setting the policy plans with when given none (None when that is no single setting)."""
+    from dcp_megatron.planner.policies.hybrid import hybrid_cp_sizes
+    from dcp_megatron.planner.policies.megatron_dynamic import dynamic_cp_sizes
+    from dcp_megatron.planner.policies.settings import default_dynamic_setting
+    from dcp_megatron.planner.policies.static import static_layout
+
+    D, limit = cost.cluster.domain_size, cost.cluster.cp_size_limit
+    try:
+        if policy in STATIC_POLICIES:
+            layout = static_layout(cost, max_seq_len)
+            return StaticSetting(cp_size=layout.cp_size, recompute=layout.recompute)
+        sizes = (dynamic_cp_sizes if policy == "megatron-dynamic" else hybrid_cp_sizes)(D, limit)
+        return default_dynamic_setting(cost, max_seq_len, sizes)
+    except ValueError:
+        return None
+
+
+def format_sweep(result: SweepResult) -> str:
+    lines = [f"{result.policy}: {len(result.points)} run-wide settings over {result.num_batches} batches; "
+             f"winner {result.winner} (mean step {result.winner_mean_step_s:.3f} s)"]
+    for p in result.points:
+        mark = "*" if p.setting == result.winner else " "
+        value = f"{p.mean_step_s:9.3f} s" if p.mean_step_s is not None else "        - "
+        lines.append(f"  {mark} {str(p.setting):<40} {value}  {p.note}".rstrip())
+    return "\n".join(lines)

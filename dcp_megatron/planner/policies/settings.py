@@ -1,0 +1,80 @@
+"""Run-wide settings of the baselines: what a user sets once for a whole run.
+
+A Megatron run cannot change these per step, so a baseline plans every batch of a run with one
+setting. `planner/baseline_sweep.py` picks the setting with the lowest mean step over a run's batches
+(a tuned user); the defaults here are what a user gets without that sweep.
+
+- `StaticSetting`: the static layout's CP size and recompute (Megatron's `--context-parallel-size`,
+  `--recompute-granularity` / `--recompute-num-layers`); its micro-batch holds one sequence of the run's
+  length cap (`--seq-length`), so the recompute must fit that.
+- `DynamicSetting`: `megatron-dynamic` (dev's dynamic CP) and `megatron-hybrid`: the per-rank token cap
+  (`max_seqlen_per_dp_cp_rank`), the smallest dynamic CP size (`--min-dynamic-context-parallel-size`;
+  `megatron-hybrid` has no such knob: 1) and the recompute, paid by every micro-batch, so it must fit the cap.
+  Our cost model's recompute menu is none, selective (core attention) and full recompute of k layers;
+  megatron-core's per-module `recompute_modules` (mlp, moe_act, ...) and activation offloading are not in it yet.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dcp_megatron.planner.plan import Recompute
+
+
+@dataclass(frozen=True, kw_only=True)
+class StaticSetting:
+    cp_size: int
+    recompute: Recompute
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size <= 0:
+            raise ValueError(f"StaticSetting.cp_size must be a positive int, got {self.cp_size!r}")
+        if not isinstance(self.recompute, Recompute):
+            raise ValueError(f"StaticSetting.recompute must be a Recompute, got {self.recompute!r}")
+
+    def __str__(self) -> str:
+        return f"cp {self.cp_size}, recompute {self.recompute}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DynamicSetting:
+    token_cap: int               # max_seqlen_per_dp_cp_rank: padded tokens per rank of a micro-batch
+    recompute: Recompute         # run-wide: every micro-batch pays it
+    min_cp_size: int = 1         # the smallest dynamic CP size
+
+    def __post_init__(self) -> None:
+        for name in ("token_cap", "min_cp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"DynamicSetting.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.recompute, Recompute):
+            raise ValueError(f"DynamicSetting.recompute must be a Recompute, got {self.recompute!r}")
+
+    def __str__(self) -> str:
+        return f"cap {self.token_cap}, min cp {self.min_cp_size}, recompute {self.recompute}"
+
+
+def check_recompute_fits(cost, local_tokens: int, recompute: Recompute, what: str) -> None:
+    """ValueError unless `recompute` is allowed and a micro-batch of `local_tokens` per rank fits with it."""
+    if not cost.allows(recompute):
+        raise ValueError(f"{what}: recompute {recompute} is not among the allowed {list(cost.allowed_recompute)}")
+    if recompute.kind == "full" and recompute.full_layers > cost.layers_per_stage:
+        raise ValueError(f"{what}: recompute {recompute} exceeds the stage's {cost.layers_per_stage} layers")
+    if cost.memory_from_tokens(local_tokens, recompute) > cost.cluster.mem_budget_bytes:
+        raise ValueError(f"{what}: a micro-batch of {local_tokens} tokens per rank does not fit the memory budget "
+                         f"with recompute {recompute} (at most {cost.max_local_tokens(recompute)} tokens per rank)")
+
+
+def least_recompute_for(cost, local_tokens: int) -> Recompute | None:
+    """The cheapest run-wide recompute with which `local_tokens` per rank fit: none, selective, else the
+    fewest full layers (memory falls along `recompute_options`, time rises); None when nothing fits."""
+    return next((r for r in cost.recompute_options() if cost.max_local_tokens(r) >= local_tokens), None)
+
+
+def default_dynamic_setting(cost, longest: int, sizes: list[int]) -> DynamicSetting:
+    """What a user gets without tuning: the largest cap memory allows with the least recompute with which
+    the run's longest sequence (`longest`, its length cap) fits the largest allowed CP size (`sizes`
+    ascending), smallest CP size 1; the strongest recompute's when none holds it (a batch's own sequences
+    then decide whether it runs)."""
+    share = 2 * -(-int(longest) // (2 * sizes[-1]))
+    r = next((r for r in cost.recompute_options() if cost.max_local_tokens(r) >= share), cost.strongest_recompute)
+    return DynamicSetting(token_cap=max(int(cost.max_local_tokens(r)), 1), recompute=r)

@@ -1,0 +1,136 @@
+"""Memory as megatron-core holds it (activations.py) and relief per micro-batch (relief.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dcp_megatron.planner.activations import layer_tensors
+from dcp_megatron.planner.cluster import cluster_preset
+from dcp_megatron.planner.cost import CostModel
+from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, MicroBatch, Recompute
+from dcp_megatron.planner.policies import make_plan
+from dcp_megatron.planner.relief import MENU_NAMES, allows, light_reliefs, menu_names
+from dcp_megatron.planner.validate import validate
+
+MLP = Recompute("selective", modules=frozenset({"mlp"}))
+
+
+def _h200(gpus=64, **kw):
+    return CostModel(model_preset("llama3-8b", **kw), cluster_preset("h200", domain_size=gpus),
+                     allowed_recompute=MENU_NAMES)
+
+
+def test_llama_layer_bytes_by_tensor_and_what_each_module_frees():
+    """Llama-3-8B, TP 1, TE spec: attention 4h (norm input + output) + 2(q + 2kv) + 2q + LSE, MLP 4h + 2·2f + 2f."""
+    m = model_preset("llama3-8b")
+    t = layer_tensors(m)
+    h, f, kv = 4096, 14336, 1024
+    assert sum(t.values()) == 4 * h + 2 * (h + 2 * kv) + 2 * h + 4 * 32 + 4 * h + 6 * f
+    cost = _h200()
+    none = cost._layer_bytes[NO_RECOMPUTE]
+    # MLP recompute under TE frees fc1's input, fc1's output and fc2's input: ~2/3 of the layer
+    assert none - cost._layer_bytes[MLP] == 2 * h + 6 * f
+    # core attention under TE's fused kernel keeps ~nothing of its own: the LSE only
+    assert none - cost._layer_bytes[SELECTIVE] == 4 * 32
+    # layernorm recompute is a no-op under TE (norms fused into the linears): not on the menu
+    assert not any("layernorm" in r.modules for r in cost.recompute_options())
+    local = CostModel(dataclasses.replace(m, transformer_impl="local"), cluster_preset("h200", domain_size=8),
+                      allowed_recompute=MENU_NAMES)
+    assert any(r.modules == {"layernorm"} for r in local.recompute_options())
+    # TP 8 with sequence parallelism splits every tensor; without it the norms' tensors are whole
+    assert sum(layer_tensors(model_preset("llama3-8b", tp=8)).values()) == pytest.approx(sum(t.values()) / 8)
+    no_sp = dataclasses.replace(model_preset("llama3-8b", tp=8), sequence_parallel=False)
+    assert layer_tensors(no_sp)["attn_norm_in"] == 2 * h
+
+
+def test_a_long_document_gets_mlp_recompute_not_full_layers():
+    """An attention-heavy micro-batch (a long document) that fits with MLP recompute takes it rather than the
+    fewest full layers that fit (those rerun the attention too); the old menu had only full layers for it.
+    A small overflow on a linear-heavy micro-batch takes a few full layers instead: the cheaper per micro-batch."""
+    cost = _h200()
+    local = cost.max_local_tokens(MLP) * 0.95
+    assert local > 2 * cost.max_local_tokens(NO_RECOMPUTE)
+    linear = local * cost._linear_s_per_token
+    attn = 3.0 * linear
+    chosen = cost.best_recompute_from_sums(local, linear + attn, attn, 8)
+    assert chosen.kind == "selective" and "mlp" in chosen.modules, chosen
+    legacy = CostModel(cost.model, cost.cluster)            # none, selective, full: a full-layer relief
+    old = legacy.best_recompute_from_sums(local, linear + attn, attn, 8)
+    assert old.kind == "full"
+    assert (cost.time_from_sums(local, linear + attn, attn, 8, 0, chosen)
+            < legacy.time_from_sums(local, linear + attn, attn, 8, 0, old))
+    no_offload = CostModel(cost.model, cost.cluster, allowed_recompute=("none", "mlp", "full"))
+    small = cost.max_local_tokens(NO_RECOMPUTE) * 1.05
+    few = no_offload.best_recompute_from_sums(small, small * cost._linear_s_per_token, 0.0, 8)
+    assert few.kind == "full" and few.full_layers < cost.layers_per_stage // 2, few
+
+
+def test_plans_never_exceed_the_budget_under_the_corrected_count_on_a_document_that_needs_relief():
+    cost = _h200(gpus=16)
+    longest = 16 * cost.max_local_tokens(NO_RECOMPUTE) + 4096          # over what CP 16 holds without relief
+    batch = [(0, longest)] + [(i, 3000 + 17 * i) for i in range(1, 120)]
+    for policy in ("dcp", "megatron-dynamic", "static"):
+        plan = make_plan(policy, batch, cost, max_seq_len=longest)
+        validate(plan, batch, cost.cluster, cost)
+        relieved = 0
+        for wave in plan.waves:
+            for g in wave.groups:
+                for mb in g.microbatches:
+                    assert cost.microbatch_memory(mb.lengths, g.size, recompute=mb.recompute) <= \
+                        cost.cluster.mem_budget_bytes, (policy, mb.recompute)
+                    relieved += mb.recompute != NO_RECOMPUTE
+        assert relieved, policy
+
+
+def test_offload_is_gpu_only_and_attn_proj_needs_core_attn():
+    cpu = CostModel(model_preset("gpt-tiny"), cluster_preset("cpu", domain_size=2), allowed_recompute=MENU_NAMES)
+    assert not any(r.offload for r in cpu.recompute_options())
+    gpu = _h200()
+    offloads = {r.offload for r in gpu.recompute_options() if r.offload}
+    assert offloads and all("core_attn" in o for o in offloads)
+    assert not any(r.offload & r.modules for r in gpu.recompute_options())
+
+
+def test_menu_names_restrict_the_menu_and_selective_is_core_attn():
+    assert menu_names(["full", "none"]) == ("none", "full")
+    with pytest.raises(ValueError, match="unknown recompute kind"):
+        menu_names(["everything"])
+    assert allows(("none", "selective"), SELECTIVE) and allows(("core_attn",), SELECTIVE)
+    assert not allows(("none", "selective", "full"), MLP)
+    m = model_preset("llama3-8b")
+    assert light_reliefs(m, ("none", "selective", "full"), can_offload=True) == [NO_RECOMPUTE, SELECTIVE]
+    assert MLP in light_reliefs(m, ("none", "mlp"), can_offload=False)
+
+
+def test_plan_json_keeps_old_plans_and_carries_modules_and_offload():
+    assert Recompute.from_json("selective") == SELECTIVE and SELECTIVE.to_json() == "selective"
+    assert Recompute.from_json({"full_layers": 3}) == Recompute("full", 3)
+    both = Recompute("selective", modules=frozenset({"mlp"}), offload=frozenset({"core_attn"}))
+    assert both.to_json() == {"modules": ["mlp"], "offload": ["core_attn"]}
+    assert Recompute.from_json(both.to_json()) == both and str(both) == "mlp+offload(core_attn)"
+    mb = MicroBatch(((0, 10),), both)
+    assert MicroBatch.from_json(mb.to_json()) == mb
+    with pytest.raises(ValueError):
+        Recompute("full", 2, offload=frozenset({"core_attn"}))
+    with pytest.raises(ValueError):
+        Recompute.from_json({"modules": ["mlp"], "bogus": 1})
+
+
+def test_dcp_seeded_with_a_baselines_layout_reliefs_each_microbatch():
+    """megatron-dynamic pays its run-wide relief on every micro-batch; the relief pass gives the light ones none."""
+    from dcp_megatron.planner.policies.megatron_dynamic import plan_megatron_dynamic
+    from dcp_megatron.planner.policies.relief_pass import with_own_reliefs
+    from dcp_megatron.planner.policies.settings import DynamicSetting
+    from dcp_megatron.planner.policies.common import check_batch
+
+    cost = _h200(gpus=8)
+    batch = [(i, 2000 + i) for i in range(64)]
+    ids, lengths = check_batch(batch)
+    waves = plan_megatron_dynamic(ids, lengths, cost, max_seq_len=4096,
+                                  setting=DynamicSetting(token_cap=8192, recompute=MLP))
+    assert {mb.recompute for w in waves for g in w.groups for mb in g.microbatches if mb.sequences} == {MLP}
+    own, changed = with_own_reliefs(waves, cost)
+    assert changed
+    assert {mb.recompute for w in own for g in w.groups for mb in g.microbatches if mb.sequences} == {NO_RECOMPUTE}

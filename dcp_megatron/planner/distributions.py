@@ -5,10 +5,10 @@ Built-ins are bucket tables: the fraction of documents whose length falls in eac
 real corpora (the corpora themselves are not shipped; only these fractions are):
 
 - "wikipedia": 1,000,000 Wikipedia documents with GPT-2-like tokens as used by FlexSP
-  (file wikipedia_flexsp.txt of the project's shared data): median 347 tokens, mean 1,014,
+  (PKU-DAIR/Hetu-Galvatron, branch flexsp, galvatron/datasets/wikipedia.txt): median 347 tokens, mean 1,014,
   max 1,823,777. Fractions are documents per bucket / 1,000,000; the three longest
   power-of-two buckets above 256K held 6 + 0 + 1 documents and are merged into one.
-- "prolong": a ProLong-style long-context mix as used by DistCA (prolong_distca.txt,
+- "prolong": a ProLong-style long-context mix as used by DistCA (hao-ai-lab/distca, dist_prolong.json,
   77,932 documents): min 575, median 1,914, mean 3,052, max 340,149 tokens.
 - "bytescale": a ByteScale-like production mix (the shape ByteScale, Ge et al. 2025, describes
   for its long-context training data: about 80% of documents under 4K tokens and a heavy tail
@@ -16,6 +16,10 @@ real corpora (the corpora themselves are not shipped; only these fractions are):
   80.0% of documents are under 4K; 0.008% are exactly 2,097,152 tokens (documents truncated at
   a 2M context, a point mass); mean about 5.8K tokens, so a 16M-token step holds about 2,900
   documents, and about one step in five holds a 2M document.
+- "wlb": a WLB-LLM-like mix (the length list DistCA compares WLB-LLM on: hao-ai-lab/distca,
+  distca/simulator/data/dist_wlbllm.json, 99,519 documents): median 3,227, mean 3,962, max 124,913
+  tokens (a 128K context); two thirds between 2K and 6.25K, 1.3% over 16K. Fractions are documents
+  per bucket / 99,519; the 4K-8K bucket is split at 6,250 (all but 394 of its documents are under it).
 - "lognormal": Megatron's mock length distribution, not a table: log-normal with
   sigma 1.5 and mu = ln(1024) - sigma^2/2 (so the unclipped mean is 1024 tokens), clipped to
   [128, 8192].
@@ -85,11 +89,28 @@ BYTESCALE_BUCKETS: BucketTable = (   # a ByteScale-like shape (this project's fr
     (BYTESCALE_MAX, BYTESCALE_MAX + 1, 0.00008),   # truncated at the 2M context
 )
 
+WLB_BUCKETS: BucketTable = (       # documents per bucket / 99,519
+    (1, 32, 0.004934),
+    (32, 64, 0.005125),
+    (64, 128, 0.009697),
+    (128, 256, 0.020177),
+    (256, 512, 0.039209),
+    (512, 1024, 0.080367),
+    (1024, 2048, 0.157809),
+    (2048, 4096, 0.319547),
+    (4096, 6250, 0.335454),
+    (6250, 8192, 0.003959),
+    (8192, 16384, 0.010360),
+    (16384, 32768, 0.004512),
+    (32768, 65536, 0.003547),
+    (65536, 124914, 0.005306),
+)
+
 LOGNORMAL_MIN, LOGNORMAL_MAX, LOGNORMAL_MEAN, LOGNORMAL_SIGMA = 128, 8192, 1024, 1.5
 
 BUCKET_TABLES: dict[str, BucketTable] = {"wikipedia": WIKIPEDIA_BUCKETS, "prolong": PROLONG_BUCKETS,
-                                          "bytescale": BYTESCALE_BUCKETS}
-BUILTIN_NAMES = ("wikipedia", "prolong", "lognormal", "bytescale")
+                                          "bytescale": BYTESCALE_BUCKETS, "wlb": WLB_BUCKETS}
+BUILTIN_NAMES = ("wikipedia", "prolong", "lognormal", "bytescale", "wlb")
 
 _BLOCK_SIZE = 4096
 

@@ -46,6 +46,14 @@ def test_wikipedia_shape_matches_the_facts():
     assert 300 <= np.median(lengths) <= 400          # the corpus median is 347
 
 
+def test_wlb_shape_matches_the_facts():
+    lengths = np.array(builtin_lengths("wlb", 400_000, seed=0))
+    assert 2_900 <= np.median(lengths) <= 3_600      # the list's median is 3,227
+    assert 3_600 <= lengths.mean() <= 4_400          # its mean 3,962
+    assert lengths.max() <= 124_913                  # a 128K context
+    assert abs(np.mean(lengths >= 16_384) - 0.0134) < 0.002
+
+
 def test_lognormal_mock():
     lengths = np.array(builtin_lengths("lognormal", 100_000, seed=0))
     assert lengths.min() == LOGNORMAL_MIN and lengths.max() == LOGNORMAL_MAX

@@ -41,6 +41,9 @@ class DcpConfig:
     row_multiple: int = 1            # each micro-batch's local rows padded to a multiple (FP8 GEMM shapes)
     fp8: bool = False                # linear GEMMs in FP8 (the cost model's FP8 rate and weight copies)
     te_attention: bool = False       # Transformer Engine's attention (on GPU: its p2p CP ring)
+    # --dcp-policy-setting: a baseline's run-wide setting (planner/policies/settings.py's StaticSetting or
+    # DynamicSetting; typed loosely, this module imports nothing of the project); None: the policy's default
+    policy_setting: object | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in DCP_POLICIES:
@@ -61,6 +64,15 @@ class DcpConfig:
             raise DcpUsageError(f"--dcp-row-alignment must be >= 1, got {self.row_multiple}")
         if self.seq_length < 1:
             raise DcpUsageError(f"--seq-length must be positive, got {self.seq_length}")
+        if self.policy_setting is not None:
+            takes = getattr(type(self.policy_setting), "POLICIES", None)
+            if takes is None:
+                raise DcpUsageError(f"--dcp-policy-setting must be a run-wide setting, got {self.policy_setting!r}")
+            if self.policy not in takes:
+                raise DcpUsageError(f"--dcp-policy-setting ({self.policy_setting}) is a setting of --dcp-policy "
+                                    f"{' / '.join(takes)}, not of --dcp-policy {self.policy}"
+                                    + (" (dcp plans every step itself: it takes no setting)"
+                                       if self.policy == "dcp" else ""))
 
 
 def refuse_bad_recompute(kinds: tuple[str, ...]) -> None:

@@ -54,6 +54,7 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
                                                load_deepspeed_config, prepare_deepspeed_config, torch_adam_params,
                                                zero_stage)
     from dcp_megatron.config import DcpConfig, parse_comma_list
+    from dcp_megatron.flags.dcp_flags import policy_setting_from_flag
     from dcp_megatron.flags.run_paths import check_writable_dir
 
     from dcp_megatron.deepspeed.megatron_flags import apply_megatron_flags
@@ -71,7 +72,8 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
            "recompute": parse_comma_list(args.dcp_recompute), "profile": args.dcp_profile, "dump_plans": args.dcp_dump_plans,
            "check_plans": True if args.dcp_check_plans else None, "gpus_per_node": args.dcp_gpus_per_node,
            "plan_ahead": False if args.dcp_sync_planning else None, "refine": False if args.dcp_no_refine else None,
-           "cp_attention": parse_comma_list(args.dcp_cp_attention)}
+           "cp_attention": parse_comma_list(args.dcp_cp_attention),
+           "policy_setting": policy_setting_from_flag(args.dcp_policy_setting, args.dcp_policy)}
     # Transformer Engine's attention (GPU) runs its own CP comm type; the per-micro-batch Ulysses flavour is
     # our torch attention's (the local spec), so on GPU plans use the all-gather flavour.
     config = dcp_config(user_config, cli=cli, seq_length=args.seq_length, train_iters=args.train_iters,

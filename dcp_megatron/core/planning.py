@@ -70,7 +70,8 @@ def checked_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int
 
 def plan_global_batch(config: DcpConfig, sequences, cost: CostModel) -> StepPlan:
     """The plan every rank runs for a global batch [(sequence_id, length)]."""
-    return make_plan(config.policy, list(sequences), cost, max_seq_len=config.seq_length)
+    return make_plan(config.policy, list(sequences), cost, max_seq_len=config.seq_length,
+                     setting=config.policy_setting)
 
 
 def plan_digest(plan: StepPlan) -> int:
@@ -128,3 +129,19 @@ def check_longest_fits(config: DcpConfig, cost: CostModel) -> None:
             f"{budget_gib:.3f} GiB per rank with recompute {'/'.join(cost.allowed_recompute)}: raise "
             f"--dcp-memory-budget-gb{recompute}, raise --dcp-max-cp-size, lower --seq-length, or use more "
             f"ranks{static_problem}") from None
+    check_policy_setting(config, cost)
+
+
+def check_policy_setting(config: DcpConfig, cost: CostModel) -> None:
+    """Before the first step: a --dcp-policy-setting must run a --seq-length document (its CP size divides the
+    domain, its recompute is allowed and holds the document's share, its token cap holds it)."""
+    from dcp_megatron.config import DcpUsageError
+
+    if config.policy_setting is None:
+        return
+    try:
+        make_plan(config.policy, [(0, config.seq_length)], cost, max_seq_len=config.seq_length,
+                  setting=config.policy_setting)
+    except ValueError as err:
+        raise DcpUsageError(f"--dcp-policy-setting ({config.policy_setting}) cannot run a --seq-length "
+                            f"{config.seq_length} document: {err}") from None

@@ -40,6 +40,10 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--dcp", action="store_true",
                        help="plan each global batch: CP size per document, micro-batches per rank, recompute")
     group.add_argument("--dcp-policy", choices=DCP_POLICIES, default=None, help="planner policy (default: dcp)")
+    group.add_argument("--dcp-policy-setting", default=None, metavar="JSON",
+                       help='a baseline policy\'s run-wide setting, e.g. {"token_cap": 4096, "min_cp_size": 1, '
+                            '"recompute": "none"} for megatron-dynamic / megatron-hybrid, {"cp_size": 2, '
+                            '"recompute": {"full_layers": 2}} for static (default: the policy\'s own)')
     group.add_argument("--dcp-max-cp-size", type=int, default=None, help="largest CP group a document may use")
     group.add_argument("--dcp-memory-budget-gb", type=float, default=None,
                        help="memory per rank the planner may fill (GiB; default: the cluster preset's)")
@@ -80,9 +84,29 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+def policy_setting_from_flag(text: str | None, policy: str | None):
+    """--dcp-policy-setting's JSON as the policy's StaticSetting / DynamicSetting (None when not given; with no
+    policy, the kind its keys name: DcpConfig then checks it against the policy); DcpUsageError naming the flag
+    for bad JSON, wrong keys or values, or a policy that takes no setting."""
+    import json
+
+    from dcp_megatron.config import DcpUsageError
+    from dcp_megatron.planner.policies.settings import setting_from_json
+
+    if text is None:
+        return None
+    try:
+        return setting_from_json(json.loads(text), policy)
+    except ValueError as err:   # (json.JSONDecodeError is one)
+        raise DcpUsageError(f"--dcp-policy-setting {text}: {err}") from None
+
+
 def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
     recompute = recompute_choices(args.dcp_recompute) or RECOMPUTE_CHOICES
-    return DcpConfig(policy=args.dcp_policy or "dcp", max_cp_size=args.dcp_max_cp_size,
+    return DcpConfig(policy=args.dcp_policy or "dcp",
+                     policy_setting=policy_setting_from_flag(getattr(args, "dcp_policy_setting", None),
+                                                             args.dcp_policy),
+                     max_cp_size=args.dcp_max_cp_size,
                      memory_budget_gb=args.dcp_memory_budget_gb, recompute=recompute, profile=args.dcp_profile,
                      dump_plans=args.dcp_dump_plans, check_plans=not getattr(args, "dcp_no_check_plans", False),
                      gpus_per_node=(local_world_size() if args.dcp_gpus_per_node is None

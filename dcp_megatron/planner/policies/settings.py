@@ -16,12 +16,14 @@ setting. `planner/baseline_sweep.py` picks the setting with the lowest mean step
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from dcp_megatron.planner.plan import Recompute
 
 
 @dataclass(frozen=True, kw_only=True)
 class StaticSetting:
+    POLICIES: ClassVar[tuple[str, ...]] = ("static", "static-balanced")   # the policies that take it
     cp_size: int
     recompute: Recompute
 
@@ -34,9 +36,13 @@ class StaticSetting:
     def __str__(self) -> str:
         return f"cp {self.cp_size}, recompute {self.recompute}"
 
+    def to_json(self) -> dict:
+        return {"cp_size": self.cp_size, "recompute": self.recompute.to_json()}
+
 
 @dataclass(frozen=True, kw_only=True)
 class DynamicSetting:
+    POLICIES: ClassVar[tuple[str, ...]] = ("megatron-dynamic", "megatron-hybrid")
     token_cap: int               # max_seqlen_per_dp_cp_rank: padded tokens per rank of a micro-batch
     recompute: Recompute         # run-wide: every micro-batch pays it
     min_cp_size: int = 1         # the smallest dynamic CP size
@@ -51,6 +57,36 @@ class DynamicSetting:
 
     def __str__(self) -> str:
         return f"cap {self.token_cap}, min cp {self.min_cp_size}, recompute {self.recompute}"
+
+    def to_json(self) -> dict:
+        return {"token_cap": self.token_cap, "min_cp_size": self.min_cp_size, "recompute": self.recompute.to_json()}
+
+
+SETTING_KEYS = {StaticSetting: ({"cp_size", "recompute"}, set()),                  # (required, optional)
+                DynamicSetting: ({"token_cap", "recompute"}, {"min_cp_size"})}
+
+
+def setting_from_json(obj: Any, policy: str | None = None) -> StaticSetting | DynamicSetting:
+    """A run-wide setting from its JSON object (`to_json`'s form; recompute as plan.py's Recompute JSON). With
+    `policy`, the kind that policy takes; without, the kind its keys name. ValueError saying what is wrong."""
+    kinds = [k for k in SETTING_KEYS if policy is None or policy in k.POLICIES]
+    if not kinds:
+        raise ValueError(f"policy {policy!r} takes no run-wide setting; settings are for "
+                         + ", ".join(p for k in SETTING_KEYS for p in k.POLICIES))
+    if not isinstance(obj, dict):
+        raise ValueError(f"a setting is a JSON object, got {obj!r}")
+
+    def form(kind) -> str:
+        required, optional = SETTING_KEYS[kind]
+        return "{" + ", ".join(sorted(required) + [f"{k} (optional)" for k in sorted(optional)]) + "}"
+
+    for kind in kinds:
+        required, optional = SETTING_KEYS[kind]
+        if required <= set(obj) <= required | optional:
+            values = {k: v for k, v in obj.items() if k != "recompute"}
+            return kind(recompute=Recompute.from_json(obj["recompute"]), **values)
+    what = f"policy {policy!r} takes" if policy is not None else "a setting has the keys"
+    raise ValueError(f"{what} {' or '.join(form(k) for k in kinds)}, got keys {sorted(obj)}")
 
 
 def check_recompute_fits(cost, local_tokens: int, recompute: Recompute, what: str) -> None:

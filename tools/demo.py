@@ -75,7 +75,11 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 def command(prefix: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
             str(_free_port()), os.path.join(ROOT, "pretrain_scripts", "pretrain_gpt.py"),
-            *model_flags(args), "--data-path", prefix, "--split", "100,0,0", "--tokenizer-type", "NullTokenizer",
+            *training_flags(prefix, args, extra)]
+
+
+def training_flags(prefix: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
+    return [*model_flags(args), "--data-path", prefix, "--split", "100,0,0", "--tokenizer-type", "NullTokenizer",
             "--vocab-size", "257", "--dataloader-inter-document-masking", "--calculate-per-token-loss",
             "--train-iters", str(args.steps), "--eval-iters", "0", "--eval-interval", str(args.steps), "--lr", "3e-3",
             "--lr-warmup-iters", "3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--clip-grad", "1.0",
@@ -100,14 +104,36 @@ def _show(label: str, it: int, step) -> None:
           flush=True)
 
 
-def train_interleaved(prefix: str, args: argparse.Namespace, budget: list[str], tb_root: str):
-    """Both runs, alternating blocks of --block steps (tools/demo_interleave.py)."""
+def run_flags(budget: list[str], tuned_setting: str) -> list[tuple[str, list[str]]]:
+    """(label, the run's --dcp flags) of the three runs."""
+    return [("dcp", ["--dcp", *budget]), ("static", ["--dcp", "--dcp-policy", "static", *budget]),
+            ("tuned", ["--dcp", "--dcp-policy", "megatron-dynamic", "--dcp-policy-setting", tuned_setting, *budget])]
+
+
+def tune(prefix: str, args: argparse.Namespace, budget: list[str]) -> str:
+    """megatron-dynamic's grid winner for the demo's own batches and cost model (tools/demo_tuning.py), printed."""
+    import logging
+
+    from demo_tuning import tune_megatron_dynamic
+
+    from dcp_megatron.planner.baseline_sweep import format_sweep
+
+    logging.getLogger("megatron").setLevel(logging.WARNING)   # the dataset builder's INFO lines
+    result, setting = tune_megatron_dynamic(training_flags(prefix, args, ["--dcp", "--dcp-policy",
+                                                                          "megatron-dynamic", *budget]))
+    print(f"== tuning megatron-dynamic for these {result.num_batches} global batches (planner/baseline_sweep.py, "
+          f"the runs' cost model):\n{format_sweep(result)}\n  winner: --dcp-policy-setting '{setting}'", flush=True)
+    return setting
+
+
+def train_interleaved(prefix: str, args: argparse.Namespace, runs_flags, tb_root: str):
+    """The runs, alternating blocks of --block steps (tools/demo_interleave.py)."""
     from demo_interleave import PausedRun, alternate
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT,
                CUDA_DEVICE_MAX_CONNECTIONS="1")
     runs = []
-    for label, extra in (("dcp", ["--dcp", *budget]), ("static", ["--dcp", "--dcp-policy", "static", *budget])):
+    for label, extra in runs_flags:
         extra = [*extra, "--tensorboard-dir", os.path.join(tb_root, label)]
         print(f"== {label}: {' '.join(extra)}", flush=True)
         runs.append(PausedRun(label=label, cmd=command(prefix, args, extra), env=env, cwd=ROOT,
@@ -167,9 +193,9 @@ def plot(rows, path: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup-steps", type=int, default=3, help="steps left out of tokens/s")
-    parser.add_argument("--block", type=int, default=3, help="steps each run trains before the other's turn")
+    parser.add_argument("--block", type=int, default=3, help="steps each run trains before the next one's turn")
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--global-batch-size", type=int, default=4, help="samples of --seq-length per step")
     parser.add_argument("--max-files", type=int, default=60, help="standard-library modules to read")
@@ -180,7 +206,7 @@ def main(argv=None) -> int:
     parser.add_argument("--modelled-only", action="store_true",
                         help="build the documents and print only the modelled H200 table (no training)")
     parser.add_argument("--profile", default=None, metavar="PROFILE.json",
-                        help="plan both runs with this measured profile (tools/profile.py on the demo's model flags)")
+                        help="plan every run with this measured profile (tools/profile.py on the demo's model flags)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # so the paused runs are ended too (finally)
     if args.profile is not None and not os.path.isfile(args.profile):
@@ -203,38 +229,49 @@ def main(argv=None) -> int:
         if args.modelled_only:
             print_modelled(lengths_file, args.out)
             return 0
+        tuned_setting = tune(prefix, args, budget)
         load_before = os.getloadavg()
-        dcp, static = train_interleaved(prefix, args, budget, os.path.join(tmp, "tb"))
+        runs = train_interleaved(prefix, args, run_flags(budget, tuned_setting), os.path.join(tmp, "tb"))
         load_after = os.getloadavg()
-        unrefined = {run.label: unrefined_predictions(os.path.join(tmp, "tb", run.label)) for run in (dcp, static)}
-    from demo_interleave import block_ratios
-
-    # Same batches, exact gradients: equal up to float summation order (7 significant digits printed).
-    losses = {run.label: [run.steps[i].loss for i in sorted(run.steps)] for run in (dcp, static)}
-    same = len(losses["dcp"]) == len(losses["static"]) == args.steps and all(
-        abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses["dcp"], losses["static"]))
-    ratio, per_block = block_ratios(dcp, static, skip=args.warmup_steps, block=args.block)
-    common = sorted(set(dcp.clean_steps()) & set(static.clean_steps()))
-    common = [i for i in common if i > args.warmup_steps]
-    tokens = len(common) * args.global_batch_size * args.seq_length
-
-    def total_ms(run, key):
-        return sum(getattr(run.steps[i], key) for i in common)
-
-    configured = sum(unrefined["static"][i] for i in common) / sum(unrefined["dcp"][i] for i in common)
-    ordered = sorted(per_block)
-    print(f"\n== result (2 CPU ranks, megatron.training's loop, identical global batches; the two runs alternate in "
-          f"blocks of {args.block} steps; {len(common)} steps measured cleanly in both, after the first "
-          f"{args.warmup_steps}; load average {load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end)")
-    for label, run in (("DCP   ", dcp), ("static", static)):
-        print(f"  {label} {tokens / (total_ms(run, 'ms') / 1000):9.0f} tokens/s measured")
-    print(f"  DCP / static = {ratio:.2f}x measured (per block: median {ordered[len(ordered) // 2]:.2f}x, "
-          f"min {ordered[0]:.2f}x, max {ordered[-1]:.2f}x over {len(ordered)} blocks)")
-    print(f"  predicted by the cost model as configured: {configured:.2f}x (both runs plan with --dcp-no-refine: "
-          f"online refinement would learn from step times that include the other run's pauses)")
-    print(f"  loss columns {'equal (within 1e-5)' if same else 'DIFFER'}")
+        unrefined = {run.label: unrefined_predictions(os.path.join(tmp, "tb", run.label)) for run in runs}
+    same = report(runs, unrefined, args, load_before, load_after)
     print_modelled(lengths_file, args.out)
     return 0 if same else 1
+
+
+def report(runs, unrefined: dict, args: argparse.Namespace, load_before, load_after) -> bool:
+    """tokens/s of each run, dcp vs each baseline measured (with its spread over the blocks) and as the cost
+    model predicts it; True when the loss columns agree."""
+    from demo_interleave import block_ratios, common_steps
+
+    dcp, baselines = runs[0], runs[1:]
+    # Same batches, exact gradients: equal up to float summation order (7 significant digits printed).
+    losses = {run.label: [run.steps[i].loss for i in sorted(run.steps)] for run in runs}
+    same = all(len(losses[run.label]) == args.steps and all(abs(a - b) <= 1e-5 * abs(b) for a, b in
+                                                             zip(losses["dcp"], losses[run.label])) for run in runs)
+    common = common_steps(runs, skip=args.warmup_steps)
+    if not common:
+        raise SystemExit("demo: no step was measured cleanly in every run; raise --steps")
+    tokens = len(common) * args.global_batch_size * args.seq_length
+    names = {"dcp": "DCP", "static": "static", "tuned": "tuned megatron-dynamic"}
+    print(f"\n== result (2 CPU ranks, megatron.training's loop, identical global batches; the {len(runs)} runs "
+          f"alternate in blocks of {args.block} steps; {len(common)} steps measured cleanly in all, after the first "
+          f"{args.warmup_steps}; load average {load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end)")
+    for run in runs:
+        measured = tokens / (sum(run.steps[i].ms for i in common) / 1000)
+        predicted = tokens / (sum(unrefined[run.label][i] for i in common) / 1000)
+        print(f"  {names[run.label]:<23} {measured:9.0f} tokens/s measured, {predicted:9.0f} predicted")
+    for base in baselines:
+        ratio, per_block = block_ratios(dcp, base, steps=common, block=args.block)
+        configured = sum(unrefined[base.label][i] for i in common) / sum(unrefined["dcp"][i] for i in common)
+        ordered = sorted(per_block)
+        print(f"  DCP / {names[base.label]} = {ratio:.2f}x measured (per block: median "
+              f"{ordered[len(ordered) // 2]:.2f}x, min {ordered[0]:.2f}x, max {ordered[-1]:.2f}x over "
+              f"{len(ordered)} blocks); predicted {configured:.2f}x")
+    print("  (predicted: each run's dcp/predicted_unrefined_s, the cost model as configured; every run plans with "
+          "--dcp-no-refine: online refinement would learn from step times that include the other runs' pauses)")
+    print(f"  loss columns {'equal (within 1e-5)' if same else 'DIFFER'}")
+    return same
 
 
 def print_modelled(lengths_file: str, out_dir: str) -> None:

@@ -1,10 +1,10 @@
-"""Two training runs measured under the same conditions: alternating blocks of steps.
+"""Training runs measured under the same conditions: alternating blocks of steps.
 
-Both runs start once and stay alive; only one runs at a time. Each is paused (SIGSTOP to
+Every run starts once and stays alive; only one runs at a time. Each is paused (SIGSTOP to
 torchrun and every process below it: its ranks, each in a process group of its own, and their
-data-loader workers) after a block of steps and the other resumes for the
-same steps, so a change in the machine's load lands in both runs' blocks alike, and both train the
-same global batches in the same order. A step whose wall-time interval contains a pause is left
+data-loader workers) after a block of steps and the next resumes for the
+same steps, in turn (the demo runs three), so a change in the machine's load lands in every run's blocks
+alike, and all train the same global batches in the same order. A step whose wall-time interval contains a pause is left
 out (its time includes the pause); the step times are Megatron's own "elapsed time per iteration".
 """
 from __future__ import annotations
@@ -148,14 +148,20 @@ def alternate(runs: list[PausedRun], *, total_steps: int, block: int) -> None:
             run.kill()
 
 
-def block_ratios(fast: PausedRun, slow: PausedRun, *, skip: int, block: int) -> tuple[float, list[float]]:
-    """slow's time / fast's time over the steps clean in both (after `skip`), overall and per block."""
-    a, b = fast.clean_steps(), slow.clean_steps()
-    common = [it for it in sorted(set(a) & set(b)) if it > skip]
-    if not common:
-        raise SystemExit("demo: no step was measured cleanly in both runs; raise --steps")
+def common_steps(runs: list[PausedRun], *, skip: int) -> list[int]:
+    """The steps after `skip` measured cleanly in every run."""
+    clean = [set(run.clean_steps()) for run in runs]
+    common = sorted(set.intersection(*clean)) if clean else []
+    return [it for it in common if it > skip]
+
+
+def block_ratios(fast: PausedRun, slow: PausedRun, *, steps: list[int], block: int) -> tuple[float, list[float]]:
+    """slow's time / fast's time over `steps` (common_steps of all runs compared), overall and per block."""
+    if not steps:
+        raise SystemExit("demo: no step was measured cleanly in every run; raise --steps")
     per_block: dict[int, list[int]] = {}
-    for it in common:
+    for it in steps:
         per_block.setdefault((it - 2) // block, []).append(it)
+    a, b = fast.steps, slow.steps
     ratios = [sum(b[i].ms for i in its) / sum(a[i].ms for i in its) for its in per_block.values()]
-    return sum(b[i].ms for i in common) / sum(a[i].ms for i in common), ratios
+    return sum(b[i].ms for i in steps) / sum(a[i].ms for i in steps), ratios

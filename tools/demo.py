@@ -1,26 +1,32 @@
 #!/usr/bin/env python3
-"""The CPU demo: `--dcp` inside Megatron's own training loop vs Megatron's static layout, on real text.
+"""The CPU demo: `--dcp` inside Megatron's own training loop vs Megatron's static layout and a tuned
+megatron-dynamic, on real text.
 
-  .venv/bin/python tools/demo.py            (what `make demo` runs; 4-6 min on 2 cores)
+  .venv/bin/python tools/demo.py            (what `make demo` runs; three runs of 16 steps)
 
 1. Builds a small real-text dataset from the Python standard library's own sources
    (tools/make_demo_data.py: one document per top-level definition, byte tokenizer, EOD 256):
    document lengths are long-tailed like a pretraining corpus.
-2. Trains a small GPT (4 layers, hidden 128, GQA 4/2 heads, RoPE, SwiGLU, RMSNorm) with
+2. Tunes megatron-dynamic (Megatron dev's dynamic CP) for the demo's own global batches: the batches
+   Megatron's dataset and sampler deal for the runs' flags and the cost model the runtime builds from them,
+   swept over planner/baseline_sweep.py's grid (tools/demo_tuning.py); prints the grid and its winner.
+   Then trains a small GPT (4 layers, hidden 128, GQA 4/2 heads, RoPE, SwiGLU, RMSNorm) with
    pretrain_scripts/pretrain_gpt.py through megatron.training's loop on 2 CPU ranks (gloo),
-   Megatron's GPT dataset with documents separated (--dataloader-inter-document-masking), twice
+   Megatron's GPT dataset with documents separated (--dataloader-inter-document-masking), three times
    on identical global batches: with `--dcp` (each step's lengths decide CP sizes, micro-batches
-   and recompute) and with `--dcp --dcp-policy static` (Megatron's static layout: CP 2 for every
-   document and the one recompute setting a full-length document needs, run by the same runtime), both
-   with 18 MiB of modelled memory per rank (--dcp-memory-budget-gb 0.02).
-   The two runs are measured under the same conditions: both stay alive and alternate in blocks
-   of --block steps (one paused while the other trains the same steps, tools/demo_interleave.py),
-   so a change in the machine's load hits both; a step whose time spans a pause is left out.
-   Iteration lines stream while the runs go; both print the same loss column.
-3. Prints both runs' tokens/s over the steps measured cleanly in both, the measured ratio with its
-   spread over the blocks, and the cost model's ratio as configured (the dcp/predicted_unrefined_s
-   scalar of each run's TensorBoard events). Both runs plan with --dcp-no-refine: online refinement
-   follows measured times (so it is no independent prediction), and a pause can fall inside a step.
+   and recompute), with `--dcp --dcp-policy static` (Megatron's static layout: CP 2 for every
+   document and the one recompute setting a full-length document needs) and with `--dcp --dcp-policy
+   megatron-dynamic --dcp-policy-setting <winner>` (tuned), all run by the same runtime with 18 MiB of
+   modelled memory per rank (--dcp-memory-budget-gb 0.02).
+   The runs are measured under the same conditions: all stay alive and take turns in blocks
+   of --block steps (each paused while the others train the same steps, tools/demo_interleave.py),
+   so a change in the machine's load hits all; a step whose time spans a pause is left out.
+   Iteration lines stream while the runs go; all print the same loss column.
+3. Prints each run's tokens/s (measured and predicted) over the steps measured cleanly in all, DCP / static
+   and DCP / tuned megatron-dynamic measured with their spread over the blocks, and the cost model's ratios
+   as configured (the dcp/predicted_unrefined_s scalar of each run's TensorBoard events). Every run plans
+   with --dcp-no-refine: online refinement follows measured times (so it is no independent prediction),
+   and a pause can fall inside a step.
 4. For the same documents, prints what the simulator predicts for DCP vs static, vs megatron-dynamic
    and vs the best baseline on 8, 32 and 64 H200s (Llama-3-8B; modelled, not measured; every baseline
    tuned by the simulator's sweep, dcp untuned) and draws the ratios to demo_out/h200_model.png.

@@ -103,3 +103,14 @@ def test_the_run_time_plan_follows_the_setting():
                        '{"full_layers": 4}}')
     plan = plan_global_batch(static, batch, cost)
     assert {mb.recompute for mb in microbatches(plan)} == {Recompute("full", 4)}
+
+
+def test_the_deepspeed_script_carries_the_setting_too():
+    from dcp_megatron.deepspeed.config import dcp_config
+
+    setting = DynamicSetting(token_cap=1024, recompute=Recompute("selective"))
+    common = dict(seq_length=SEQ, train_iters=10, log_interval=1, dcp_flag=True, domain_size=2)
+    config = dcp_config({"dcp": {"policy": "megatron-dynamic"}}, cli={"policy_setting": setting}, **common)
+    assert config.policy_setting == setting
+    with pytest.raises(DcpUsageError, match="not of --dcp-policy dcp"):   # the block's policy: dcp takes none
+        dcp_config({"dcp": {"policy": "dcp"}}, cli={"policy_setting": setting}, **common)

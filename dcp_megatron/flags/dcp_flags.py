@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from dcp_megatron.config import (DCP_POLICIES, RECOMPUTE_CHOICES, DcpConfig, local_world_size, parse_comma_list,
+from dcp_megatron.config import (DCP_POLICIES, DEFAULT_RECOMPUTE, RECOMPUTE_CHOICES, DcpConfig, local_world_size, parse_comma_list,
                                  recompute_choices)
 from dcp_megatron.flags.fp8_checks import fp8_row_multiple
 
@@ -44,7 +44,10 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--dcp-memory-budget-gb", type=float, default=None,
                        help="memory per rank the planner may fill (GiB; default: the cluster preset's)")
     group.add_argument("--dcp-recompute", default=None,
-                       help=f"comma list of recompute kinds the planner may choose from {','.join(RECOMPUTE_CHOICES)}")
+                       help="comma list of the memory reliefs the planner may choose per micro-batch, from "
+                       f"{','.join(RECOMPUTE_CHOICES)} (default {','.join(DEFAULT_RECOMPUTE)}; core_attn, mlp, "
+                       "layernorm, moe_act, moe: megatron-core's recompute_modules; selective: core_attn; full: "
+                       "the fewest whole layers)")
     group.add_argument("--dcp-profile", default=None, help="measured profile JSON overriding the cost model")
     group.add_argument("--dcp-dump-plans", default=None, metavar="DIR", help="write each step's plan JSON to DIR")
     group.add_argument("--dcp-gpus-per-node", type=int, default=None,
@@ -81,7 +84,7 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
-    recompute = recompute_choices(args.dcp_recompute) or RECOMPUTE_CHOICES
+    recompute = recompute_choices(args.dcp_recompute) or DEFAULT_RECOMPUTE
     return DcpConfig(policy=args.dcp_policy or "dcp", max_cp_size=args.dcp_max_cp_size,
                      memory_budget_gb=args.dcp_memory_budget_gb, recompute=recompute, profile=args.dcp_profile,
                      dump_plans=args.dcp_dump_plans, check_plans=not getattr(args, "dcp_no_check_plans", False),

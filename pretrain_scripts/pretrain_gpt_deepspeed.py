@@ -124,6 +124,17 @@ def build_model(args: argparse.Namespace, *, has_gpu: bool, bf16: bool):
     return model, config
 
 
+def initialize_engine(model, ds_config: dict, schedule):
+    """DeepSpeed's engine over the model; with Megatron's schedule flags (`schedule`: lr_schedule.MegatronSchedule)
+    it steps Megatron's scheduler, built over the optimizer DeepSpeed builds from the JSON."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                           model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                           lr_scheduler=None if schedule is None else schedule.build)
+    return engine
+
+
 def forward_loss(engine, batch: dict):
     """(sum of the micro-batch's masked token losses, its valid token count): the per-token loss."""
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -217,10 +228,7 @@ def setup_training(args: argparse.Namespace) -> Training:
                               data_parallel_rank=rank, data_parallel_size=world_size)
         bf16 = bool((ds_config.get("bf16") or {}).get("enabled"))
         model, model_config = build_model(args, has_gpu=has_gpu, bf16=bf16)
-        # with schedule flags DeepSpeed steps Megatron's scheduler, built over the optimizer it builds (lr_schedule.py)
-        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
-                                               model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                               lr_scheduler=None if schedule is None else schedule.build)
+        engine = initialize_engine(model, ds_config, schedule)
         device = torch.device("cuda", torch.cuda.current_device()) if has_gpu else torch.device("cpu")
         pool = GroupPool([list(range(world_size))], timeout=timeout)
         steps = DcpSteps(config=config, shares=shares, cost=cost, pool=pool, model_config=model_config,

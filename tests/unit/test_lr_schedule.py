@@ -89,17 +89,18 @@ def one_rank():
 
 
 def _engine(schedule, *, weight_decay=None):
-    import deepspeed
+    """The script's engine (its initialize_engine) over a tiny linear model, ZeRO-1."""
     import torch
 
+    from tests.support.deepspeed_runs import load_ds_script
+
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
     params = {"lr": PEAK, **({} if weight_decay is None else {"weight_decay": weight_decay})}
+    # ZeRO-1: DeepSpeed restores the optimizer partition (its param groups' saved rates) after the scheduler's state
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
-              "optimizer": {"type": "SGD", "params": params}}
-    engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=list(model.parameters()),
-                                           lr_scheduler=schedule.build)
-    return engine
+              "optimizer": {"type": "SGD", "params": params}, "zero_optimization": {"stage": 1},
+              "zero_allow_untested_optimizer": True}
+    return load_ds_script().initialize_engine(torch.nn.Linear(4, 4), config, schedule)
 
 
 def _train(engine, updates: int) -> list[float]:

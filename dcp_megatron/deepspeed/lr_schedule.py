@@ -154,6 +154,13 @@ def megatron_schedule(args: argparse.Namespace, ds_config: dict) -> MegatronSche
     peak_lr = args.lr if args.lr is not None else params.get("lr")
     if peak_lr is None:
         raise DcpUsageError(f"{', '.join(flags)}: give --lr (the peak learning rate Megatron's scheduler shapes)")
+    if args.min_lr > peak_lr or args.lr_warmup_init > peak_lr:
+        flag, value = ("--min-lr", args.min_lr) if args.min_lr > peak_lr else ("--lr-warmup-init", args.lr_warmup_init)
+        raise DcpUsageError(f"{flag} {value} is above the peak learning rate {peak_lr} (--lr, or the DeepSpeed "
+                            f"config's optimizer \"lr\"): lower {flag} or raise --lr")
+    from dcp_megatron.flags.flag_checks import check_warmup_below_decay
+
+    check_warmup_below_decay(args)   # named as on the Megatron path (Megatron's own check is a bare assert)
     weight_decay_from_optimizer = args.weight_decay_incr_style == "constant"
     if not weight_decay_from_optimizer and "weight_decay" in params:
         raise DcpUsageError(f"--weight-decay-incr-style {args.weight_decay_incr_style} sets the weight decay from "

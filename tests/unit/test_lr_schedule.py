@@ -163,7 +163,8 @@ def test_without_schedule_flags_the_json_decides(tmp_path):
     (["--lr-decay-style", "cosine", "--weight-decay-incr-style", "linear", "--start-weight-decay", "0",
       "--end-weight-decay", "0.1"], {"optimizer": {"type": "SGD", "params": {"lr": PEAK, "weight_decay": 0.1}}},
      ["--weight-decay-incr-style linear", '"weight_decay": 0.1']),
-    (["--min-lr", "1.0"], {}, ["--min-lr", "Megatron's scheduler refused"]),
+    (["--min-lr", "1.0"], {}, ["--min-lr 1.0 is above the peak learning rate 0.003"]),
+    (["--lr-warmup-iters", str(ITERS)], {}, [f"--lr-warmup-iters {ITERS} must be below --train-iters {ITERS}"]),
 ])
 def test_conflicts_stop_at_start(tmp_path, flags, extra, message):
     with pytest.raises(DcpUsageError) as err:

@@ -11,7 +11,12 @@ import os
 from dataclasses import dataclass
 
 DCP_POLICIES = ("static", "static-balanced", "megatron-hybrid", "megatron-dynamic", "dcp")
-RECOMPUTE_CHOICES = ("none", "selective", "full")
+# --dcp-recompute's names: the planner's relief menu (planner/relief.py MENU_NAMES; a unit test holds them equal):
+# none, full (k layers), megatron-core's recompute_modules one by one ("selective": core attention, the old
+# name), and "offload" (fine-grained activation offloading, planned by the simulator, not run by --dcp yet)
+RECOMPUTE_CHOICES = ("none", "selective", "full", "core_attn", "mlp", "layernorm", "moe_act", "moe", "offload")
+DEFAULT_RECOMPUTE = ("none", "selective", "full", "mlp")   # what runs on every stack, CPU included
+NEEDS_TRANSFORMER_ENGINE = ("layernorm", "moe_act")   # recomputed by TE's CheckpointWithoutOutput only
 CP_ATTENTION_CHOICES = ("allgather", "ulysses")
 
 
@@ -26,7 +31,7 @@ class DcpConfig:
     policy: str = "dcp"
     max_cp_size: int | None = None
     memory_budget_gb: float | None = None
-    recompute: tuple[str, ...] = RECOMPUTE_CHOICES
+    recompute: tuple[str, ...] = DEFAULT_RECOMPUTE
     profile: str | None = None
     dump_plans: str | None = None
     check_plans: bool = True         # one all-reduced plan hash per step (planning.check_same_plan)
@@ -54,6 +59,11 @@ class DcpConfig:
                                                       and self.memory_budget_gb > 0):
             raise DcpUsageError(f"--dcp-memory-budget-gb must be a positive number of GiB, got {self.memory_budget_gb}")
         refuse_bad_recompute(self.recompute)
+        needs_te = [r for r in self.recompute if r in NEEDS_TRANSFORMER_ENGINE]
+        if needs_te and not self.te_attention:
+            raise DcpUsageError(f"--dcp-recompute {','.join(needs_te)} needs --transformer-impl transformer_engine: "
+                                "megatron-core recomputes those modules with CheckpointWithoutOutput, which needs "
+                                f"Transformer Engine; drop {','.join(needs_te)} or run the TE spec on GPU")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise DcpUsageError(f"--dcp-gpus-per-node must be >= 1, got {self.gpus_per_node}")
         bad = [a for a in self.cp_attention if a not in CP_ATTENTION_CHOICES]
@@ -81,6 +91,9 @@ def refuse_bad_recompute(kinds: tuple[str, ...]) -> None:
     if bad or not kinds:
         raise DcpUsageError(f"--dcp-recompute: unknown {bad or 'empty list'}; give a comma list from "
                             f"{','.join(RECOMPUTE_CHOICES)}")
+    if "offload" in kinds:
+        raise DcpUsageError("--dcp-recompute offload: megatron-core's fine-grained activation offloading is "
+                            "planned and modelled by dcp-simulate, but --dcp does not run it yet; drop 'offload'")
 
 
 def recompute_choices(value: str | None) -> tuple[str, ...] | None:

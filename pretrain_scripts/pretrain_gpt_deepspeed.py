@@ -11,7 +11,8 @@ data (Megatron's tokenizer, GPT datasets, blended builder and pretraining sample
 `--global-batch-size` samples Megatron's loop would). The model is megatron-core's GPTModel from the
 same flags (`core_transformer_config_from_args`; TP = PP = 1: DeepSpeed's data-parallel group, the world,
 is the DCP domain). DeepSpeed owns the rest: the JSON config (ZeRO stage, bf16 or fp32, gradient clipping,
-the optimizer and scheduler blocks; Megatron's flags for these are refused, not ignored),
+the optimizer and scheduler blocks; Megatron's optimizer flags are written into it, its schedule flags run
+Megatron's own scheduler on the engine: dcp_megatron/deepspeed/megatron_flags.py, lr_schedule.py),
 `deepspeed.initialize`, `save_checkpoint`/`load_checkpoint` (our data position travels in its client
 state) and its progress lines (`steps_per_print`).
 
@@ -125,6 +126,17 @@ def build_model(args: argparse.Namespace, *, has_gpu: bool, bf16: bool):
     return model, config
 
 
+def initialize_engine(model, ds_config: dict, schedule):
+    """DeepSpeed's engine over the model; with Megatron's schedule flags (`schedule`: lr_schedule.MegatronSchedule)
+    it steps Megatron's scheduler, built over the optimizer DeepSpeed builds from the JSON."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                           model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                           lr_scheduler=None if schedule is None else schedule.build)
+    return engine
+
+
 def forward_loss(engine, batch: dict):
     """(sum of the micro-batch's masked token losses, its valid token count): the per-token loss."""
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -167,6 +179,9 @@ def setup_training(args: argparse.Namespace) -> Training:
     and planned steps, in that order."""
     has_gpu = torch.cuda.is_available()
     ds_config, config = deepspeed_setup(args, has_gpu=has_gpu)
+    from dcp_megatron.deepspeed.lr_schedule import megatron_schedule
+
+    schedule = megatron_schedule(args, ds_config)   # Megatron's schedule flags: its own scheduler, checked here
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
     from dcp_megatron.deepspeed.config import zero_stage
@@ -215,8 +230,7 @@ def setup_training(args: argparse.Namespace) -> Training:
                               data_parallel_rank=rank, data_parallel_size=world_size)
         bf16 = bool((ds_config.get("bf16") or {}).get("enabled"))
         model, model_config = build_model(args, has_gpu=has_gpu, bf16=bf16)
-        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
-                                               model_parameters=[p for p in model.parameters() if p.requires_grad])
+        engine = initialize_engine(model, ds_config, schedule)
         device = torch.device("cuda", torch.cuda.current_device()) if has_gpu else torch.device("cpu")
         pool = GroupPool([list(range(world_size))], timeout=timeout)
         steps = DcpSteps(config=config, shares=shares, cost=cost, pool=pool, model_config=model_config,

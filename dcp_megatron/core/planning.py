@@ -32,7 +32,10 @@ def model_shape_from_args(args, *, vocab_size: int | None = None) -> ModelShape:
         ep=getattr(args, "expert_model_parallel_size", 1) if getattr(args, "num_experts", None) else 1,
         # MoE: router + top-k experts in FLOPs, experts / ep in memory, EP all-to-alls (planner/moe_cost.py)
         num_experts=getattr(args, "num_experts", None), moe_topk=getattr(args, "moe_router_topk", None) or 2,
-        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None))
+        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
+        # what the layers keep for backward depends on the spec and on sequence parallelism (planner/activations.py)
+        transformer_impl="local" if getattr(args, "transformer_impl", None) == "local" else "transformer_engine",
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
 
 
 def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:

@@ -3,17 +3,19 @@
 A user moves between the engines with one flag set: the model, data (`--data-path` blends, `--split`,
 `--mock-data`, `--tokenizer-type`), batch (`--global-batch-size`, `--micro-batch-size`, `--seq-length`),
 run (`--train-iters`, `--save`, `--load`, `--save-interval`, `--log-interval`, `--seed`,
-`--distributed-timeout-minutes`) and `--dcp*` flags are parsed by megatron.training's parser (with
+`--distributed-timeout-minutes`), learning-rate and weight-decay schedule (`--lr-decay-style`, `--lr-warmup-*`,
+`--lr-decay-iters`, `--min-lr`, `--*-weight-decay*`: Megatron's own scheduler on the engine, lr_schedule.py) and
+`--dcp*` flags are parsed by megatron.training's parser (with
 our `--dcp*` group, dcp_megatron/flags/dcp_flags.py) and checked by Megatron's `validate_args`.
-DeepSpeed adds `--deepspeed-config` (its JSON owns the ZeRO stage, precision, optimizer, scheduler and
-clipping) and `--override-optimizer-config`.
+DeepSpeed adds `--deepspeed-config` (its JSON owns the ZeRO stage, precision, optimizer, clipping and, without
+Megatron's schedule flags, the scheduler) and `--override-optimizer-config`.
 
 What the DeepSpeed script cannot honour is refused by name (exit 2), never dropped: tensor, pipeline
-or context parallelism (DeepSpeed's data-parallel group is the DCP domain), Megatron's optimizer and
-learning-rate schedule flags and `--use-distributed-optimizer` (the JSON sets those; `--lr`, `--optimizer`,
-`--adam-*`, `--weight-decay`, `--clip-grad`, `--bf16`/`--fp16` are written into it: megatron_flags.py), Megatron's
-`--tensorboard-dir`/`--wandb-*` writers (the JSON's monitor blocks), and `--train-samples` (the run counts
-steps). Evaluation (`--eval-interval`, `--eval-iters`) runs once either is given (evaluation.py).
+or context parallelism (DeepSpeed's data-parallel group is the DCP domain), `--use-distributed-optimizer` (the
+JSON's ZeRO stage; `--lr`, `--optimizer`, `--adam-*`, `--weight-decay`, `--clip-grad`, `--bf16`/`--fp16` are
+written into the JSON: megatron_flags.py), a schedule flag beside the JSON's "scheduler" block (two schedules),
+Megatron's `--tensorboard-dir`/`--wandb-*` writers (the JSON's monitor blocks), and `--train-samples` and the
+sample-counted schedule flags (the run counts steps). Evaluation (`--eval-interval`, `--eval-iters`) runs once either is given (evaluation.py).
 """
 from __future__ import annotations
 
@@ -26,9 +28,9 @@ import torch
 from dcp_megatron.config import DcpUsageError
 
 # Megatron flags the JSON decides under DeepSpeed (refused when given, with where to put them instead); the
-# optimizer, clipping and precision flags are mapped onto the JSON instead (megatron_flags.py).
-_JSON_OWNS = ("--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-warmup-iters", "--lr-warmup-fraction",
-              "--use-distributed-optimizer")
+# optimizer, clipping and precision flags are mapped onto the JSON (megatron_flags.py), the schedule flags run
+# Megatron's own scheduler (lr_schedule.py).
+_JSON_OWNS = ("--use-distributed-optimizer",)
 _NOT_RUN = ("--train-samples",)
 _EVAL_FLAGS = ("--eval-interval", "--eval-iters")   # evaluation runs once either is given (evaluation.py)
 # Megatron's writers are not built under DeepSpeed: its monitor (scalar_writers.py) writes what the JSON enables.
@@ -76,7 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     refuse_unrun_flags(argv, args)
     from dcp_megatron.deepspeed.megatron_flags import given_megatron_flags
 
+    from dcp_megatron.deepspeed.lr_schedule import given_schedule_flags
+
     args.deepspeed_megatron_flags = given_megatron_flags(argv, args)   # written into the JSON (deepspeed_setup)
+    args.deepspeed_schedule_flags = given_schedule_flags(argv)   # Megatron's scheduler on the engine (lr_schedule.py)
     args.deepspeed_evaluate = any(_given(argv, flag) for flag in _EVAL_FLAGS)
     args.rank = int(os.environ.get("RANK", 0))
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -157,10 +162,8 @@ def _unwrapped_validate(arguments):
 def refuse_unrun_flags(argv: list[str], args: argparse.Namespace) -> None:
     owned = [flag for flag in _JSON_OWNS if _given(argv, flag)]
     if owned:
-        raise DcpUsageError(f"{', '.join(owned)}: under DeepSpeed the --deepspeed-config JSON's \"scheduler\" block sets "
-                            "the learning-rate schedule (DeepSpeed's warm-up runs one update behind Megatron's, so no "
-                            "JSON reproduces these flags) and its ZeRO stage shards the optimizer; move these settings "
-                            "there")
+        raise DcpUsageError(f"{', '.join(owned)}: under DeepSpeed the --deepspeed-config JSON's ZeRO stage shards the "
+                            'optimizer ("zero_optimization": {"stage": 1}); set it there')
     monitor = [flag for flag in _MONITOR_FLAGS if _given(argv, flag)]
     if monitor:
         raise DcpUsageError(f"{', '.join(monitor)}: under DeepSpeed the --deepspeed-config JSON's monitor blocks write "

@@ -158,10 +158,12 @@ def load(engine, directory: str, *, apply_config: bool) -> tuple[int, dict]:
     if not isinstance(ours, dict) or not {"iteration", "data"} <= set(ours):
         raise DcpUsageError(f"--load {directory}: checkpoint {path} was not written by this script (no data position "
                             "in its client state), so the run cannot continue its data where it stopped")
+    scheduler = engine.lr_scheduler
     if apply_config:
         for group, values in zip(engine.optimizer.param_groups, configured):
             group.update({k: v for k, v in values.items() if k not in ("step", "initial_lr")})
-        scheduler = engine.lr_scheduler
         if scheduler is not None and hasattr(scheduler, "last_batch_iteration"):
             scheduler.step(scheduler.last_batch_iteration)   # the new schedule's rate at the resumed iteration
+    if hasattr(scheduler, "reapply"):   # Megatron's scheduler (lr_schedule.py): its rate, not the saved groups'
+        scheduler.reapply()
     return int(ours["iteration"]), ours["data"]

@@ -7,17 +7,17 @@ do not override the JSON):
 | flag | JSON |
 |---|---|
 | `--optimizer adam` / `sgd` | `"optimizer": {"type": "AdamW"}` / `"SGD"` (Megatron's Adam decouples weight decay, as DeepSpeed's AdamW and its Adam with `adam_w_mode` do); SGD also takes `"momentum"` from `--sgd-momentum` (Megatron's default 0.9) where the JSON has none |
-| `--lr` | `"optimizer": {"params": {"lr"}}`: the peak rate; the JSON's `"scheduler"` block shapes it |
+| `--lr` | `"optimizer": {"params": {"lr"}}`: the peak rate; the JSON's `"scheduler"` block or Megatron's schedule flags (lr_schedule.py) shape it |
 | `--adam-beta1`, `--adam-beta2`, `--adam-eps`, `--weight-decay` | `"betas"`, `"eps"`, `"weight_decay"` of the optimizer's params |
 | `--clip-grad` | `"gradient_clipping"` |
 | `--bf16` / `--fp16` | `"bf16"` / `"fp16"`: `{"enabled": true}` |
 
 An optimizer block is created from the flags when the JSON has none (type from `--optimizer`, default adam).
-What is not mapped stays refused (arguments.py): Megatron's learning-rate schedule flags (`--lr-decay-style`,
-`--lr-warmup-*`, `--lr-decay-iters`, `--min-lr`): DeepSpeed's warm-up runs one update behind Megatron's
-`OptimizerParamScheduler` (WarmupCosineLR, linear warm-up of 2, peak 3e-3: updates 2-3 at 0 and 1.5e-3,
-Megatron's at 1.5e-3 and 3e-3; the cosine decay after it agrees), so no JSON reproduces them;
-and `--use-distributed-optimizer` (ZeRO's stage is the JSON's). Not the same across the engines: DeepSpeed
+Megatron's learning-rate and weight-decay schedule flags (`--lr-decay-style`, `--lr-warmup-*`,
+`--lr-decay-iters`, `--min-lr`, `--*-weight-decay*`) are not written into the JSON: they run Megatron's own
+`OptimizerParamScheduler` on the engine (lr_schedule.py; DeepSpeed's WarmupCosineLR runs one update behind
+Megatron's warm-up, so no JSON "scheduler" reproduces them). `--use-distributed-optimizer` stays refused
+(arguments.py: ZeRO's stage is the JSON's). Not the same across the engines: DeepSpeed
 applies `weight_decay` to every weight, Megatron not to biases and norms.
 """
 from __future__ import annotations

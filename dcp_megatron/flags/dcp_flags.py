@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from dcp_megatron.config import (DCP_POLICIES, RECOMPUTE_CHOICES, DcpConfig, local_world_size, parse_comma_list,
+from dcp_megatron.config import (DCP_POLICIES, DEFAULT_RECOMPUTE, RECOMPUTE_CHOICES, DcpConfig, local_world_size, parse_comma_list,
                                  recompute_choices)
 from dcp_megatron.flags.fp8_checks import fp8_row_multiple
 
@@ -48,7 +48,10 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--dcp-memory-budget-gb", type=float, default=None,
                        help="memory per rank the planner may fill (GiB; default: the cluster preset's)")
     group.add_argument("--dcp-recompute", default=None,
-                       help=f"comma list of recompute kinds the planner may choose from {','.join(RECOMPUTE_CHOICES)}")
+                       help="comma list of the memory reliefs the planner may choose per micro-batch, from "
+                       f"{','.join(RECOMPUTE_CHOICES)} (default {','.join(DEFAULT_RECOMPUTE)}; core_attn, mlp, "
+                       "layernorm, moe_act, moe: megatron-core's recompute_modules; selective: core_attn; full: "
+                       "the fewest whole layers)")
     group.add_argument("--dcp-profile", default=None, help="measured profile JSON overriding the cost model")
     group.add_argument("--dcp-dump-plans", default=None, metavar="DIR", help="write each step's plan JSON to DIR")
     group.add_argument("--dcp-gpus-per-node", type=int, default=None,
@@ -102,7 +105,7 @@ def policy_setting_from_flag(text: str | None, policy: str | None):
 
 
 def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
-    recompute = recompute_choices(args.dcp_recompute) or RECOMPUTE_CHOICES
+    recompute = recompute_choices(args.dcp_recompute) or DEFAULT_RECOMPUTE
     return DcpConfig(policy=args.dcp_policy or "dcp",
                      policy_setting=policy_setting_from_flag(getattr(args, "dcp_policy_setting", None),
                                                              args.dcp_policy),

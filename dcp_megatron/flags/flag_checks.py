@@ -90,6 +90,18 @@ def check_sequence_parallel_rows(args: argparse.Namespace) -> None:
                         f"{multiple}, or drop --sequence-parallel")
 
 
+def check_warmup_below_decay(args: argparse.Namespace) -> None:
+    """Megatron's scheduler asserts warm-up < decay without a message. Iteration-based schedules only
+    (sample-based runs give --lr-*-samples, checked by Megatron itself)."""
+    decay_iters = (getattr(args, "lr_decay_iters", None) or args.train_iters) if getattr(args, "train_iters", None) \
+        else None
+    warmup_iters = getattr(args, "lr_warmup_iters", 0) or 0
+    if decay_iters and getattr(args, "lr_warmup_fraction", None) is None and warmup_iters >= decay_iters:
+        decay_flag = "--lr-decay-iters" if getattr(args, "lr_decay_iters", None) else "--train-iters"
+        raise DcpUsageError(f"--lr-warmup-iters {warmup_iters} must be below {decay_flag} {decay_iters} (the "
+                            f"learning rate warms up, then decays): lower --lr-warmup-iters or raise {decay_flag}")
+
+
 def check_megatron_flags(args: argparse.Namespace) -> None:
     """Refuse (DcpUsageError) the mistakes of the module docstring, naming the flag to change."""
     import torch
@@ -105,14 +117,7 @@ def check_megatron_flags(args: argparse.Namespace) -> None:
         raise DcpUsageError(f"--seq-length {args.seq_length} is over --max-position-embeddings "
                             f"{args.max_position_embeddings}: raise --max-position-embeddings to at least "
                             f"{args.seq_length}, or shorten --seq-length")
-    # Iteration-based schedules only (sample-based runs give --lr-*-samples, checked by Megatron itself).
-    decay_iters = (getattr(args, "lr_decay_iters", None) or args.train_iters) if getattr(args, "train_iters", None) \
-        else None
-    warmup_iters = getattr(args, "lr_warmup_iters", 0) or 0
-    if decay_iters and getattr(args, "lr_warmup_fraction", None) is None and warmup_iters >= decay_iters:
-        decay_flag = "--lr-decay-iters" if getattr(args, "lr_decay_iters", None) else "--train-iters"
-        raise DcpUsageError(f"--lr-warmup-iters {warmup_iters} must be below {decay_flag} {decay_iters} (the "
-                            f"learning rate warms up, then decays): lower --lr-warmup-iters or raise {decay_flag}")
+    check_warmup_below_decay(args)
     data_parallel_size = data_parallel_size_of(args)
     if data_parallel_size is None or not args.micro_batch_size or args.micro_batch_size < 1:
         return

@@ -8,13 +8,13 @@ budget. `sweep` does that over a grid and returns every point and the winner:
   with every recompute that can hold a micro-batch of one run-length sequence: none, selective, and, when
   none does not fit, the fewest full layers that fit (more full layers only add time to the same layout).
 - `megatron-dynamic` (`DynamicSetting`): per-rank token caps (`max_seqlen_per_dp_cp_rank`: 256 x 2^(k/2)
-  rounded to 256, and the most tokens each of none, selective, the strongest recompute and the fewest 1-4 full
+  rounded to 256, and the most tokens each light relief (none, module recompute, offload), the strongest recompute and the fewest 1-4 full
   layers that hold the longest sequence allow, from that sequence's share of the largest CP size up to what
   memory allows: so the untuned default is a point of the grid), the smallest dynamic CP size (1, 2), and per cap every run-wide recompute that fits it
-  (none, selective, the fewest full layers that fit). `megatron-hybrid`: the same caps and recompute (it has no
+  (the light reliefs that hold it, else the fewest full layers that fit). `megatron-hybrid`: the same caps and recompute (it has no
   smallest-size knob). A cap below the longest sequence's share of the largest CP size cannot run.
-- Not swept, because the cost model does not represent them yet: megatron-core's per-module
-  `recompute_modules` (mlp, moe_act, ...) and fine-grained activation offloading (`offload_modules`).
+- The run-wide reliefs come from the cost model's menu (relief.py): module recompute such as `mlp`, offload
+  where the cluster has a host link, and full layers; every micro-batch of the run pays the one chosen.
 
 A setting is scored by the mean over the batches of the plan's modelled step time (the same cost model that
 scores every policy). The untuned default is scored first; a point whose running sum passes the best full sum

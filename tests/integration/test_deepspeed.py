@@ -14,13 +14,16 @@
   layout and a 1-rank run give the same loss trace and grad norms; the plans dumped
   by `--dcp-dump-plans` mix CP sizes and give ranks different micro-batch counts, and every micro-batch ran
   the CP group and the recompute its plan named (the trace beside the plans); ZeRO-3's plans are lockstep;
-  a resume from DeepSpeed's checkpoint (ZeRO-1 and ZeRO-3) continues the trace; evaluation (Megatron's
+  a resume from DeepSpeed's checkpoint (ZeRO-1 and ZeRO-3) continues the trace; every run trains on Megatron's
+  schedule flags (`--lr-decay-style cosine --lr-warmup-iters 2 --min-lr`, no JSON scheduler) and logs the
+  learning rate Megatron's loop logs, the resumed ones too (the scheduler's step count resumes); evaluation (Megatron's
   --eval-interval / --eval-iters) gives every layout one device's validation loss, also after a resume. (Bad settings and faults: tests/integration/test_fault_matrix.py.)
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -36,6 +39,11 @@ ITERS = 6      # the trace runs' steps; refinement may change plans from step 4 
 HALF = 3       # the resumed run loads the checkpoint of this step
 EVAL = ["--eval-interval", str(HALF), "--eval-iters", "1"]   # Megatron's flags: validation at steps 3, 6 and the end
 SGD_LR = 1e3   # large: the update lr x g dwarfs the weights, so (before - after) / lr is g to fp32 rounding
+# The trace runs' learning rate: Megatron's schedule flags (Megatron's own scheduler, stepped by the engine:
+# dcp_megatron/deepspeed/lr_schedule.py) in place of the JSON's "scheduler" block; decay over --train-iters.
+PEAK_LR, MIN_LR, WARMUP = 3e-3, 3e-4, 2
+SCHEDULE = ["--lr", str(PEAK_LR), "--min-lr", str(MIN_LR), "--lr-decay-style", "cosine", "--lr-warmup-iters", str(WARMUP)]
+_LEARNING_RATE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?learning rate: ([0-9.E+-]+) \|")
 
 
 def _reference_gradients(script, args, state, documents) -> dict:
@@ -226,33 +234,73 @@ def _half_checkpoint(run, save, half):
     return half
 
 
+def _scheduled(*, stage: int, **extra) -> dict:
+    """The runs' JSON without its "scheduler" block: the SCHEDULE flags set the learning rate."""
+    config = ds_config(stage=stage, **extra)
+    del config["scheduler"]
+    return config
+
+
+def _run(config: dict, flags: list[str], **options):
+    return run_deepspeed(config, [*SCHEDULE, *flags], iters=ITERS, **options)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
     plans, save = root / "plans", root / "ckpt"
-    dcp_z1 = run_deepspeed(ds_config(stage=1), ["--dcp", *BUDGET, *EVAL, "--dcp-dump-plans", str(plans), "--save",
-                                                str(save), "--save-interval", str(HALF)], iters=ITERS,
-                         directory=str(root))
+    dcp_z1 = _run(_scheduled(stage=1), ["--dcp", *BUDGET, *EVAL, "--dcp-dump-plans", str(plans), "--save", str(save),
+                                        "--save-interval", str(HALF)], directory=str(root))
     half = _half_checkpoint(dcp_z1, save, root / "ckpt_half")
     # ZeRO-3 (lockstep plans, weights gathered per layer) with Ulysses on every CP micro-batch whose heads split
     # (the cost model never prefers it on 2 CPU ranks with GQA: the all-gather moves fewer bytes and hides them);
     # also DeepSpeed's TensorBoard monitor (the dcp/* scalars go through it) and ZeRO-3's checkpoint, resumed below
     save_z3 = root / "ckpt_z3"
-    dcp_z3 = run_deepspeed(ds_config(stage=3, tensorboard={"enabled": True, "output_path": str(root / "ds_tb"),
-                                                           "job_name": "dcp"}),
-                           ["--dcp", *Z3_BUDGET, *EVAL, "--dcp-cp-attention", "ulysses", "--dcp-dump-plans",
-                            str(root / "plans_z3"), "--save", str(save_z3), "--save-interval", str(HALF)],
-                           iters=ITERS, directory=str(root))
+    dcp_z3 = _run(_scheduled(stage=3, tensorboard={"enabled": True, "output_path": str(root / "ds_tb"),
+                                                   "job_name": "dcp"}),
+                  ["--dcp", *Z3_BUDGET, *EVAL, "--dcp-cp-attention", "ulysses", "--dcp-dump-plans",
+                   str(root / "plans_z3"), "--save", str(save_z3), "--save-interval", str(HALF)], directory=str(root))
     half_z3 = _half_checkpoint(dcp_z3, save_z3, root / "ckpt_z3_half")
     return {
         "root": root, "plans": plans, "save": save, "dcp_z1": dcp_z1, "dcp_z3": dcp_z3,
-        "static": run_deepspeed(ds_config(stage=1), EVAL, iters=ITERS, directory=str(root)),
-        "one_rank": run_deepspeed(ds_config(stage=0), EVAL, nproc=1, iters=ITERS, directory=str(root), torchrun=False),
-        "resumed": run_deepspeed(ds_config(stage=1), ["--dcp", *BUDGET, *EVAL, "--load", str(half)], iters=ITERS,
-                                 directory=str(root)),
-        "resumed_z3": run_deepspeed(ds_config(stage=3), ["--dcp", *Z3_BUDGET, *EVAL, "--dcp-cp-attention", "ulysses",
-                                                         "--load", str(half_z3)], iters=ITERS, directory=str(root)),
+        "static": _run(_scheduled(stage=1), EVAL, directory=str(root)),
+        "one_rank": _run(_scheduled(stage=0), EVAL, nproc=1, directory=str(root), torchrun=False),
+        "resumed": _run(_scheduled(stage=1), ["--dcp", *BUDGET, *EVAL, "--load", str(half)], directory=str(root)),
+        "resumed_z3": _run(_scheduled(stage=3), ["--dcp", *Z3_BUDGET, *EVAL, "--dcp-cp-attention", "ulysses",
+                                                 "--load", str(half_z3)], directory=str(root)),
     }
+
+
+def _megatron_logged_rates() -> dict[int, float]:
+    """iteration -> the learning rate Megatron's loop logs after it: its scheduler stepped by one global batch per
+    update, for the SCHEDULE flags over --train-iters ITERS."""
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    batch = int(TINY_MODEL[TINY_MODEL.index("--global-batch-size") + 1])
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=PEAK_LR)
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=PEAK_LR, min_lr=MIN_LR,
+                                        lr_warmup_steps=WARMUP * batch, lr_decay_steps=ITERS * batch,
+                                        lr_decay_style="cosine", start_wd=0.1, end_wd=0.1, wd_incr_steps=ITERS * batch,
+                                        wd_incr_style="constant")
+    rates = {}
+    for iteration in range(1, ITERS + 1):
+        scheduler.step(increment=batch)
+        rates[iteration] = optimizer.param_groups[0]["lr"]
+    return rates
+
+
+def test_learning_rate_is_megatrons_schedule(runs):
+    """Megatron's --lr/--min-lr/--lr-decay-style/--lr-warmup-iters on DeepSpeed: every run logs, after each
+    iteration, the rate Megatron's loop logs for the same flags; the resumed runs (ZeRO-1, ZeRO-3) continue the
+    scheduler's step count from DeepSpeed's checkpoint."""
+    expected = _megatron_logged_rates()
+    assert expected[1] == pytest.approx(PEAK_LR / 2) and expected[ITERS] == pytest.approx(MIN_LR)
+    for name in ("dcp_z1", "dcp_z3", "static", "one_rank", "resumed", "resumed_z3"):
+        logged = {int(m[1]): float(m[2]) for m in _LEARNING_RATE.finditer(runs[name].check().output)}
+        first = HALF + 1 if name.startswith("resumed") else 1
+        assert sorted(logged) == list(range(first, ITERS + 1)), (name, logged)
+        assert all(logged[i] == pytest.approx(expected[i], rel=1e-5) for i in logged), (name, logged, expected)
 
 
 def _close(trace, reference, tolerance=1e-5):

@@ -56,6 +56,13 @@ _MOE = dict(num_experts=4, moe_router_load_balancing_type="aux_loss", expert_mod
     (dict(dcp_memory_budget_gb=float("nan")), "--dcp-memory-budget-gb must be a positive number"),
     (dict(dcp_memory_budget_gb=float("inf")), "--dcp-memory-budget-gb must be a positive number"),
     (dict(dcp_recompute="none,sometimes"), "unknown ['sometimes']"),
+    (dict(_MOE, expert_model_parallel_size=2, dcp_recompute="none,moe"),
+     "--dcp-recompute none,moe: drop 'moe' (--expert-model-parallel-size 2"),
+    (dict(dcp_recompute="none,mlp,offload"), "--dcp-recompute offload: megatron-core's fine-grained activation"),
+    (dict(dcp_recompute="none,moe_act", transformer_impl="local"),
+     "--dcp-recompute moe_act needs --transformer-impl transformer_engine"),
+    (dict(dcp_recompute="layernorm", transformer_impl="local"),
+     "--dcp-recompute layernorm needs --transformer-impl transformer_engine"),
     (dict(dcp_profile="/no/such/profile.json"), "no such file"),
     (dict(dcp_cp_attention="allgather,ulysses"), "runs under DeepSpeed (pretrain_scripts/pretrain_gpt_deepspeed.py) only"),
     (dict(dcp_cp_attention="a2a"), "--dcp-cp-attention: unknown ['a2a']"),
@@ -82,7 +89,7 @@ def test_dcp_flags_without_dcp_are_refused_and_dcp_turns_on_per_token_loss(capsy
 def test_moe_with_expert_parallelism_takes_full_recompute_out_of_dcps_choices(capsys):
     args = _args(dcp=True, **dict(_MOE, expert_model_parallel_size=2))
     validate_dcp_args(args)
-    assert args.dcp_recompute == "none,selective" and "full recompute would replay MoE" in capsys.readouterr().out
+    assert args.dcp_recompute == "none,selective,mlp" and "full and moe recompute would replay MoE" in capsys.readouterr().out
     args = _args(dcp=True, **_MOE)   # EP 1: no all-to-all, every recompute stays allowed
     validate_dcp_args(args)
     assert args.dcp_recompute is None
@@ -93,7 +100,7 @@ def test_dcp_config_is_validated():
         DcpConfig(seq_length=0)
     with pytest.raises(ValueError):
         DcpConfig(seq_length=8, policy="best")
-    assert DcpConfig(seq_length=8).recompute == ("none", "selective", "full")
+    assert DcpConfig(seq_length=8).recompute == ("none", "selective", "full", "mlp")
     from dcp_megatron.flags.dcp_flags import dcp_config_from_args
 
     # the plan agreement check is on unless turned off

@@ -185,6 +185,11 @@ def test_the_dynamic_path_ran_with_dcps_own_plans(runs, work):
     assert [plan.num_microbatches(0) for plan in plans] != [plan.num_microbatches(1) for plan in plans]
     # the log's label names a fallback (dcp(fallback:<baseline>)); the plan's own flag says it too
     assert not [i for i, plan in enumerate(plans, start=1) if plan.extra.get("fallback")]
+    # megatron-core's MLP recompute chosen per micro-batch (the default menu) beside micro-batches without relief,
+    # inside a run whose loss trace and grad norms equal the one-rank reference (tests above)
+    reliefs = {str(mb.recompute) for plan in plans for wave in plan.waves for g in wave.groups for mb in g.microbatches
+               if mb.sequences}
+    assert {"mlp", "none"} <= reliefs, reliefs
 
 
 def test_every_microbatch_ran_with_the_recompute_and_group_its_plan_named(runs, work):

@@ -87,7 +87,7 @@ def test_zero3_runs_without_recompute(capsys):
         config(recompute=("none", "full"))
     with pytest.raises(DcpUsageError, match="drop 'selective' \\(ZeRO stage 3"):
         config(recompute=("selective",))
-    assert _config(flag=True).recompute == ("none", "selective", "full")   # other stages: every kind
+    assert _config(flag=True).recompute == ("none", "selective", "full", "mlp")   # other stages: the default menu
 
 
 def test_prepared_config_runs_one_micro_batch_per_engine_step():

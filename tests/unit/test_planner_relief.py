@@ -134,3 +134,10 @@ def test_dcp_seeded_with_a_baselines_layout_reliefs_each_microbatch():
     own, changed = with_own_reliefs(waves, cost)
     assert changed
     assert {mb.recompute for w in own for g in w.groups for mb in g.microbatches if mb.sequences} == {NO_RECOMPUTE}
+
+
+def test_dcp_recompute_names_are_the_planners_menu():
+    """--dcp-recompute (config.py, layer 0) spells the planner's menu names (relief.py) without importing it."""
+    from dcp_megatron.config import DEFAULT_RECOMPUTE, RECOMPUTE_CHOICES
+    assert RECOMPUTE_CHOICES == MENU_NAMES
+    assert set(DEFAULT_RECOMPUTE) <= set(MENU_NAMES) and "offload" not in DEFAULT_RECOMPUTE

@@ -10,8 +10,8 @@ setting. `planner/baseline_sweep.py` picks the setting with the lowest mean step
 - `DynamicSetting`: `megatron-dynamic` (dev's dynamic CP) and `megatron-hybrid`: the per-rank token cap
   (`max_seqlen_per_dp_cp_rank`), the smallest dynamic CP size (`--min-dynamic-context-parallel-size`;
   `megatron-hybrid` has no such knob: 1) and the recompute, paid by every micro-batch, so it must fit the cap.
-  Our cost model's recompute menu is none, selective (core attention) and full recompute of k layers;
-  megatron-core's per-module `recompute_modules` (mlp, moe_act, ...) and activation offloading are not in it yet.
+  The recompute is any relief of the cost model's menu (planner/relief.py): none, megatron-core's
+  `recompute_modules` sets (mlp, core_attn, ...), activation offloading, full recompute of k layers.
 """
 from __future__ import annotations
 

@@ -80,14 +80,17 @@ def check_dcp_layout(args: argparse.Namespace) -> None:
 
 
 def _without_full_recompute(args: argparse.Namespace) -> None:
-    """EP > 1: a recomputing rank would replay its MoE all-to-alls in backward alone (module docstring)."""
-    reason = (f"--expert-model-parallel-size {args.expert_model_parallel_size}: full recompute would replay MoE "
-              "all-to-alls in backward on the recomputing ranks only")
+    """EP > 1: a recomputing rank would replay its MoE all-to-alls in backward alone (module docstring): full
+    recompute and `moe` module recompute (which reruns the MoE layer with its dispatch) are off."""
+    reason = (f"--expert-model-parallel-size {args.expert_model_parallel_size}: full and moe recompute would replay "
+              "MoE all-to-alls in backward on the recomputing ranks only")
     kinds = recompute_choices(args.dcp_recompute)   # "" or "," is refused, not read as every kind
     if kinds is not None:
-        if "full" in kinds:
-            raise DcpUsageError(f"--dcp-recompute {args.dcp_recompute}: drop 'full' ({reason})")
+        replaying = [k for k in kinds if k in ("full", "moe")]
+        if replaying:
+            raise DcpUsageError(f"--dcp-recompute {args.dcp_recompute}: drop {', '.join(repr(k) for k in replaying)} "
+                                f"({reason})")
         return
-    args.dcp_recompute = "none,selective"
+    args.dcp_recompute = "none,selective,mlp"
     if int(os.environ.get("RANK", getattr(args, "rank", 0) or 0)) == 0:
-        print(f"dcp: --dcp-recompute none,selective ({reason})", flush=True)
+        print(f"dcp: --dcp-recompute none,selective,mlp ({reason})", flush=True)

@@ -120,20 +120,24 @@ def plan_mixed_waves(ids: np.ndarray, lengths: np.ndarray, cost, seqs) -> tuple[
     return _waves(best, D, cost, list(zip(ids.tolist(), lengths.tolist())))
 
 
-def _candidates(cost, local_token_sum: float, D: int) -> list[tuple[int, int]]:
-    """(packing room in local tokens, number of waves) pairs to try. The room without (extra) relief first;
-    then the rooms of the lightest module reliefs that hold more (e.g. MLP recompute): in lockstep every
-    micro-batch costs every rank a wave (and under ZeRO-3 a weight gather), so fewer, fuller waves with a
-    cheap relief can beat more waves without one. Each micro-batch's relief is still chosen by its own
-    tokens (`_layout`)."""
-    cap_none = cost.max_local_tokens(cost.base_recompute)
-    caps = [cap_none]
+def packing_rooms(cost) -> list[int]:
+    """Local-token rooms to pack micro-batches to: the room without (extra) relief first, then the rooms of the
+    lightest module reliefs that hold more (e.g. MLP recompute). Fewer, fuller micro-batches with a cheap relief
+    can beat more micro-batches without one: each pays the fixed per-micro-batch overhead, and in lockstep every
+    micro-batch costs every rank a slot (under ZeRO-3 a weight gather). Each micro-batch's relief is still chosen
+    by its own tokens."""
+    rooms = [cost.max_local_tokens(cost.base_recompute)]
     for relief in cost.recompute_options():
         room = cost.max_local_tokens(relief) if relief.kind != "full" else 0
-        if room > caps[-1] * 1.05 and len(caps) <= LIGHTER_ROOMS:
-            caps.append(room)
+        if room > rooms[-1] * 1.05 and len(rooms) <= LIGHTER_ROOMS:
+            rooms.append(room)
+    return rooms
+
+
+def _candidates(cost, local_token_sum: float, D: int) -> list[tuple[int, int]]:
+    """(packing room in local tokens, number of waves) pairs to try (`packing_rooms`)."""
     out = []
-    for cap in caps:
+    for cap in packing_rooms(cost):
         fewest = max(1, math.ceil(local_token_sum / (D * cap)))
         out += [(cap, n) for n in range(fewest, fewest + WAVE_COUNT_CHOICES)]
     return out

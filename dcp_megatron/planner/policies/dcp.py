@@ -30,7 +30,6 @@ from dcp_megatron.planner.policies.balance import lpt_assign_rounds
 from dcp_megatron.planner.policies.common import (assemble_waves, candidate_sizes, microbatch_from_sums,
                                                   min_fitting_size)
 from dcp_megatron.planner.policies.dcp_odd import odd_group_alternative
-from dcp_megatron.planner.policies.dcp_waves import packing_rooms
 from dcp_megatron.planner.policies.sized_sequences import SizedSequences
 
 
@@ -89,8 +88,7 @@ def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequen
     """(makespan, busy rank-seconds, groups in execution order): the list schedule of `seqs`, after
     ranks already busy until `finish` (default: all free at 0)."""
     D, sizes = cost.cluster.domain_size, seqs.sizes
-    rooms = packing_rooms(cost)
-    cap_none = rooms[0]   # packing room without (extra) recompute
+    cap_none = cost.max_local_tokens(cost.base_recompute)   # packing room without (extra) recompute
     none_allowed = cost.base_recompute is NO_RECOMPUTE and not cost.time_scale   # measured: compare every relief
     mem_per_token = cost.bytes_per_local_token(NO_RECOMPUTE)
     pairs = list(zip(ids.tolist(), lengths.tolist()))
@@ -128,12 +126,10 @@ def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequen
             if fits[j]:
                 mbs = (MicroBatch(tuple(ordered_pairs[lo:hi]), NO_RECOMPUTE, t, mem),)
             else:
-                # packed to each room (none's, then the lightest module reliefs'): the fastest split wins
-                mbs = min((tuple(microbatch_from_sums(cost, tuple(map(pairs.__getitem__, chunk)),
-                                                      sum(local[i] for i in chunk), sum(compute[i] for i in chunk),
-                                                      sum(attn[i] for i in chunk), size, first)
-                                 for chunk in _next_fit(ordered[lo:hi], local, room)) for room in rooms),
-                          key=lambda split: sum(mb.est_time_s for mb in split))
+                mbs = tuple(microbatch_from_sums(cost, tuple(map(pairs.__getitem__, chunk)),
+                                                 sum(local[i] for i in chunk), sum(compute[i] for i in chunk),
+                                                 sum(attn[i] for i in chunk), size, first)
+                            for chunk in _next_fit(ordered[lo:hi], local, cap_none))
                 busy[j] = sum(mb.est_time_s for mb in mbs)
             scheduled.append(Group(first, size, mbs))
         end = starts[used] + busy

@@ -34,7 +34,7 @@ from tests.support.megatron_runs import microbatches_planned, microbatches_seen,
 
 BUDGET = ["--dcp-memory-budget-gb", "0.004"]   # tight enough that long documents need CP 2 or recompute
 # ZeRO-3 (no recompute, weights gathered per layer): the longest documents need CP 2, shorter ones run alone
-Z3_BUDGET = ["--dcp-memory-budget-gb", "0.006"]
+Z3_BUDGET = ["--dcp-memory-budget-gb", "0.005"]
 ITERS = 6      # the trace runs' steps; refinement may change plans from step 4 (steps 1-3: lengths alone)
 HALF = 3       # the resumed run loads the checkpoint of this step
 EVAL = ["--eval-interval", str(HALF), "--eval-iters", "1"]   # Megatron's flags: validation at steps 3, 6 and the end

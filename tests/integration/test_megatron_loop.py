@@ -260,7 +260,10 @@ def test_tensorboard_event_files_hold_the_dcp_scalars_of_every_step(runs, work):
 
 def test_two_agents_ran_dcp_plans_with_cp_groups_across_nodes(runs):
     steps = runs("two_agents").dcp_steps
-    assert sorted(steps) == list(range(1, ITERS + 1)) and all(s["policy"] == "dcp" for s in steps.values())
+    # every step planned by dcp; refinement is on, so measured times may make a baseline's layout win a step
+    # (labelled dcp(fallback:<baseline>)); the first step is planned by the model as configured: dcp's own
+    assert sorted(steps) == list(range(1, ITERS + 1)) and all(s["policy"].startswith("dcp") for s in steps.values())
+    assert steps[1]["policy"] == "dcp", steps
     assert any("cp2" in s["cp_sizes"] for s in steps.values()), steps
 
 

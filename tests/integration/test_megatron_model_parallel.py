@@ -36,7 +36,7 @@ PP = ["--pipeline-model-parallel-size", "2"]
 UNREFINED_STEPS = 3
 # Budgets that make 1,024-token documents need CP 2 or recompute at this layout (TP halves the
 # activations per rank; 1F1B keeps two micro-batches per stage in flight).
-TP_BUDGET = ["--dcp-memory-budget-gb", "0.002"]
+TP_BUDGET = ["--dcp-memory-budget-gb", "0.002", "--dcp-recompute", "none,selective,full"]   # core attention and full k
 PP_BUDGET = ["--dcp-memory-budget-gb", "0.0035", "--dcp-recompute", "selective,full"]
 # Virtual pipeline stages (interleaved 1F1B), 4 layers, one per virtual stage. PP 2 x VPP 2 on 4 ranks: a 2-rank
 # domain, so plans mix CP 1 and 2 on every model chunk (1,024-token documents need CP 2 at this budget). PP 4 x
@@ -115,9 +115,12 @@ def test_dcp_loss_trace_and_grad_norms_equal_megatrons_plain_path_at_the_same_la
 def test_tp_dcp_path_ran_dcps_own_plans_with_mixed_cp_recompute_and_counts(runs):
     dcp = runs("tp_dcp")
     assert sorted(dcp.dcp_steps) == list(range(1, ITERS + 1))
-    assert all(step["policy"] == "dcp" for step in dcp.dcp_steps.values())
+    # every step planned by dcp; from step 4 refined times may make a baseline's layout win (labelled a fallback)
+    assert all(step["policy"].startswith("dcp") for step in dcp.dcp_steps.values())
+    assert all(dcp.dcp_steps[i]["policy"] == "dcp" for i in range(1, UNREFINED_STEPS + 1)), dcp.dcp_steps
     plans = _plans(runs.root / "tp_plans")
     assert all(plan.policy == "dcp" and plan.domain_size == 2 for plan in plans)
+    assert not any(plan.extra.get("fallback") for plan in plans[:UNREFINED_STEPS])
     # Refinement is on (the default): from step 4 plans depend on measured times. Steps 1-3 are planned
     # with the configured cost model (step 1's times are not used, and step 3 is planned while step 2
     # runs), so their shape is fixed by the lengths alone: check it there.
@@ -136,7 +139,11 @@ def test_tp_dcp_path_ran_dcps_own_plans_with_mixed_cp_recompute_and_counts(runs)
 def test_pp_dcp_path_ran_one_microbatch_per_group_per_wave_with_mixed_cp(runs):
     dcp = runs("pp_dcp")
     assert sorted(dcp.dcp_steps) == list(range(1, ITERS + 1))
-    assert all(step["policy"] == "dcp" for step in dcp.dcp_steps.values())
+    # Every step planned by dcp. In lockstep on two ranks a baseline's layout is sometimes faster by the model
+    # (0.3-3.6% on these batches): dcp then runs it, labelled dcp(fallback:<baseline>), through the same PP path;
+    # some steps are dcp's own layout.
+    assert all(step["policy"].startswith("dcp") for step in dcp.dcp_steps.values())
+    assert any(step["policy"] == "dcp" for step in dcp.dcp_steps.values()), dcp.dcp_steps
     plans = _plans(runs.root / "pp_plans")
     for plan in plans:
         assert plan.policy == "dcp" and plan.domain_size == 2

@@ -26,6 +26,7 @@ import sys
 import torch
 
 from dcp_megatron.config import DcpUsageError
+from dcp_megatron.flags.argv import flag_given
 
 # Megatron flags the JSON decides under DeepSpeed (refused when given, with where to put them instead); the
 # optimizer, clipping and precision flags are mapped onto the JSON (megatron_flags.py), the schedule flags run
@@ -58,10 +59,6 @@ def megatron_parser() -> argparse.ArgumentParser:
     return _add_deepspeed_arguments(parser)
 
 
-def _given(argv: list[str], flag: str) -> bool:
-    return any(token == flag or token.startswith(flag + "=") for token in argv)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Megatron's args for a DeepSpeed run, validated by Megatron and by us (DcpUsageError: refuse at start)."""
     from megatron.training import arguments
@@ -82,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     args.deepspeed_megatron_flags = given_megatron_flags(argv, args)   # written into the JSON (deepspeed_setup)
     args.deepspeed_schedule_flags = given_schedule_flags(argv)   # Megatron's scheduler on the engine (lr_schedule.py)
-    args.deepspeed_evaluate = any(_given(argv, flag) for flag in _EVAL_FLAGS)
+    args.deepspeed_evaluate = any(flag_given(argv, flag) for flag in _EVAL_FLAGS)
     args.rank = int(os.environ.get("RANK", 0))
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
     adopt_config_batch_size(args)
@@ -160,16 +157,16 @@ def _unwrapped_validate(arguments):
 
 
 def refuse_unrun_flags(argv: list[str], args: argparse.Namespace) -> None:
-    owned = [flag for flag in _JSON_OWNS if _given(argv, flag)]
+    owned = [flag for flag in _JSON_OWNS if flag_given(argv, flag)]
     if owned:
         raise DcpUsageError(f"{', '.join(owned)}: under DeepSpeed the --deepspeed-config JSON's ZeRO stage shards the "
                             'optimizer ("zero_optimization": {"stage": 1}); set it there')
-    monitor = [flag for flag in _MONITOR_FLAGS if _given(argv, flag)]
+    monitor = [flag for flag in _MONITOR_FLAGS if flag_given(argv, flag)]
     if monitor:
         raise DcpUsageError(f"{', '.join(monitor)}: under DeepSpeed the --deepspeed-config JSON's monitor blocks write "
                             'the scalars ("tensorboard": {"enabled": true, "output_path": DIR}, "wandb": {"enabled": '
                             'true, "project": P}); move these settings there')
-    unrun = [flag for flag in _NOT_RUN if _given(argv, flag)]
+    unrun = [flag for flag in _NOT_RUN if flag_given(argv, flag)]
     if unrun:
         raise DcpUsageError(f"{', '.join(unrun)}: the DeepSpeed script counts its run in --train-iters steps; give "
                             "--train-iters instead")

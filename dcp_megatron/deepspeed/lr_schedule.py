@@ -30,6 +30,7 @@ import contextlib
 import copy
 
 from dcp_megatron.config import DcpUsageError
+from dcp_megatron.flags.argv import flag_given
 
 SCHEDULE_FLAGS = ("--lr-decay-style", "--lr-decay-iters", "--lr-warmup-iters", "--lr-warmup-fraction",
                   "--lr-warmup-init", "--min-lr", "--lr-wsd-decay-style", "--lr-wsd-decay-iters",
@@ -39,18 +40,14 @@ RESUME_FLAGS = ("--override-opt_param-scheduler", "--override-opt-param-schedule
                 "--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler")
 
 
-def _given(argv: list[str], flag: str) -> bool:
-    return any(token == flag or token.startswith(flag + "=") for token in argv)
-
-
 def given_schedule_flags(argv: list[str]) -> tuple[str, ...]:
     """The schedule flags on the command line; refuses the sample-counted ones and resume flags without them."""
-    samples = [flag for flag in SAMPLE_FLAGS if _given(argv, flag)]
+    samples = [flag for flag in SAMPLE_FLAGS if flag_given(argv, flag)]
     if samples:
         raise DcpUsageError(f"{', '.join(samples)}: the DeepSpeed script counts its run in --train-iters steps; give "
                             "the iteration flags instead (--lr-decay-iters, --lr-warmup-iters, --lr-wsd-decay-iters)")
-    given = tuple(flag for flag in SCHEDULE_FLAGS if _given(argv, flag))
-    resume = [flag for flag in RESUME_FLAGS if _given(argv, flag)]
+    given = tuple(flag for flag in SCHEDULE_FLAGS if flag_given(argv, flag))
+    resume = [flag for flag in RESUME_FLAGS if flag_given(argv, flag)]
     if resume and not given:
         raise DcpUsageError(f"{', '.join(resume)}: only Megatron's scheduler reads it, and it runs under DeepSpeed only "
                             f"with a schedule flag ({SCHEDULE_FLAGS[0]}, ...); the JSON's \"scheduler\" resumes as "

@@ -26,6 +26,7 @@ import copy
 import json
 
 from dcp_megatron.config import DcpUsageError
+from dcp_megatron.flags.argv import flag_given
 
 # flag -> the args attribute holding its value
 MAPPED_FLAGS = {"--optimizer": "optimizer", "--lr": "lr", "--adam-beta1": "adam_beta1", "--adam-beta2": "adam_beta2",
@@ -104,4 +105,4 @@ def apply_megatron_flags(ds_config: dict, given: dict, *, sgd_momentum: float = 
 def given_megatron_flags(argv: list[str], args) -> dict:
     """flag -> parsed value of the mapped flags given on the command line."""
     return {flag: getattr(args, attr) for flag, attr in MAPPED_FLAGS.items()
-            if any(token == flag or token.startswith(flag + "=") for token in argv)}
+            if flag_given(argv, flag)}

@@ -100,9 +100,13 @@ def test_each_step_planned_the_samples_megatron_trained(runs):
 def test_plans_hold_side_by_side_cp2_a_cp4_a_cp3_group_and_an_idle_rank(runs):
     root, _, dcp = runs
     plans = read_plan_dumps(root / "plans")
-    assert all(plan.domain_size == 4 and not plan.extra.get("fallback") for plan in plans)
-    assert all(s["policy"] == "dcp" for s in dcp.dcp_steps.values()) and len(dcp.dcp_steps) == ITERS
-    waves = [[g for g in wave.groups if g.microbatches] for plan in plans for wave in plan.waves]
+    assert all(plan.domain_size == 4 and plan.policy == "dcp" for plan in plans)
+    assert all(s["policy"].startswith("dcp") for s in dcp.dcp_steps.values()) and len(dcp.dcp_steps) == ITERS
+    # a step where a baseline's layout is faster by the model runs it, labelled a fallback; the shapes below are
+    # dcp's own layouts
+    own = [plan for plan in plans if not plan.extra.get("fallback")]
+    assert len(own) * 2 >= len(plans), [p.extra for p in plans]
+    waves = [[g for g in wave.groups if g.microbatches] for plan in own for wave in plan.waves]
     assert any(sorted(g.size for g in busy) == [2, 2] for busy in waves), "no wave ran two CP-2 groups side by side"
     assert any(g.size == 4 for busy in waves for g in busy), "no CP-4 group"
     assert any(g.size == 3 for busy in waves for g in busy), "no CP-3 group"

@@ -36,7 +36,6 @@ ITERS = 6
 TOLERANCE = 1e-5
 # Step 1 starts from identical weights; later steps from weights that differ by float rounding after Adam steps.
 LATER_STEPS_TOLERANCE = 1e-4
-UNREFINED_STEPS = 3
 NUM_EXPERTS = 4
 MOE = ["--num-experts", str(NUM_EXPERTS), "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
        "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
@@ -177,9 +176,12 @@ def test_documents_dcp_gradients_equal_one_rank_whatever_the_plan(runs, layout):
     if layout != "tp2":   # TP 2 saves each rank's shards of every matrix: its grad norms are compared above
         _assert_same_gradients(runs.root, name, "documents_one_rank")
     plans = _plans(runs.root / f"{name}_plans")
-    first = plans[:UNREFINED_STEPS]   # refinement is on; from step 4 a baseline's layout may win (a fallback)
-    assert all(plan.policy == "dcp" and not plan.extra.get("fallback") for plan in first), [p.extra for p in plans]
-    assert {g.size for plan in first for wave in plan.waves for g in wave.groups} == {1, 2}
+    # Every step planned by dcp. On two ranks a baseline's layout is sometimes faster by the model (lockstep under
+    # EP 2; refined times from step 4): dcp then runs it, labelled a fallback; most steps are dcp's own layout.
+    assert all(plan.policy == "dcp" for plan in plans)
+    own = [plan for plan in plans if not plan.extra.get("fallback")]
+    assert len(own) * 2 >= len(plans), [p.extra for p in plans]
+    assert {g.size for plan in own for wave in plan.waves for g in wave.groups} == {1, 2}
     assert any(len(mb.sequences) >= 2 for plan in plans for wave in plan.waves for g in wave.groups
                for mb in g.microbatches)
     if layout == "ep2_allgather":   # the all-gathers met EP peers' micro-batches of unequal rows, padded alike

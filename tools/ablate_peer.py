@@ -14,6 +14,11 @@ On the simulator's batches (H200 preset, --tokens-per-step per step), per domain
   dcp-old      dcp on the old menu: per-micro-batch relief without module recompute or offload
   dcp-runwide  dcp with md-tuned's run-wide relief as its only relief besides full layers (module relief per
                micro-batch vs run-wide)
+  dcp-pow2     dcp without non-power-of-two groups (policies/dcp_odd.py's alternative off)
+  dcp-minsize  dcp sizing each document at the smallest CP size that holds it (the cost model's growth rules off:
+               `SizedSequences.grow_cheaper`, `grow_long_sequences`)
+  dcp-lockstep dcp with equal micro-batch counts on every rank (one micro-batch per group per wave, as under
+               EP > 1 or ZeRO-3) instead of counts per rank
   dcp          ours, untuned (per-micro-batch CP size and relief from the whole menu, any group size)
 Modelled, not measured. Each column is a speed-up over the tuned static (higher is better); the last column is
 dcp over the tuned megatron-dynamic.
@@ -21,8 +26,10 @@ dcp over the tuned megatron-dynamic.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,7 +41,28 @@ from dcp_megatron.planner.model import model_preset  # noqa: E402
 from dcp_megatron.planner.policies import make_plan  # noqa: E402
 from dcp_megatron.simulate import SimulationConfig, cut_batches  # noqa: E402
 
-COLUMNS = ("static", "md", "md-old", "md-tuned", "dcp-norc", "dcp-old", "dcp-runwide", "dcp")
+COLUMNS = ("static", "md", "md-old", "md-tuned", "dcp-norc", "dcp-old", "dcp-runwide", "dcp-pow2", "dcp-minsize",
+           "dcp-lockstep", "dcp")
+
+
+def _lever_off(column: str):
+    """A context with one of dcp's levers switched off (the ablation's own switch: the planner has no such
+    options, each lever is always on)."""
+    from dcp_megatron.planner.model import ModelShape
+    from dcp_megatron.planner.policies import dcp
+    from dcp_megatron.planner.policies.sized_sequences import SizedSequences
+    if column == "dcp-pow2":
+        return mock.patch.object(dcp, "odd_group_alternative", lambda ids, lengths, cost, seqs, makespan, groups,
+                                 list_schedule: groups)
+    if column == "dcp-minsize":
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(SizedSequences, "grow_cheaper", lambda self, allowed_top: False))
+        stack.enter_context(mock.patch.object(SizedSequences, "grow_long_sequences",
+                                              lambda self, domain_size, allowed_top: None))
+        return stack
+    if column == "dcp-lockstep":
+        return mock.patch.object(ModelShape, "lockstep", new_callable=mock.PropertyMock, return_value=True)
+    return contextlib.nullcontext()
 LEGACY = ("none", "selective", "full")
 
 
@@ -49,9 +77,12 @@ def mean_steps(batches, cost, max_seq_len: int) -> tuple[dict[str, float], dict[
     runwide = CostModel(cost.model, cost.cluster, allowed_recompute=tuple(
         {"none", "full"} | set(winner.modules) | ({"offload"} if winner.offload else set())))
     for name, policy, model in (("md", "megatron-dynamic", cost), ("dcp", "dcp", cost), ("dcp-norc", "dcp", no_recompute),
-                                ("dcp-old", "dcp", old), ("dcp-runwide", "dcp", runwide)):
+                                ("dcp-old", "dcp", old), ("dcp-runwide", "dcp", runwide), ("dcp-pow2", "dcp", cost),
+                                ("dcp-minsize", "dcp", cost), ("dcp-lockstep", "dcp", cost)):
         try:
-            out[name] = sum(make_plan(policy, s, model, max_seq_len=max_seq_len).est_step_time_s for s in seqs) / len(seqs)
+            with _lever_off(name):
+                out[name] = sum(make_plan(policy, s, model, max_seq_len=max_seq_len).est_step_time_s
+                                for s in seqs) / len(seqs)
         except ValueError:           # a document fits no group without recompute
             out[name] = float("inf")
     return out, {"static": str(tuned["static"].winner), "md-tuned": str(tuned["megatron-dynamic"].winner)}
@@ -78,7 +109,7 @@ def main(argv=None) -> int:
                              allowed_recompute=MENU_NAMES)
             batches, max_seq_len = cut_batches(config)
             means, settings = mean_steps(batches, cost, max_seq_len)
-            cells = " | ".join(f"{means['static'] / means[c]:.2f}x" for c in COLUMNS)
+            cells = " | ".join(f"{means['static'] / means[c]:.3f}x" for c in COLUMNS)
             print(f"| {lengths} | {domain} | {cells} | {means['md-tuned'] / means['dcp']:.3f}x | "
                   f"{settings['static']}; {settings['md-tuned']} |", flush=True)
     return 0

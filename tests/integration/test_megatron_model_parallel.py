@@ -156,13 +156,16 @@ def test_pp_dcp_path_ran_one_microbatch_per_group_per_wave_with_mixed_cp(runs):
     assert "measured corrections" not in dcp.output   # refinement needs PP 1 (1F1B interleaves micro-batches)
 
 
+@pytest.mark.slow   # upstream's own CP 2 against one rank: the premise the --dcp comparisons rest on
 def test_megatrons_static_cp2_trains_the_one_rank_trace_from_the_same_weights(runs):
     static, reference = runs("cp_static"), runs("cp_reference")
     assert "successfully loaded checkpoint" in static.output and not static.dcp_steps
     _assert_same_training(static, reference, "Megatron --context-parallel-size 2 vs 1 rank")
 
 
-@pytest.mark.parametrize("layout", ["vpp", pytest.param("pp4vpp2", marks=pytest.mark.slow)])
+# both in `make test-slow` (the suite's time): PP 2 x VPP 2 on 4 ranks, PP 4 x VPP 2 on 8
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["vpp", "pp4vpp2"])
 def test_virtual_pipeline_stages_dcp_equals_megatrons_plain_path(runs, layout):
     dcp, plain = runs(f"{layout}_dcp"), runs(f"{layout}_plain")
     _assert_same_training(dcp, plain, f"{layout}: --dcp vs plain")

@@ -109,7 +109,8 @@ def _parity_worker(rank: int, world_size: int, num_layouts: int) -> dict:
             "created": sorted(pool.created_blocks)}
 
 
-@pytest.fixture(scope="module", params=[4, 3], ids=["world4", "world3"])
+# world 4 (CP-4 and 2 x CP-2 groups) in `make test-slow`; world 3 (CP-3 groups beside CP-1) in `make test`
+@pytest.fixture(scope="module", params=[pytest.param(4, marks=pytest.mark.slow), 3], ids=["world4", "world3"])
 def parity_results(request):
     return request.param, run_distributed(_parity_worker, request.param, LAYOUTS_PER_WORLD, timeout_s=900)
 

@@ -163,14 +163,16 @@ def test_lower_bound_charges_the_all_to_alls_and_stays_below_plans():
 
 @pytest.fixture(scope="module")
 def moe_runs():
-    def run(model: str, cluster: str, gpus: int, tp: int, ep: int, tokens: int, max_seq_len: int | None):
+    def run(model: str, cluster: str, gpus: int, tp: int, ep: int, tokens: int, max_seq_len: int | None, tune: bool):
         config = SimulationConfig(lengths="builtin:prolong", model=model, cluster=cluster, gpus=gpus, gpus_per_node=8,
                                   tp=tp, ep=ep, tokens_per_step=tokens, steps=2, seed=3, max_seq_len=max_seq_len,
-                                  overlong="truncate")
+                                  overlong="truncate", tune_baselines=tune)
         return simulate(config, keep_step=1)
-    return {"tiny ep2": run("gpt-tiny-moe", "cpu", 4, 1, 2, 8192, 2048),
-            "tiny ep1": run("gpt-tiny-moe", "cpu", 4, 1, 1, 8192, 2048),
-            "mixtral ep8": run("mixtral-8x7b", "h200", 16, 2, 8, 262144, None)}
+    # the tiny runs plan the tuned baselines (their sweep's settings, in lockstep too); Mixtral's sweep alone would
+    # take ~25 CPU s, so it plans them at their defaults
+    return {"tiny ep2": run("gpt-tiny-moe", "cpu", 4, 1, 2, 8192, 2048, True),
+            "tiny ep1": run("gpt-tiny-moe", "cpu", 4, 1, 1, 8192, 2048, True),
+            "mixtral ep8": run("mixtral-8x7b", "h200", 16, 2, 8, 262144, None, False)}
 
 
 def test_simulator_ep_plans_in_lockstep(moe_runs):

@@ -58,7 +58,7 @@ _MOE = dict(num_experts=4, moe_router_load_balancing_type="aux_loss", expert_mod
     (dict(dcp_recompute="none,sometimes"), "unknown ['sometimes']"),
     (dict(_MOE, expert_model_parallel_size=2, dcp_recompute="none,moe"),
      "--dcp-recompute none,moe: drop 'moe' (--expert-model-parallel-size 2"),
-    (dict(dcp_recompute="none,mlp,offload"), "--dcp-recompute offload: megatron-core's fine-grained activation"),
+    (dict(dcp_recompute="none,mlp,offload"), "--dcp-recompute offload: megatron-core's fine-grained activation offloading runs on GPU only"),
     (dict(dcp_recompute="none,moe_act", transformer_impl="local"),
      "--dcp-recompute moe_act needs --transformer-impl transformer_engine"),
     (dict(dcp_recompute="layernorm", transformer_impl="local"),

@@ -245,3 +245,38 @@ def _full_args(args: argparse.Namespace) -> argparse.Namespace:
     full = add_dcp_arguments(argparse.ArgumentParser()).parse_args([])
     vars(full).update(vars(args), seq_length=64, log_interval=1, fp8=None)
     return full
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_a_dcp_step_warms_the_offload_manager_up_before_megatrons_schedule_runs(monkeypatch, built):
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
+
+    from dcp_megatron.training.schedule import _MegatronStep
+
+    events = []
+    manager = SimpleNamespace(reset=lambda: events.append("reset"))
+    monkeypatch.setattr(PipelineOffloadManager, "OFFLOAD_MGR", manager)
+    model = _model()
+    model.config.fine_grained_activation_offloading = built
+    model.config.variable_seq_lengths = False
+    if not built:
+        apply_offload(model, frozenset())   # as upstream builds the layers without --offload-modules
+    sets = [ATTENTION, frozenset()] if built else [frozenset(), frozenset()]
+    batches = [{MICROBATCH_KEY: _facts(s, index=i)} for i, s in enumerate(sets)]
+
+    def inner(*, forward_step_func, num_microbatches, model, **kwargs):
+        events.append(("schedule", getattr(manager, DCP_STEPS_ATTR, False)))
+        for _ in range(num_microbatches):
+            forward_step_func(None, model)
+        return []
+
+    def user_step(data_iterator, chunk):
+        events.append(offload_on(list(model.decoder.layers)))
+        return torch.zeros(()), None
+
+    owner = SimpleNamespace(inner=inner, has_gpu=False, model_shape=SimpleNamespace(pp=1))
+    step = _MegatronStep(owner, forward_step_func=user_step, data_iterator=None, model=model, seq_length=8,
+                         schedule_kwargs={})
+    step.run_batches(batches, share=None)
+    # built with offload (GPU): a fresh warm-up, marked, before the schedule; else the manager is never touched
+    assert events == (["reset", ("schedule", True)] if built else [("schedule", False)]) + sets

@@ -78,6 +78,11 @@ def test_apply_offload_sets_exactly_the_plans_set_and_refuses_what_the_layers_ca
     for offload in (frozenset(), ATTENTION, ATTN_PROJ, frozenset({"expert_fc1"}), frozenset({"core_attn", "moe_act"})):
         apply_offload(model, offload)
         assert offload_on(layers) == offload
+        for layer in layers:   # the very attributes megatron-core's forwards read
+            attention, experts = layer.self_attention, layer.mlp.experts
+            assert (attention.offload_core_attention, attention.offload_attn_proj, experts.offload_expert_fc1,
+                    experts.offload_moe_act) == tuple(n in offload for n in ("core_attn", "attn_proj", "expert_fc1",
+                                                                             "moe_act"))
     dense = _model(moe=False)
     with pytest.raises(ValueError, match="cannot offload"):
         apply_offload(dense, frozenset({"expert_fc1"}))

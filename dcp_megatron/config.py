@@ -13,11 +13,14 @@ from dataclasses import dataclass
 DCP_POLICIES = ("static", "static-balanced", "megatron-hybrid", "megatron-dynamic", "dcp")
 # --dcp-recompute's names: the planner's relief menu (planner/relief.py MENU_NAMES; a unit test holds them equal):
 # none, full (k layers), megatron-core's recompute_modules one by one ("selective": core attention, the old
-# name), and "offload" (fine-grained activation offloading, planned by the simulator, not run by --dcp yet)
+# name), and "offload" (megatron-core's fine-grained activation offloading: GPU only, megatron.training only)
 RECOMPUTE_CHOICES = ("none", "selective", "full", "core_attn", "mlp", "layernorm", "moe_act", "moe", "offload")
 DEFAULT_RECOMPUTE = ("none", "selective", "full", "mlp")   # what runs on every stack, CPU included
 NEEDS_TRANSFORMER_ENGINE = ("layernorm", "moe_act")   # recomputed by TE's CheckpointWithoutOutput only
 CP_ATTENTION_CHOICES = ("allgather", "ulysses")
+OFFLOAD_REFUSAL = ("--dcp-recompute offload: megatron-core's fine-grained activation offloading runs on GPU only "
+                   "(CUDA streams, pinned host memory), under megatron.training's --dcp with Transformer Engine "
+                   "(not the DeepSpeed script, ZeRO included); drop 'offload' here (dcp-simulate still plans it)")
 
 
 class DcpUsageError(ValueError):
@@ -46,6 +49,9 @@ class DcpConfig:
     row_multiple: int = 1            # each micro-batch's local rows padded to a multiple (FP8 GEMM shapes)
     fp8: bool = False                # linear GEMMs in FP8 (the cost model's FP8 rate and weight copies)
     te_attention: bool = False       # Transformer Engine's attention (on GPU: its p2p CP ring)
+    # whether this run executes megatron-core's activation offload (the megatron.training adapter sets it where it
+    # built the layers with it, on GPU: training/checks/offload_checks.py); without it "offload" is refused
+    offload_runs: bool = False
     # --dcp-policy-setting: a baseline's run-wide setting (planner/policies/settings.py's StaticSetting or
     # DynamicSetting; typed loosely, this module imports nothing of the project); None: the policy's default
     policy_setting: object | None = None
@@ -59,6 +65,8 @@ class DcpConfig:
                                                       and self.memory_budget_gb > 0):
             raise DcpUsageError(f"--dcp-memory-budget-gb must be a positive number of GiB, got {self.memory_budget_gb}")
         refuse_bad_recompute(self.recompute)
+        if "offload" in self.recompute and not self.offload_runs:
+            raise DcpUsageError(OFFLOAD_REFUSAL)
         needs_te = [r for r in self.recompute if r in NEEDS_TRANSFORMER_ENGINE]
         if needs_te and not self.te_attention:
             raise DcpUsageError(f"--dcp-recompute {','.join(needs_te)} needs --transformer-impl transformer_engine: "
@@ -91,9 +99,6 @@ def refuse_bad_recompute(kinds: tuple[str, ...]) -> None:
     if bad or not kinds:
         raise DcpUsageError(f"--dcp-recompute: unknown {bad or 'empty list'}; give a comma list from "
                             f"{','.join(RECOMPUTE_CHOICES)}")
-    if "offload" in kinds:
-        raise DcpUsageError("--dcp-recompute offload: megatron-core's fine-grained activation offloading is "
-                            "planned and modelled by dcp-simulate, but --dcp does not run it yet; drop 'offload'")
 
 
 def recompute_choices(value: str | None) -> tuple[str, ...] | None:

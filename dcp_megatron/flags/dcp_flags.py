@@ -121,4 +121,6 @@ def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
                      refine=not getattr(args, "dcp_no_refine", False),
                      cp_attention=parse_comma_list(getattr(args, "dcp_cp_attention", None)) or ("allgather",),
                      row_multiple=fp8_row_multiple(args), fp8=getattr(args, "fp8", None) is not None,
-                     te_attention=getattr(args, "transformer_impl", None) == "transformer_engine")
+                     te_attention=getattr(args, "transformer_impl", None) == "transformer_engine",
+                     # set where the layers are built with it (training/checks/offload_checks.py, GPU only)
+                     offload_runs=bool(getattr(args, "fine_grained_activation_offloading", False)))

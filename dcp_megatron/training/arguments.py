@@ -11,7 +11,9 @@ import os
 
 from dcp_megatron.config import DcpUsageError, check_gpus_per_node
 from dcp_megatron.flags.dcp_flags import dcp_config_from_args
+from dcp_megatron.flags.fp8_checks import DeviceFacts
 from dcp_megatron.training.checks.gpu_checks import check_gpu_path
+from dcp_megatron.training.checks.offload_checks import check_offload
 
 
 def refuse_conflicting_flags(args: argparse.Namespace) -> None:
@@ -57,9 +59,11 @@ def refuse_conflicting_flags(args: argparse.Namespace) -> None:
 def validate_dcp_args(args: argparse.Namespace) -> None:
     """After Megatron's validation (data-parallel size known): every check, and --dcp's per-token loss."""
     refuse_conflicting_flags(args)
-    check_gpu_path(args)   # FP8 recipes, apex's fusion kernel, the row alignment (gpu_checks.py)
+    device = DeviceFacts.of_this_machine()
+    check_gpu_path(args, device)   # FP8 recipes, apex's fusion kernel, the row alignment (gpu_checks.py)
     if not getattr(args, "dcp", False):
         return
+    check_offload(args, device)   # GPU: builds the layers with activation offload; else refused (offload_checks.py)
     if args.dcp_profile is not None and not os.path.isfile(args.dcp_profile):
         raise DcpUsageError(f"--dcp-profile {args.dcp_profile}: "
                             f"{'is a directory; give the profile JSON file' if os.path.isdir(args.dcp_profile) else 'no such file'}")

@@ -8,7 +8,8 @@ DCP micro-batch has its own shape and CP group, and every TP rank already holds 
 The schedule therefore calls a `DcpForwardStep` in place of the user's forward step. Per call it
 takes the rank's next micro-batch, switches the model's recompute to the one the plan chose for it
 (on every TP rank and stage alike: recompute replays TP collectives in backward, so all members must
-agree), and calls the user's forward step with an iterator holding just that batch.
+agree) and, on GPU, its activation offload for the duration of the call (core/offload.py), and calls the
+user's forward step with an iterator holding just that batch.
 
 The micro-batch's facts (`MicroBatchFacts`, dcp_megatron/core/microbatch_facts.py) reach the model on the
 `PackedSeqParams` the user's step builds: for the duration of the call, a forward pre-hook on the model chunk
@@ -32,6 +33,7 @@ from typing import Optional
 import torch
 
 from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY, MicroBatchFacts, attach_facts
+from dcp_megatron.core.offload import switch_offload
 from dcp_megatron.core.recompute import apply_recompute, decoder_layers
 
 # Only for get_batch_on_this_tp_rank on TP ranks > 0 (module docstring); patches read the facts from the params.
@@ -120,6 +122,9 @@ class DcpForwardStep:
         facts = batch[MICROBATCH_KEY]
         for chunk in self._model_chunks:
             apply_recompute(chunk, self._config, facts.recompute, stage_layers=self._stage_layers)
+        # offload: the plan's set for this forward only; off at rest, which recompute replays in backward read
+        # (dcp_megatron/core/offload.py)
+        switch_offload(self._model_chunks, self._config, facts.recompute.offload)
         self.num_run += 1
         self._marks.append(self._clock.mark())
         hook = facts_on_model_calls(model, facts)
@@ -129,3 +134,4 @@ class DcpForwardStep:
         finally:
             _RUNNING_BATCH.reset(token)
             hook.remove()
+            switch_offload(self._model_chunks, self._config, frozenset())

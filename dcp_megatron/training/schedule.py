@@ -14,7 +14,8 @@ ahead, agree, exchange, build, run, refine, dump). What is Megatron's in it live
 - running: Megatron's schedule with THIS rank's count (ranks differ when PP = 1; with PP the plan gives every
   rank one micro-batch per wave, and p2p shapes are exchanged per micro-batch; virtual stages get masked fillers
   to the interleaved schedule's group size) and a `DcpForwardStep` (`forward_step.py`) that feeds the user's
-  forward step each micro-batch on every TP rank and switches its recompute just before its forward; with
+  forward step each micro-batch on every TP rank and switches its recompute (and, on GPU, activation offload)
+  just before its forward; with
   sequence parallelism every document is padded so the rows split evenly over TP;
 - reruns: Megatron's rerun state machine may run a step again (`--rerun-mode validate_results`); the loop pins a
   step's plan for its reruns and refines the cost model only once the next step starts;
@@ -37,6 +38,7 @@ from dcp_megatron.core.global_batch import Documents, broadcast_documents, split
 from dcp_megatron.core.microbatches import with_fillers_to_multiple
 from dcp_megatron.core.plan_log import plan_summary
 from dcp_megatron.core.planning import build_cost_model
+from dcp_megatron.core.offload import offload_built, own_warmup_every_step
 from dcp_megatron.core.recompute import restore_recompute, snapshot_recompute
 from dcp_megatron.core.step_loop import PlannedStepLoop, RanBatches, Share, StepRecord
 from dcp_megatron.planner.model import ModelShape
@@ -178,6 +180,8 @@ class _MegatronStep:
                               cuda_events=self.owner.has_gpu)
         # With PP, stages send activations of each micro-batch's own length: shapes go with them.
         config.variable_seq_lengths = config.variable_seq_lengths or self.owner.model_shape.pp > 1
+        if offload_built(config):   # GPU: this step's micro-batches and offload sets are its own
+            own_warmup_every_step()
         try:
             data_iterators = [iter(()) for _ in chunks] if len(chunks) > 1 else iter(())
             losses_reduced = self.owner.inner(forward_step_func=step, data_iterator=data_iterators, model=self.model,

@@ -35,8 +35,10 @@ def test_dry_run_lists_every_step_and_refuses_bad_arguments_and_a_machine_withou
     assert steps["profile_fp8"]["profile"] == str(tmp_path / "profiles" / "h200_fp8.json")
     assert "dcp_megatron.profile" in steps["profile_bf16"]["argv"]
     assert not (tmp_path / "out").exists()                       # a dry run writes nothing
+    assert steps["offload"]["argv"][1].endswith("tools/gpu_check_offload.py")
+    assert steps["offload"]["argv"][2] == str(tmp_path / "out")   # where the probe writes offload.json
     skipped = json.loads(_run("--dry-run", "--skip", "profile_bf16,profile_fp8").stdout)
-    assert [s["name"] for s in skipped["steps"]] == ["te_attention", "train_bf16", "train_fp8"]
+    assert [s["name"] for s in skipped["steps"]] == ["te_attention", "train_bf16", "train_fp8", "offload"]
     bad = _run("--skip", "nothing")
     assert bad.returncode == 2 and "--skip: unknown steps ['nothing']" in bad.stderr
     if not _has_gpu():
@@ -138,3 +140,15 @@ def test_profiles_merge_the_fp8_gemm_rate(tmp_path):
 
     check_profile(merged)
     assert os.path.basename(merged["meta"]["fp8_from"]) == "h200_fp8.json"
+
+
+def test_the_offload_step_passes_only_on_the_probes_own_verdict(tmp_path):
+    step = {"name": "offload", "log": str(tmp_path / "offload.log")}
+    assert not gpu_check.judge(step, 0, "")["passed"]                      # no report: failed
+    (tmp_path / "offload.json").write_text(json.dumps({"passed": True, "parity_passed": True,
+                                                       "memory_passed": True, "peak_fell_by": 1 << 28}))
+    assert gpu_check.judge(step, 0, "")["passed"]
+    assert not gpu_check.judge(step, 1, "")["passed"]                      # the probe exited non-zero
+    (tmp_path / "offload.json").write_text(json.dumps({"passed": False, "memory_passed": False}))
+    judged = gpu_check.judge(step, 0, "")
+    assert not judged["passed"] and judged["memory_passed"] is False       # the report says which check failed

@@ -58,7 +58,7 @@ _MOE = dict(num_experts=4, moe_router_load_balancing_type="aux_loss", expert_mod
     (dict(dcp_recompute="none,sometimes"), "unknown ['sometimes']"),
     (dict(_MOE, expert_model_parallel_size=2, dcp_recompute="none,moe"),
      "--dcp-recompute none,moe: drop 'moe' (--expert-model-parallel-size 2"),
-    (dict(dcp_recompute="none,mlp,offload"), "--dcp-recompute offload: megatron-core's fine-grained activation"),
+    (dict(dcp_recompute="none,mlp,offload"), "--dcp-recompute offload: megatron-core's fine-grained activation offloading runs on GPU only"),
     (dict(dcp_recompute="none,moe_act", transformer_impl="local"),
      "--dcp-recompute moe_act needs --transformer-impl transformer_engine"),
     (dict(dcp_recompute="layernorm", transformer_impl="local"),
@@ -313,6 +313,21 @@ def _recompute_worker(rank: int, world_size: int) -> dict:
         trace.detach()
         with open(trace.path) as f:
             results["trace"] = [json.loads(line) for line in f]
+        # activation offload (GPU only to run): DCP's switch on megatron-core's real layers, built as DCP builds
+        # them (--offload-modules core_attn attn_proj), is each micro-batch's set, then off
+        from dcp_megatron.core.offload import apply_offload
+
+        built = tiny_local_gpt(num_layers=2, max_sequence_length=32, fine_grained_activation_offloading=True,
+                               offload_modules=["core_attn", "attn_proj"])
+
+        def read_at_forward():   # what Attention.forward reads (megatron-core 0.19.2)
+            return [(a.offload_core_attention, a.offload_attn_proj) for a in
+                    (layer.self_attention for layer in built.decoder.layers)]
+
+        results["offload"] = [read_at_forward()]
+        for offload in ({"core_attn"}, set(), {"core_attn", "attn_proj"}):
+            apply_offload(built, frozenset(offload))
+            results["offload"].append(read_at_forward())
         parallel_state.destroy_model_parallel()
     return results
 
@@ -345,6 +360,8 @@ def test_the_recompute_a_microbatch_asks_for_really_runs_in_backward():
     assert trace[0]["replayed"] == {"layer": 2, "core_attention": 2, "mlp": 2}, trace
     assert trace[3]["replayed"] == {"layer": 0, "core_attention": 0, "mlp": 3}, trace
     assert trace[1]["replayed"] == {"layer": 0, "core_attention": 3, "mlp": 0}, trace
+    on, attention_only, off = [(True, True)] * 2, [(True, False)] * 2, [(False, False)] * 2
+    assert results["offload"] == [on, attention_only, off, on], results["offload"]
 
 
 def test_run_paths_are_checked_at_start_up(tmp_path):

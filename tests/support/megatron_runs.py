@@ -185,9 +185,9 @@ def flatten_state(state, prefix: str = "") -> dict:
     return out
 
 
-def tiny_local_gpt(*, num_layers: int, max_sequence_length: int):
+def tiny_local_gpt(*, num_layers: int, max_sequence_length: int, **config_overrides):
     """A tiny megatron-core GPTModel on the local spec (RoPE, no bias, no dropout); model-parallel state must be
-    initialised and the patch set applied by the caller."""
+    initialised and the patch set applied by the caller. `config_overrides`: further TransformerConfig fields."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -195,6 +195,6 @@ def tiny_local_gpt(*, num_layers: int, max_sequence_length: int):
 
     model_parallel_cuda_manual_seed(1)
     config = TransformerConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                               hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False)
+                               hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, **config_overrides)
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
                     max_sequence_length=max_sequence_length, position_embedding_type="rope")

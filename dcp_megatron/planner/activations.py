@@ -26,8 +26,9 @@ fc1, pre_mlp_layernorm is an IdentityOp) fc1's input, fc1's output and fc2's inp
 and fc2's outputs-as-inputs past the norm; `layernorm` discards the norms' outputs (a no-op under TE for dense
 layers: both norms are IdentityOps; for an MoE layer the pre-MLP norm's output); `moe_act` discards the expert
 activation's output; `moe` checkpoints the MoE layer from its input. Offload (fine-grained activation
-offloading) moves a module's input to the host: `core_attn` q, k, v; `attn_proj` the attention output (needs
-`core_attn`); `expert_fc1` the experts' input; `moe_act` the activation's input.
+offloading) moves a module's input to the host: `core_attn` q, k, v (and copies the attention output, which
+linear_proj still holds); `attn_proj` the attention output (needs `core_attn`); `expert_fc1` the experts' input;
+`moe_act` the activation's input.
 """
 from __future__ import annotations
 
@@ -87,3 +88,14 @@ def freed_by_offload(m: ModelShape, module: str) -> frozenset[str]:
     if m.is_moe:
         names.update(expert_fc1={"expert_fc1_in"}, moe_act={"expert_fc1_out"})
     return frozenset(names.get(module, ()))
+
+
+def moved_by_offload(m: ModelShape, module: str) -> frozenset[str]:
+    """Tensors of `layer_tensors` offloading one module copies to the host and back (what costs host-link time).
+    `core_attn`'s group copies every tensor core attention saves: q, k, v (released on the GPU) and its output,
+    which stays on the GPU too while linear_proj keeps it as its input, unless `attn_proj` offloads that
+    (attention.py: `group_offload(core_attn_out, forced_released_tensors=[query, key, value])`)."""
+    moved = set(freed_by_offload(m, module))
+    if module == "core_attn":
+        moved.add("attn_out")
+    return frozenset(moved)

@@ -25,7 +25,7 @@ from itertools import combinations
 
 import numpy as np
 
-from dcp_megatron.planner.activations import freed_by_offload, freed_by_recompute, layer_tensors
+from dcp_megatron.planner.activations import freed_by_offload, freed_by_recompute, layer_tensors, moved_by_offload
 from dcp_megatron.planner.plan import NO_RECOMPUTE, RECOMPUTE_MODULE_NAMES, SELECTIVE, Recompute
 
 MENU_NAMES = ("none", "selective", "full") + tuple(m for m in RECOMPUTE_MODULE_NAMES if m != "shared_experts") \
@@ -106,9 +106,10 @@ def held_bytes_per_layer(model, recompute: Recompute, tensors: dict | None = Non
 
 def offloaded_bytes_per_layer(model, recompute: Recompute, tensors: dict | None = None) -> float:
     tensors = layer_tensors(model) if tensors is None else tensors
+    """Bytes per local token one layer's offloads copy to the host (and back for backward)."""
     moved = set()
     for m in recompute.offload:
-        moved |= freed_by_offload(model, m)
+        moved |= moved_by_offload(model, m)
     return float(sum(tensors[k] for k in moved))
 
 

@@ -11,7 +11,8 @@ from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, MicroBatch, Recompute
 from dcp_megatron.planner.policies import make_plan
-from dcp_megatron.planner.relief import MENU_NAMES, allows, light_reliefs, menu_names
+from dcp_megatron.planner.relief import (MENU_NAMES, allows, held_bytes_per_layer, light_reliefs, menu_names,
+                                         offloaded_bytes_per_layer)
 from dcp_megatron.planner.validate import validate
 
 MLP = Recompute("selective", modules=frozenset({"mlp"}))
@@ -91,6 +92,20 @@ def test_offload_is_gpu_only_and_attn_proj_needs_core_attn():
     offloads = {r.offload for r in gpu.recompute_options() if r.offload}
     assert offloads and all("core_attn" in o for o in offloads)
     assert not any(r.offload & r.modules for r in gpu.recompute_options())
+
+
+def test_core_attention_offload_copies_its_output_but_frees_only_q_k_v():
+    """megatron-core's core_attn group copies every tensor core attention saves (q, k, v and the output) and
+    releases q, k, v; the output stays on the GPU as linear_proj's input unless attn_proj offloads it too."""
+    m = model_preset("llama3-8b")
+    t = layer_tensors(m)
+    core = Recompute("none", offload=frozenset({"core_attn"}))
+    both = Recompute("none", offload=frozenset({"core_attn", "attn_proj"}))
+    none = held_bytes_per_layer(m, NO_RECOMPUTE)
+    assert none - held_bytes_per_layer(m, core) == pytest.approx(t["core_attn_in"])
+    assert none - held_bytes_per_layer(m, both) == pytest.approx(t["core_attn_in"] + t["attn_out"])
+    assert offloaded_bytes_per_layer(m, core) == offloaded_bytes_per_layer(m, both) == \
+        pytest.approx(t["core_attn_in"] + t["attn_out"])
 
 
 def test_menu_names_restrict_the_menu_and_selective_is_core_attn():

@@ -1,0 +1,72 @@
+"""dcp under ZeRO-3: dev's dynamic-CP layout at the token caps of a few wave counts, each wave with its own relief.
+
+In lockstep every wave pays the stage's weight gathers, so a step is about Σ over waves of max(the wave's
+slowest micro-batch, the gathers it cannot hide): few, full waves win, with the relief that lets them hold
+that many tokens. A tuned megatron-dynamic finds one such run-wide token cap and recompute over a run's
+batches (planner/baseline_sweep.py); dcp cannot see the tuning, so per batch it schedules dev's packing at
+the cap of each wave count n (Σ local tokens / (D·n), CAP_SLACK over), from the fewest waves the strongest
+relief allows to those the room without relief needs, and gives every wave the relief that holds its fullest
+micro-batch fastest (relief_pass.with_wave_reliefs: one relief per wave, fillers included, which DeepSpeed's
+ZeRO-3 can run). A seed that beats dcp's plan is taken (`extra["seeded_from"]`). Schedules are ~0.1 s each
+at D = 64; wave counts are tried from the most down, stopping SEED_PATIENCE counts after the last that
+shortened the plan.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dcp_megatron.planner.plan import StepPlan
+from dcp_megatron.planner.policies.megatron_dynamic import dynamic_cp_sizes, dynamic_schedule, waves_of_schedule
+from dcp_megatron.planner.policies.relief_pass import with_wave_reliefs
+from dcp_megatron.planner.policies.settings import DynamicSetting, least_recompute_for
+from dcp_megatron.planner.timeline import plan_makespan
+
+CAP_SLACK = 0.02        # a wave count's cap over its even share: dev's greedy fills waves to the cap, unevenly
+SEED_PATIENCE = 2       # wave counts tried past the last one whose seed shortened the plan
+MOST_SEEDS = 12         # at most this many schedules per batch (planning time)
+
+
+def wave_count_caps(lengths: np.ndarray, cost) -> list[int]:
+    """Per-rank token caps, one per wave count, most waves first (module docstring)."""
+    D = cost.cluster.domain_size
+    top = dynamic_cp_sizes(D, cost.cluster.cp_size_limit)[-1]
+    local_sum = float(cost.doc_terms(lengths, 1)[0].sum())
+    longest_share = 2 * -(-int(lengths.max()) // (2 * top))
+    lightest = cost.max_local_tokens(cost.base_recompute)
+    strongest = cost.max_local_tokens(cost.strongest_recompute)
+    most = max(1, math.ceil(local_sum / (D * lightest)))
+    fewest = max(1, math.ceil(local_sum / (D * strongest)))
+    caps = []
+    for n in range(most, fewest - 1, -1):
+        cap = min(int(math.ceil(local_sum / (D * n) * (1 + CAP_SLACK))), strongest)
+        if cap >= longest_share and (not caps or cap > caps[-1]):
+            caps.append(cap)
+    return caps[:MOST_SEEDS]
+
+
+def lockstep_seeds(ids: np.ndarray, lengths: np.ndarray, cost, must_beat: float):
+    """(name, waves) of the seeds that beat `must_beat` seconds, each faster than the one before; stops
+    SEED_PATIENCE wave counts after the seeds stopped getting faster."""
+    D = cost.cluster.domain_size
+    best, seeds_best, misses = must_beat, math.inf, 0
+    for cap in wave_count_caps(lengths, cost):
+        recompute = least_recompute_for(cost, cap)
+        if recompute is None:
+            break
+        try:
+            schedule = dynamic_schedule(lengths, cost, DynamicSetting(token_cap=cap, recompute=recompute))
+        except ValueError:           # a sequence this cap cannot hold at any allowed size
+            continue
+        waves, _ = with_wave_reliefs(waves_of_schedule(schedule, ids, lengths, cost, recompute), cost)
+        t = plan_makespan(StepPlan(domain_size=D, waves=waves))
+        if t < best * (1 - 1e-9):
+            best = t
+            yield f"megatron-dynamic at cap {cap}", waves
+        if t < seeds_best * (1 - 1e-9):
+            seeds_best, misses = t, 0
+        else:
+            misses += 1
+            if misses > SEED_PATIENCE:
+                return

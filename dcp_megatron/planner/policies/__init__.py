@@ -83,7 +83,7 @@ def make_plan(policy: str, batch: Sequence[tuple[int, int]], cost, *, max_seq_le
         if other.est_step_time_s < best.est_step_time_s:
             best = other
     if cost.model.wave_uniform_relief:   # ZeRO-3: dev's layout at the caps of a few wave counts (lockstep_seeds.py)
-        for name, waves in lockstep_seeds(ids, lengths, cost, best.est_step_time_s):
+        for name, waves in lockstep_seeds(ids, lengths, cost, best.est_step_time_s, max_seq_len):
             other = _finish("dcp", waves, cost, bound, extra={"seeded_from": name})
             if other.est_step_time_s < best.est_step_time_s:
                 best = other

@@ -163,19 +163,20 @@ def _candidates(cost, local_token_sum: float, D: int) -> list[tuple[int, int]]:
 
 def _full_room_candidates(cost, local_token_sum: float, D: int) -> list[tuple[int, int]]:
     """Under ZeRO-3 (`ModelShape.wave_uniform_relief`) with full recompute allowed: (room, number of waves) for
-    the wave counts below those `_candidates` tries, most first, each with the room of the fewest full layers
-    that holds a wave's share of the tokens with FULL_ROOM_SLACK to spare (the strongest room at most)."""
+    the wave counts below what the room without relief needs, most first, each with the room of the fewest full
+    layers that holds a wave's share of the tokens with FULL_ROOM_SLACK to spare (the strongest room at most);
+    pairs `_candidates` tries already are left out."""
     if not cost.model.wave_uniform_relief or "full" not in cost.allowed_recompute:
         return []
     rooms = [cost.max_local_tokens(r) for r in cost.full_recompute_options()]    # ascending
-    lightest = packing_rooms(cost)[-1]
-    below = max(1, math.ceil(local_token_sum / (D * lightest)))
+    below = max(1, math.ceil(local_token_sum / (D * packing_rooms(cost)[0])))
     fewest = max(1, math.ceil(local_token_sum / (D * rooms[-1])))
+    tried = set(_candidates(cost, local_token_sum, D))
     out = []
     for n in range(below - 1, fewest - 1, -1):
         need = local_token_sum / (D * n) * (1 + FULL_ROOM_SLACK)
         room = next((r for r in rooms if r >= need), rooms[-1])
-        if room > lightest:
+        if (room, n) not in tried:
             out.append((room, n))
     return out
 

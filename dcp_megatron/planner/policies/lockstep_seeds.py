@@ -7,9 +7,10 @@ batches (planner/baseline_sweep.py); dcp cannot see the tuning, so per batch it 
 the cap of each wave count n (Σ local tokens / (D·n), CAP_SLACK over), from the fewest waves the strongest
 relief allows to those the room without relief needs, and gives every wave the relief that holds its fullest
 micro-batch fastest (relief_pass.with_wave_reliefs: one relief per wave, fillers included, which DeepSpeed's
-ZeRO-3 can run). A seed that beats dcp's plan is taken (`extra["seeded_from"]`). Schedules are ~0.1 s each
-at D = 64; wave counts are tried from the most down, stopping SEED_PATIENCE counts after the last that
-shortened the plan.
+ZeRO-3 can run); then the caps of a tuned run's grid (baseline_sweep.token_caps) next to the best cap, where
+the tuned peer's setting lies when it is near this batch's best. A seed that beats dcp's plan is taken
+(`extra["seeded_from"]`). Schedules take ~0.1 s each at D = 64; wave counts are tried from the most down,
+stopping SEED_PATIENCE counts after the seeds stopped getting faster.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import math
 
 import numpy as np
 
+from dcp_megatron.planner.baseline_sweep import token_caps
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.policies.megatron_dynamic import dynamic_cp_sizes, dynamic_schedule, waves_of_schedule
 from dcp_megatron.planner.policies.relief_pass import with_wave_reliefs
@@ -25,7 +27,8 @@ from dcp_megatron.planner.timeline import plan_makespan
 
 CAP_SLACK = 0.02        # a wave count's cap over its even share: dev's greedy fills waves to the cap, unevenly
 SEED_PATIENCE = 2       # wave counts tried past the last one whose seed shortened the plan
-MOST_SEEDS = 12         # at most this many schedules per batch (planning time)
+MOST_SEEDS = 12         # at most this many wave counts per batch (planning time)
+NEAR_CAPS = (1.05, 1.15)   # the tuned-style caps tried from best / [0] to best x [1]
 
 
 def wave_count_caps(lengths: np.ndarray, cost) -> list[int]:
@@ -46,27 +49,44 @@ def wave_count_caps(lengths: np.ndarray, cost) -> list[int]:
     return caps[:MOST_SEEDS]
 
 
-def lockstep_seeds(ids: np.ndarray, lengths: np.ndarray, cost, must_beat: float):
-    """(name, waves) of the seeds that beat `must_beat` seconds, each faster than the one before; stops
-    SEED_PATIENCE wave counts after the seeds stopped getting faster."""
+def lockstep_seeds(ids: np.ndarray, lengths: np.ndarray, cost, must_beat: float, max_seq_len: int):
+    """(name, waves) of the seeds that beat `must_beat` seconds, each faster than the one before: the wave counts'
+    caps, most waves first, stopping SEED_PATIENCE counts after the seeds stopped getting faster; then the caps
+    a tuned run would pick (baseline_sweep.token_caps) near the best one (NEAR_CAPS)."""
     D = cost.cluster.domain_size
-    best, seeds_best, misses = must_beat, math.inf, 0
-    for cap in wave_count_caps(lengths, cost):
+    best, seeds_best, best_cap, misses = must_beat, math.inf, None, 0
+    tried = set()
+
+    def seed(cap: int):
+        tried.add(cap)
         recompute = least_recompute_for(cost, cap)
         if recompute is None:
-            break
+            return None, math.inf
         try:
             schedule = dynamic_schedule(lengths, cost, DynamicSetting(token_cap=cap, recompute=recompute))
         except ValueError:           # a sequence this cap cannot hold at any allowed size
-            continue
+            return None, math.inf
         waves, _ = with_wave_reliefs(waves_of_schedule(schedule, ids, lengths, cost, recompute), cost)
-        t = plan_makespan(StepPlan(domain_size=D, waves=waves))
+        return waves, plan_makespan(StepPlan(domain_size=D, waves=waves))
+
+    for cap in wave_count_caps(lengths, cost):
+        waves, t = seed(cap)
         if t < best * (1 - 1e-9):
             best = t
             yield f"megatron-dynamic at cap {cap}", waves
         if t < seeds_best * (1 - 1e-9):
-            seeds_best, misses = t, 0
-        else:
+            seeds_best, best_cap, misses = t, cap, 0
+        elif math.isfinite(t):
             misses += 1
             if misses > SEED_PATIENCE:
-                return
+                break
+    if best_cap is None:
+        return
+    top = dynamic_cp_sizes(D, cost.cluster.cp_size_limit)[-1]
+    lo, hi = best_cap / NEAR_CAPS[0], best_cap * NEAR_CAPS[1]
+    for cap in token_caps(cost, max_seq_len, top):
+        if lo <= cap <= hi and cap not in tried:
+            waves, t = seed(cap)
+            if t < best * (1 - 1e-9):
+                best = t
+                yield f"megatron-dynamic at cap {cap}", waves

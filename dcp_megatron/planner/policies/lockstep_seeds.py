@@ -18,7 +18,6 @@ import math
 
 import numpy as np
 
-from dcp_megatron.planner.baseline_sweep import token_caps
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.policies.megatron_dynamic import dynamic_cp_sizes, dynamic_schedule, waves_of_schedule
 from dcp_megatron.planner.policies.relief_pass import with_wave_reliefs
@@ -53,6 +52,8 @@ def lockstep_seeds(ids: np.ndarray, lengths: np.ndarray, cost, must_beat: float,
     """(name, waves) of the seeds that beat `must_beat` seconds, each faster than the one before: the wave counts'
     caps, most waves first, stopping SEED_PATIENCE counts after the seeds stopped getting faster; then the caps
     a tuned run would pick (baseline_sweep.token_caps) near the best one (NEAR_CAPS)."""
+    from dcp_megatron.planner.baseline_sweep import token_caps   # baseline_sweep imports policies
+
     D = cost.cluster.domain_size
     best, seeds_best, best_cap, misses = must_beat, math.inf, None, 0
     tried = set()

@@ -60,18 +60,19 @@ def test_a_baselines_wave_takes_one_relief_no_slower_than_its_run_wide_one():
     """A baseline's layout seeding dcp under ZeRO-3 gets one relief per wave (relief_pass.with_wave_reliefs), its
     fillers too, and no micro-batch slower than with the run-wide relief."""
     from dcp_megatron.planner.policies.relief_pass import with_own_reliefs
-    from dcp_megatron.planner.policies.settings import DynamicSetting
+    from dcp_megatron.planner.policies.settings import DynamicSetting, least_recompute_for
 
     cost, batches, max_seq_len = _run("lognormal", 8, 262144)
-    setting = DynamicSetting(token_cap=4096, recompute=Recompute("full", 40))
-    plan = make_plan("megatron-dynamic", batches[0].sequences, cost, max_seq_len=max_seq_len, setting=setting)
-    waves, changed = with_own_reliefs(plan.waves, cost)
-    assert changed and all(len(r) == 1 for r in _wave_reliefs(waves)), _wave_reliefs(waves)
-    assert any(r != {setting.recompute} for r in _wave_reliefs(waves))
-    for old, new in zip(plan.waves, waves):
-        for g_old, g_new in zip(old.groups, new.groups):
-            for a, b in zip(g_old.microbatches, g_new.microbatches):
-                assert b.est_time_s <= a.est_time_s * (1 + 1e-12), (a, b)
+    for cap in (4096, 8192, 16000):
+        setting = DynamicSetting(token_cap=cap, recompute=least_recompute_for(cost, cap))
+        plan = make_plan("megatron-dynamic", batches[0].sequences, cost, max_seq_len=max_seq_len, setting=setting)
+        waves, changed = with_own_reliefs(plan.waves, cost)
+        assert changed and all(len(r) == 1 for r in _wave_reliefs(waves)), (cap, _wave_reliefs(waves))
+        assert any(r != {setting.recompute} for r in _wave_reliefs(waves))
+        for old, new in zip(plan.waves, waves):
+            for g_old, g_new in zip(old.groups, new.groups):
+                for a, b in zip(g_old.microbatches, g_new.microbatches):
+                    assert b.est_time_s <= a.est_time_s * (1 + 1e-12), (a, b)
 
 
 def test_full_recompute_rooms_pack_fewer_fuller_waves():

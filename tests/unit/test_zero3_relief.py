@@ -112,3 +112,15 @@ def test_the_deepspeed_step_refuses_a_wave_whose_ranks_recompute_differently():
     filler_differs = Wave((Group(0, 1, (MicroBatch(((1, 8),), full),)), Group(1, 1, (MicroBatch(()),))))
     with pytest.raises(RuntimeError, match="step 5, wave 1: its micro-batches recompute differently \\(full2, none\\)"):
         check_wave_reliefs(StepPlan(domain_size=2, waves=(uniform, filler_differs)), 5)
+
+
+def test_an_idle_ranks_filler_runs_the_relief_its_plan_names():
+    """The filler of an idle rank replays as its wave does (core/microbatches.build_batch): under ZeRO-3 its weight
+    gathers must pair with its peers' recomputing ones."""
+    import torch
+
+    from dcp_megatron.core.microbatches import MICROBATCH_KEY, build_batch
+
+    full = Recompute("full", 2)
+    filler = build_batch([], cp_size=1, cp_rank=0, group=None, recompute=full, wave_index=3, device=torch.device("cpu"))
+    assert filler[MICROBATCH_KEY].recompute == full and int(filler["loss_mask"].sum()) == 0

@@ -7,7 +7,7 @@ batches (planner/baseline_sweep.py); dcp cannot see the tuning, so per batch it 
 the cap of each wave count n (Σ local tokens / (D·n), CAP_SLACK over), from the fewest waves the strongest
 relief allows to those the room without relief needs, and gives every wave the relief that holds its fullest
 micro-batch fastest (relief_pass.with_wave_reliefs: one relief per wave, fillers included, which DeepSpeed's
-ZeRO-3 can run); then the caps of a tuned run's grid (baseline_sweep.token_caps) next to the best cap, where
+ZeRO-3 can run); then the caps of a tuned run's grid (settings.token_caps) next to the best cap, where
 the tuned peer's setting lies when it is near this batch's best. A seed that beats dcp's plan is taken
 (`extra["seeded_from"]`). Schedules take ~0.1 s each at D = 64; wave counts are tried from the most down,
 stopping SEED_PATIENCE counts after the seeds stopped getting faster.
@@ -21,7 +21,7 @@ import numpy as np
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.policies.megatron_dynamic import dynamic_cp_sizes, dynamic_schedule, waves_of_schedule
 from dcp_megatron.planner.policies.relief_pass import with_wave_reliefs
-from dcp_megatron.planner.policies.settings import DynamicSetting, least_recompute_for
+from dcp_megatron.planner.policies.settings import DynamicSetting, least_recompute_for, token_caps
 from dcp_megatron.planner.timeline import plan_makespan
 
 CAP_SLACK = 0.02        # a wave count's cap over its even share: dev's greedy fills waves to the cap, unevenly
@@ -51,9 +51,7 @@ def wave_count_caps(lengths: np.ndarray, cost) -> list[int]:
 def lockstep_seeds(ids: np.ndarray, lengths: np.ndarray, cost, must_beat: float, max_seq_len: int):
     """(name, waves) of the seeds that beat `must_beat` seconds, each faster than the one before: the wave counts'
     caps, most waves first, stopping SEED_PATIENCE counts after the seeds stopped getting faster; then the caps
-    a tuned run would pick (baseline_sweep.token_caps) near the best one (NEAR_CAPS)."""
-    from dcp_megatron.planner.baseline_sweep import token_caps   # baseline_sweep imports policies
-
+    a tuned run would pick (settings.token_caps) near the best one (NEAR_CAPS)."""
     D = cost.cluster.domain_size
     best, seeds_best, best_cap, misses = must_beat, math.inf, None, 0
     tried = set()

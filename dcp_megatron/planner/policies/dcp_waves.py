@@ -17,7 +17,11 @@ whatever CP sizes the sequences need, side by side:
   non-power-of-two top size, if any, goes last); ranks left over run an empty micro-batch;
 - τ is tried for the wave counts that the batch's rank-seconds and memory suggest, each
   corrected when the build overflows; candidates are scored on arrays and only the plan with
-  the shortest timeline is turned into plan objects.
+  the shortest timeline is turned into plan objects;
+- under ZeRO-3 (`ModelShape.wave_uniform_relief`) a wave's micro-batches, idle fillers included,
+  share one relief (the one that holds the wave's fullest micro-batch fastest, relief_pass.wave_relief),
+  and the rooms of full recompute are tried for the wave counts below what the room without relief
+  needs (every wave pays the weight gathers: fewer, fuller waves may win).
 A class is its sequences sorted longest first and only its two ends are taken, so a block
 is a few contiguous runs, packed by bisection and summed from prefix sums.
 """

@@ -364,10 +364,12 @@ def test_the_dynamic_path_ran(runs):
     assert static and all(s["policy"] == "static" and max(s["counts"]) - min(s["counts"]) <= 1 for s in static.values())
     assert len({s["cp_sizes"].split("x")[0] for s in static.values()}) == 1
     dynamic = runs["dcp_z3"].dcp_steps
-    # The label names a fallback (dcp(fallback:static)). Refinement is on: from step 4 measured times may make a
-    # baseline's plan win; the first three steps are planned by the model as configured (lengths alone), and dcp's own.
-    assert sorted(dynamic) == list(range(1, ITERS + 1)) and all(s["policy"].startswith("dcp") for s in dynamic.values())
-    assert all(dynamic[step]["policy"] == "dcp" for step in (1, 2, 3)), {k: s["policy"] for k, s in dynamic.items()}
+    # The label names a fallback (dcp(fallback:static)): a step where a baseline's layout is faster by the model (its
+    # run-wide relief is one per wave, so ZeRO-3 runs it; measured times from step 4 may add some) runs it; most
+    # steps are dcp's own.
+    assert sorted(dynamic) == list(range(1, ITERS + 1)) and all(s["policy"] == "dcp" or s["policy"].startswith(
+        "dcp(fallback:") for s in dynamic.values()), dynamic
+    assert sum(s["policy"] == "dcp" for s in dynamic.values()) >= ITERS // 2, {k: s["policy"] for k, s in dynamic.items()}
     ulysses = read_plan_dumps(runs["root"] / "plans_z3")
     assert len(ulysses) == ITERS and all(mb.attention == "ulysses" for p in ulysses for w in p.waves for g in w.groups
                                       if g.size > 1 for mb in g.microbatches if mb.sequences)

@@ -9,7 +9,8 @@ relief allows to those the room without relief needs, and gives every wave the r
 micro-batch fastest (relief_pass.with_wave_reliefs: one relief per wave, fillers included, which DeepSpeed's
 ZeRO-3 can run); then the caps of a tuned run's grid (settings.token_caps) next to the best cap, where
 the tuned peer's setting lies when it is near this batch's best. A seed that beats dcp's plan is taken
-(`extra["seeded_from"]`). Schedules take ~0.1 s each at D = 64; wave counts are tried from the most down,
+(`extra["seeded_from"]`). Schedules take ~0.05 s each at D = 64 and are scored on arrays (plan objects only
+for a seed that wins); wave counts are tried from the most down,
 stopping SEED_PATIENCE counts after the seeds stopped getting faster.
 """
 from __future__ import annotations
@@ -20,9 +21,9 @@ import numpy as np
 
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.policies.megatron_dynamic import dynamic_cp_sizes, dynamic_schedule, waves_of_schedule
-from dcp_megatron.planner.policies.relief_pass import with_wave_reliefs
+from dcp_megatron.planner.policies.relief_pass import wave_relief, with_wave_reliefs
 from dcp_megatron.planner.policies.settings import DynamicSetting, least_recompute_for, token_caps
-from dcp_megatron.planner.timeline import plan_makespan
+from dcp_megatron.planner.timeline import one_microbatch_makespan, plan_makespan
 
 CAP_SLACK = 0.02        # a wave count's cap over its even share: dev's greedy fills waves to the cap, unevenly
 SEED_PATIENCE = 2       # wave counts tried past the last one whose seed shortened the plan
@@ -56,7 +57,10 @@ def lockstep_seeds(ids: np.ndarray, lengths: np.ndarray, cost, must_beat: float,
     best, seeds_best, best_cap, misses = must_beat, math.inf, None, 0
     tried = set()
 
+    terms: dict[int, np.ndarray] = {}      # per CP size: each document's (local, compute, attention) terms
+
     def seed(cap: int):
+        """(waves or None, seconds): scored on arrays; plan objects only for a seed that beats `best`."""
         tried.add(cap)
         recompute = least_recompute_for(cost, cap)
         if recompute is None:
@@ -65,12 +69,15 @@ def lockstep_seeds(ids: np.ndarray, lengths: np.ndarray, cost, must_beat: float,
             schedule = dynamic_schedule(lengths, cost, DynamicSetting(token_cap=cap, recompute=recompute))
         except ValueError:           # a sequence this cap cannot hold at any allowed size
             return None, math.inf
+        t = _seconds(schedule, lengths, cost, recompute, terms)
+        if t >= best * (1 - 1e-9):
+            return None, t
         waves, _ = with_wave_reliefs(waves_of_schedule(schedule, ids, lengths, cost, recompute), cost)
         return waves, plan_makespan(StepPlan(domain_size=D, waves=waves))
 
     for cap in wave_count_caps(lengths, cost):
         waves, t = seed(cap)
-        if t < best * (1 - 1e-9):
+        if waves is not None and t < best * (1 - 1e-9):
             best = t
             yield f"megatron-dynamic at cap {cap}", waves
         if t < seeds_best * (1 - 1e-9):
@@ -86,6 +93,32 @@ def lockstep_seeds(ids: np.ndarray, lengths: np.ndarray, cost, must_beat: float,
     for cap in token_caps(cost, max_seq_len, top):
         if lo <= cap <= hi and cap not in tried:
             waves, t = seed(cap)
-            if t < best * (1 - 1e-9):
+            if waves is not None and t < best * (1 - 1e-9):
                 best = t
                 yield f"megatron-dynamic at cap {cap}", waves
+
+
+def _seconds(schedule, lengths: np.ndarray, cost, recompute, terms: dict) -> float:
+    """The step of dev's schedule with each wave's relief (relief_pass.wave_relief, no micro-batch slower than with
+    the run-wide `recompute`), from arrays: what `with_wave_reliefs` and `plan_makespan` give its plan objects."""
+    D = cost.cluster.domain_size
+    wave_of, first_of, size_of, times = [], [], [], []
+    for w, groups in enumerate(schedule):
+        sums, firsts, first = [], [], 0
+        for size, members in groups:
+            if size not in terms:
+                terms[size] = np.stack(cost.doc_terms(lengths, size))
+            sums.append(terms[size][:, members].sum(axis=1))
+            firsts.append(first)
+            first += size
+        local, compute, attn = np.array(sums).T
+        sizes, firsts = np.array([g[0] for g in groups]), np.array(firsts)
+        run_wide = cost.times_from_sums(local, compute, attn, sizes, firsts, recompute)
+        relief, seconds = wave_relief(cost, local, compute, attn, sizes, firsts, run_wide)
+        seconds = run_wide if relief is None else seconds
+        idle = list(range(first, D))
+        wave_of += [w] * (len(groups) + len(idle))
+        first_of += firsts.tolist() + idle
+        size_of += sizes.tolist() + [1] * len(idle)
+        times += seconds.tolist() + [cost.cluster.microbatch_overhead_s] * len(idle)
+    return one_microbatch_makespan(*(np.asarray(x) for x in (wave_of, first_of, size_of, times)), D)

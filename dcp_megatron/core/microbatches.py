@@ -15,7 +15,8 @@ packed THD into the 0.19 packed-sequence contract of Megatron-LM's `pretrain_gpt
   `get_batch_on_this_cp_rank` turns its group into the batch's `hybrid_cp_group`, which the script hands
   to `PackedSeqParams.cp_group` — the upstream seam for a per-micro-batch CP group.
 
-A rank the plan gives no micro-batch runs one filler: a masked 1-token document, so it still
+A rank the plan gives no micro-batch runs one filler: a masked 1-token document (with the recompute the plan
+names for it: under ZeRO-3 its wave's, so its weight gathers pair with its peers'), so it still
 joins the step's gradient reduction. With `row_multiple` > 1 (FP8: TE's FP8 GEMMs need the token rows
 per TP shard divisible by 16, fp8_checks.py) a masked filler document is appended to a micro-batch whose
 local rows fall short of a multiple; it attends only to itself and carries no loss, so no loss or
@@ -85,7 +86,7 @@ def build_batch(documents: list[torch.Tensor], *, cp_size: int, cp_rank: int, gr
         groups=(group,) if cp_size > 1 else (), step_num_tokens=max(step_num_tokens, sum(lengths[:len(documents)])))
     facts = MicroBatchFacts(wave_index=wave_index, cp_size=cp_size, cp_rank=cp_rank,
                             group=group if cp_size > 1 else None,
-                            recompute=recompute if documents else NO_RECOMPUTE,
+                            recompute=recompute,   # a filler's too: under ZeRO-3 it replays as its wave does
                             attention=attention if cp_size > 1 else "allgather",
                             router_documents=router_documents, padded_lengths=tuple(shard.padded_lengths),
                             microbatch_index=microbatch_index)

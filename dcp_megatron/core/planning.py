@@ -122,8 +122,6 @@ def check_longest_fits(config: DcpConfig, cost: CostModel) -> None:
             recompute = ""
         elif cost.model.ep > 1:
             recompute = f" (full recompute is off under --expert-model-parallel-size {cost.model.ep})"
-        elif cost.model.zero_stage == 3:
-            recompute = " (recompute is off under ZeRO stage 3: every rank of a wave must replay alike)"
         else:
             recompute = ", allow full recompute (--dcp-recompute)"
         raise DcpUsageError(

@@ -17,8 +17,10 @@ block (DeepSpeed does not know it) and sets what the planned step needs of the e
   domain) in every forward and backward, so ranks running different numbers of micro-batches would
   issue different numbers of gathers and hang (measured on 0.19.8, 2 CPU ranks: 1 vs 3 forwards time
   out, with and without `coalesce_grad_reduction`): the planner plans stage 3 in lockstep (one
-  micro-batch per group per wave, a masked filler on idle ranks; planner/param_sharding.py), and recompute
-  is taken out of its choices (`stage3_recompute`).
+  micro-batch per group per wave, a masked filler on idle ranks; planner/param_sharding.py) with one relief
+  per wave that every micro-batch of it, fillers included, runs (`ModelShape.wave_uniform_relief`; the
+  engine step checks it, engine_step.check_wave_reliefs); what stage 3 cannot run is refused
+  (`stage3_recompute`).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import os
 
 from dcp_megatron.config import RECOMPUTE_CHOICES, DcpConfig, DcpUsageError, check_gpus_per_node, local_world_size
 
-STAGE3_RECOMPUTE = ("none",)   # ZeRO-3's recompute choices (stage3_recompute)
+STAGE3_REFUSED = ("offload",)   # reliefs ZeRO-3 does not run (stage3_recompute)
 
 # "dcp" block key -> (DcpConfig field, expected JSON type(s)).
 _BLOCK_KEYS = {
@@ -184,7 +186,7 @@ def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int,
     """The run's DcpConfig from the `"dcp"` block and the flags given on the command line (`cli`: DcpConfig
     keyword arguments, None where a flag was not given), or None when DCP is off; `domain_size` (the world
     size) bounds max_cp_size, as on the Megatron path (the cost model would clamp it silently); `stage`: the
-    ZeRO stage (3 narrows the recompute choices, stage3_recompute)."""
+    ZeRO stage (3 refuses what it cannot run, stage3_recompute)."""
     settings = dcp_block_settings(ds_config.get("dcp"))
     enabled = bool(dcp_flag or settings.pop("enabled", False))
     settings.pop("enabled", None)
@@ -195,8 +197,8 @@ def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int,
             raise DcpUsageError(f"{', '.join(names)} only take effect with --dcp (or \"dcp\": {{\"enabled\": true}})")
         return None
     settings.update(given)
-    if stage == 3:
-        settings["recompute"] = stage3_recompute(settings.get("recompute"))
+    if stage == 3 and settings.get("recompute") is not None:
+        settings["recompute"] = stage3_recompute(settings["recompute"])
     if settings.get("cp_attention") is None:
         settings["cp_attention"] = default_cp_attention
     if settings.get("gpus_per_node") is None:
@@ -212,23 +214,18 @@ def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int,
     return DcpConfig(seq_length=seq_length, train_iters=train_iters, log_interval=log_interval, **settings)
 
 
-def stage3_recompute(kinds: tuple[str, ...] | None) -> tuple[str, ...]:
-    """ZeRO-3's recompute choices: none. Every rank of the domain must run the same modules in the same order:
-    full recompute replays a layer's forward in backward, whose pre-forward hook gathers the layer's weights again
-    on the recomputing ranks only (gloo aborts on the mismatched gather); selective recompute replays core
-    attention on those ranks only, and DeepSpeed checks that every rank recorded the same module order
-    (partitioned_param_coordinator.reset_step: "Detected a disagreement on list length", measured on 2 CPU
-    ranks). A rank's peers in a wave (fillers included) may recompute otherwise. Given with another kind:
-    refused; not given: none, said in one line."""
-    reason = ("ZeRO stage 3: every rank of the domain must run the same modules (full recompute re-gathers a "
-              "layer's weights on the recomputing ranks only; selective recompute replays their core attention, "
-              "and DeepSpeed checks the ranks' module orders agree)")
-    if kinds is None:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"dcp: --dcp-recompute {','.join(STAGE3_RECOMPUTE)} ({reason})", flush=True)
-        return STAGE3_RECOMPUTE
-    other = [kind for kind in kinds if kind not in STAGE3_RECOMPUTE]
+def stage3_recompute(kinds: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """ZeRO-3's recompute choices. Every rank of the domain must run the same modules in the same order: full
+    recompute replays a layer's forward in backward, whose pre-forward hook gathers the layer's weights again
+    (gloo aborts when only some ranks do: "Received data size doesn't match expected size"), and DeepSpeed checks
+    that every rank recorded the same module order (partitioned_param_coordinator.reset_step: "Detected a
+    disagreement on list length", measured on 2 CPU ranks when selective recompute differed). So the planner gives
+    every wave one relief that all its micro-batches, fillers included, run (`ModelShape.wave_uniform_relief`), and
+    recompute runs: the kinds as given (None: the default menu). Refused: activation offloading (STAGE3_REFUSED;
+    not run under ZeRO-3)."""
+    other = [kind for kind in kinds or () if kind in STAGE3_REFUSED]
     if other:
-        raise DcpUsageError(f"--dcp-recompute (or \"dcp\" recompute) {','.join(kinds)}: drop {', '.join(repr(k) for k in other)} "
-                            f"({reason})")
-    return tuple(kinds)
+        raise DcpUsageError(f"--dcp-recompute (or \"dcp\" recompute) {','.join(kinds)}: drop "
+                            f"{', '.join(repr(k) for k in other)} (ZeRO stage 3: activation offloading is not run "
+                            f"under sharded weights)")
+    return kinds

@@ -10,8 +10,10 @@ engine is driven so that this is exactly one optimizer step on the whole global 
   stage 0, every backward but the last runs under `engine.no_sync()`. (Without either, ZeRO-2 reduces
   in every backward and a rank with more micro-batches issues reductions the others never join.)
   Stage 3 gathers weights in every forward and backward, so its plans are lockstep (every rank the same
-  count); each backward reduce-scatters into the rank's gradient partition, where DeepSpeed accumulates
-  until `step()` (coalescing would hold every full gradient on every rank until the step's end).
+  count) with one relief per wave, fillers included (a replayed layer gathers its weights again, on every
+  rank alike: `check_wave_reliefs` stops a plan that breaks this before anything runs); each backward
+  reduce-scatters into the rank's gradient partition, where DeepSpeed accumulates until `step()`
+  (coalescing would hold every full gradient on every rank until the step's end).
 - the loss is per token: each micro-batch backpropagates its local token-loss sum times
   `world / global tokens`; DeepSpeed averages gradients over the world, so the result is the sum over
   all tokens divided by the global token count: one device's gradient on the whole batch.
@@ -46,6 +48,17 @@ class StepOutcome:
     durations: tuple[float, ...]   # seconds per micro-batch (forward + backward), all but the step's last
     seconds: float                 # the whole step, the optimizer's update included
     grad_norm: float | None        # of the reduced gradient, before clipping (None: not known)
+
+
+def check_wave_reliefs(plan, iteration: int) -> None:
+    """RuntimeError naming the step and wave when a wave's micro-batches (fillers included) do not share one
+    relief: under ZeRO-3 the ranks' weight gathers would not pair (the planner plans one per wave, so a bug)."""
+    for w, wave in enumerate(plan.waves):
+        reliefs = {mb.recompute for group in wave.groups for mb in group.microbatches}
+        if len(reliefs) > 1:
+            raise RuntimeError(f"step {iteration}, wave {w}: its micro-batches recompute differently "
+                               f"({', '.join(sorted(map(str, reliefs)))}); under ZeRO stage 3 every rank of a wave, "
+                               f"an idle rank's filler too, must run one relief (a planner bug: its plans give one)")
 
 
 def _reduction_scopes(engine, count: int):

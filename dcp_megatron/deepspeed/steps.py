@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from dcp_megatron.config import DcpConfig
 from dcp_megatron.core.step_loop import PlannedStepLoop, RanBatches, Share, StepRecord
-from dcp_megatron.deepspeed.engine_step import StepOutcome, run_planned_step
+from dcp_megatron.deepspeed.engine_step import StepOutcome, check_wave_reliefs, run_planned_step
 from dcp_megatron.deepspeed.scalar_writers import write_step_to_monitor
 
 _LOSS_MASK = 2   # column of a document row holding the loss mask (global_batch.ROW_FIELDS)
@@ -94,6 +94,8 @@ class _DeepSpeedStep:
 
     def run_batches(self, batches: list[dict], share: Share) -> RanBatches:
         pool = self.owner.pool
+        if self.engine.zero_optimization_stage() == 3:   # before any collective: every rank holds this plan
+            check_wave_reliefs(share.planned.plan, share.iteration)
         tokens = share.local.rows[:, _LOSS_MASK].sum().reshape(1).to(torch.int64)
         if pool.domain_size > 1:   # the global batch's loss tokens: the per-token loss scale
             dist.all_reduce(tokens, group=pool.domain_group)

@@ -29,14 +29,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, StepPlan
-from dcp_megatron.planner.policies.settings import DynamicSetting, StaticSetting, check_recompute_fits
+from dcp_megatron.planner.policies.settings import DynamicSetting, StaticSetting, check_recompute_fits, token_caps  # noqa: F401
 
 STATIC_POLICIES = ("static", "static-balanced")
 DYNAMIC_POLICIES = ("megatron-dynamic", "megatron-hybrid")
 SWEPT_POLICIES = STATIC_POLICIES + DYNAMIC_POLICIES
-SMALLEST_CAP = 256       # caps 256 x 2^(k/2), rounded to CAP_ROUNDING tokens
-CAP_ROUNDING = 256
-FULL_LIMIT_CAPS = 4      # memory limits of k_min .. k_min + 3 full layers (k_min: the fewest holding the longest)
 MIN_CP_SIZES = (1, 2)
 
 
@@ -81,22 +78,6 @@ def static_grid(cost, max_seq_len: int) -> list[StaticSetting]:
         capacity = int(local_tokens(np.array([max_seq_len]), c)[0])
         grid += [StaticSetting(cp_size=c, recompute=r) for r in _recompute_candidates(cost, capacity)]
     return grid
-
-
-def token_caps(cost, longest: int, top_size: int) -> list[int]:
-    """The caps `dynamic_grid` tries (ascending): those that hold the longest sequence on `top_size` ranks."""
-    most = cost.max_local_tokens(cost.strongest_recompute)
-    need = 2 * -(-int(longest) // (2 * top_size))
-    caps, k = {most}, 0
-    while (cap := int(round(SMALLEST_CAP * 2 ** (k / 2) / CAP_ROUNDING)) * CAP_ROUNDING) <= most:
-        caps.add(cap)
-        k += 1
-    caps.update(cost.max_local_tokens(r) for r in cost.recompute_options() if r.kind != "full")
-    # the most tokens the fewest full layers that hold the longest sequence allow, and a few more layers
-    full = [cost.max_local_tokens(r) for r in cost.recompute_options() if r.kind == "full"]
-    first = next((i for i, cap in enumerate(full) if cap >= need), len(full))
-    caps.update(full[first:first + FULL_LIMIT_CAPS])
-    return sorted(c for c in caps if need <= c <= most)
 
 
 def dynamic_grid(cost, max_seq_len: int, policy: str = "megatron-dynamic") -> list[DynamicSetting]:

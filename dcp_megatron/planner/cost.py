@@ -404,15 +404,21 @@ class CostModel:
     def best_recompute_from_sums(self, local_tokens: float, compute_s: float, attn_s: float,
                                  cp_size: int) -> Recompute | None:
         """Fastest allowed relief that fits: a light one (relief.py's menu) or the fewest full layers that fit."""
+        fitting = self.fitting_reliefs(local_tokens)
+        if not fitting:
+            return None
+        return min(fitting, key=lambda r: (self.time_from_sums(local_tokens, compute_s, attn_s, cp_size, 0, r)))
+
+    def fitting_reliefs(self, local_tokens: float) -> list[Recompute]:
+        """The reliefs worth trying for a micro-batch of `local_tokens` per rank: the light ones that fit and, unless
+        none fits, the fewest full layers that fit (more layers only add time)."""
         room = self.cluster.mem_budget_bytes - self.static_bytes
         fitting = [r for r in self._light_options if local_tokens * self.bytes_per_local_token(r) <= room]
         if "full" in self.allowed_recompute and (not fitting or fitting[0] is not NO_RECOMPUTE):
             k = self._fewest_full_layers(local_tokens, room)
             if k is not None:
                 fitting.append(self._full_options[k - 1])
-        if not fitting:
-            return None
-        return min(fitting, key=lambda r: (self.time_from_sums(local_tokens, compute_s, attn_s, cp_size, 0, r)))
+        return fitting
 
     def _fewest_full_layers(self, local_tokens: float, room: float) -> int | None:
         # memory falls as k grows: the first k = 1..n whose bytes fit (bytes_per_local_token's floats)

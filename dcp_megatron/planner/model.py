@@ -74,6 +74,13 @@ class ModelShape:
         every layer's weights over the whole domain in every forward and backward."""
         return self.pp > 1 or self.ep > 1 or self.zero_stage == 3
 
+    @property
+    def wave_uniform_relief(self) -> bool:
+        """Every micro-batch of a wave (an idle rank's filler too) must run one relief: ZeRO-3 gathers a layer's
+        weights on every rank of the domain each time the layer runs, so a layer one rank replays in backward (full
+        recompute) or a module only some ranks rerun breaks the gathers' pairing (docs/deepspeed.md)."""
+        return self.zero_stage == 3
+
     # ---- parameter counts (whole model, before TP/PP split) ------------------------------
     @property
     def attn_params_per_layer(self) -> int:

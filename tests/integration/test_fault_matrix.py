@@ -389,7 +389,7 @@ def _block(**keys):
 
 
 DS_CASES = {
-    "zero3_full_recompute": (lambda w: (ds_config(stage=3, total_steps=LONG_RUN), ["--dcp", "--dcp-recompute", "none,full"]), ["ZeRO stage 3", "drop 'full'"]),
+    "zero3_offload": (lambda w: (ds_config(stage=3, total_steps=LONG_RUN), ["--dcp", "--dcp-recompute", "none,offload"]), ["ZeRO stage 3", "drop 'offload'"]),
     "grad_accumulation": (lambda w: (dict(ds_config(stage=1), gradient_accumulation_steps=4), ["--dcp"]), ['"gradient_accumulation_steps": 4']),
     "unmanaged_accumulation": (lambda w: (dict(ds_config(stage=1), managed_gradient_accumulation=False), ["--dcp"]), ['"managed_gradient_accumulation": false']),
     "no_optimizer": (lambda w: ({"zero_optimization": {"stage": 1}}, ["--dcp"]), ['add an "optimizer" block']),

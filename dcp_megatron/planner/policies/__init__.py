@@ -18,6 +18,7 @@ from dcp_megatron.planner.policies.common import candidate_sizes, check_batch, m
 from dcp_megatron.planner.policies.cp_flavour import choose_cp_attention
 from dcp_megatron.planner.policies.dcp import plan_dcp
 from dcp_megatron.planner.policies.hybrid import plan_megatron_hybrid
+from dcp_megatron.planner.policies.lockstep_seeds import lockstep_seeds
 from dcp_megatron.planner.policies.megatron_dynamic import plan_megatron_dynamic
 from dcp_megatron.planner.policies.relief_pass import with_own_reliefs
 from dcp_megatron.planner.policies.settings import DynamicSetting, StaticSetting
@@ -81,6 +82,11 @@ def make_plan(policy: str, batch: Sequence[tuple[int, int]], cost, *, max_seq_le
         other = _finish("dcp", own, cost, bound, extra={"seeded_from": name} if changed else {"fallback": name})
         if other.est_step_time_s < best.est_step_time_s:
             best = other
+    if cost.model.wave_uniform_relief:   # ZeRO-3: dev's layout at the caps of a few wave counts (lockstep_seeds.py)
+        for name, waves in lockstep_seeds(ids, lengths, cost, best.est_step_time_s, max_seq_len):
+            other = _finish("dcp", waves, cost, bound, extra={"seeded_from": name})
+            if other.est_step_time_s < best.est_step_time_s:
+                best = other
     return best
 
 

@@ -27,6 +27,7 @@ from dcp_megatron.planner.policies.common import (candidate_sizes, divisor_sizes
                                                   min_fitting_size)
 from dcp_megatron.planner.policies.sized_sequences import SizedSequences
 from dcp_megatron.planner.policies.dcp_waves import plan_mixed_waves
+from dcp_megatron.planner.policies.relief_pass import with_wave_reliefs
 from dcp_megatron.planner.timeline import plan_makespan
 
 
@@ -100,4 +101,6 @@ def _uniform_waves(ids: np.ndarray, lengths: np.ndarray, cost) -> tuple[Wave, ..
                       MicroBatch((), est_time_s=cost.cluster.microbatch_overhead_s, est_mem_bytes=cost.static_bytes))
                 groups.append(Group(first, size, (mb,)))
             waves.append(Wave(tuple(groups)))
+    if cost.model.wave_uniform_relief:      # ZeRO-3: one relief per wave, fillers included
+        return with_wave_reliefs(tuple(waves), cost, no_slower=False)[0]
     return tuple(waves)

@@ -17,7 +17,11 @@ whatever CP sizes the sequences need, side by side:
   non-power-of-two top size, if any, goes last); ranks left over run an empty micro-batch;
 - τ is tried for the wave counts that the batch's rank-seconds and memory suggest, each
   corrected when the build overflows; candidates are scored on arrays and only the plan with
-  the shortest timeline is turned into plan objects.
+  the shortest timeline is turned into plan objects;
+- under ZeRO-3 (`ModelShape.wave_uniform_relief`) a wave's micro-batches, idle fillers included,
+  share one relief (the one that holds the wave's fullest micro-batch fastest, relief_pass.wave_relief),
+  and the rooms of full recompute are tried for the wave counts below what the room without relief
+  needs (every wave pays the weight gathers: fewer, fuller waves may win).
 A class is its sequences sorted longest first and only its two ends are taken, so a block
 is a few contiguous runs, packed by bisection and summed from prefix sums.
 """
@@ -28,13 +32,16 @@ import math
 
 import numpy as np
 
-from dcp_megatron.planner.plan import Group, MicroBatch, Wave
+from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Wave
 from dcp_megatron.planner.policies.common import microbatch_from_sums
+from dcp_megatron.planner.policies.relief_pass import wave_relief
 from dcp_megatron.planner.timeline import one_microbatch_makespan
 
 WAVE_COUNT_CHOICES = 4      # wave counts tried from the fewest that hold the batch
 TARGET_REFINEMENTS = 3      # builds per wave count, the target wave time corrected after each
 LIGHTER_ROOMS = 2           # packing rooms of module reliefs tried beside the room without relief
+FULL_ROOM_SLACK = 0.1       # a full-k room holds a wave's share of the tokens and this much more (uneven blocks)
+FULL_ROOM_PATIENCE = 2      # full-k wave counts tried past the last one that shortened the plan
 
 
 class _SizeClass:
@@ -98,8 +105,11 @@ def plan_mixed_waves(ids: np.ndarray, lengths: np.ndarray, cost, seqs) -> tuple[
     D = cost.cluster.domain_size
     size_arr = np.asarray(seqs.sizes)[seqs.idx]
     rank_seconds = float((seqs.seconds * size_arr).sum())
+    local_sum = float((seqs.local * size_arr).sum())
     best, best_time = None, math.inf
-    for cap, num_waves in _candidates(cost, float((seqs.local * size_arr).sum()), D):
+
+    def attempt(cap: int, num_waves: int) -> None:
+        nonlocal best, best_time
         target = rank_seconds / (D * num_waves)
         for _ in range(TARGET_REFINEMENTS):
             sized = seqs.copy()
@@ -113,8 +123,20 @@ def plan_mixed_waves(ids: np.ndarray, lengths: np.ndarray, cost, seqs) -> tuple[
                 break
             # more waves than meant (blocks end short of the target, packing costs more than
             # the alone-times say): stretch the target by the waves' overflow
-            last = sum(size * mb_time for size, _, _, mb_time, _ in laid[-1])
+            last = sum(block[0] * block[3] for block in laid[-1])
             target *= (len(waves) - 1 + last / (D * target)) / num_waves
+
+    for cap, num_waves in _candidates(cost, local_sum, D):
+        attempt(cap, num_waves)
+    # ZeRO-3: every wave pays the weight gathers, so fewer, fuller waves with the wave's relief (full layers
+    # shared by all its micro-batches) may win; wave counts downwards while they keep paying off
+    misses = 0
+    for cap, num_waves in _full_room_candidates(cost, local_sum, D):
+        before = best_time
+        attempt(cap, num_waves)
+        misses = 0 if best_time < before * (1 - 1e-9) else misses + 1
+        if misses >= FULL_ROOM_PATIENCE:
+            break
     if best is None:
         return None
     return _waves(best, D, cost, list(zip(ids.tolist(), lengths.tolist())))
@@ -125,7 +147,7 @@ def packing_rooms(cost) -> list[int]:
     lightest module reliefs that hold more (e.g. MLP recompute). Fewer, fuller micro-batches with a cheap relief
     can beat more micro-batches without one: each pays the fixed per-micro-batch overhead, and in lockstep every
     micro-batch costs every rank a slot (under ZeRO-3 a weight gather). Each micro-batch's relief is still chosen
-    by its own tokens."""
+    by its own tokens (under ZeRO-3 each wave's, by its fullest micro-batch)."""
     rooms = [cost.max_local_tokens(cost.base_recompute)]
     for relief in cost.recompute_options():
         room = cost.max_local_tokens(relief) if relief.kind != "full" else 0
@@ -140,6 +162,26 @@ def _candidates(cost, local_token_sum: float, D: int) -> list[tuple[int, int]]:
     for cap in packing_rooms(cost):
         fewest = max(1, math.ceil(local_token_sum / (D * cap)))
         out += [(cap, n) for n in range(fewest, fewest + WAVE_COUNT_CHOICES)]
+    return out
+
+
+def _full_room_candidates(cost, local_token_sum: float, D: int) -> list[tuple[int, int]]:
+    """Under ZeRO-3 (`ModelShape.wave_uniform_relief`) with full recompute allowed: (room, number of waves) for
+    the wave counts below what the room without relief needs, most first, each with the room of the fewest full
+    layers that holds a wave's share of the tokens with FULL_ROOM_SLACK to spare (the strongest room at most);
+    pairs `_candidates` tries already are left out."""
+    if not cost.model.wave_uniform_relief or "full" not in cost.allowed_recompute:
+        return []
+    rooms = [cost.max_local_tokens(r) for r in cost.full_recompute_options()]    # ascending
+    below = max(1, math.ceil(local_token_sum / (D * packing_rooms(cost)[0])))
+    fewest = max(1, math.ceil(local_token_sum / (D * rooms[-1])))
+    tried = set(_candidates(cost, local_token_sum, D))
+    out = []
+    for n in range(below - 1, fewest - 1, -1):
+        need = local_token_sum / (D * n) * (1 + FULL_ROOM_SLACK)
+        room = next((r for r in rooms if r >= need), rooms[-1])
+        if (room, n) not in tried:
+            out.append((room, n))
     return out
 
 
@@ -183,27 +225,37 @@ def _build(classes: dict, sizes: list[int], target: float, cap_none: int, D: int
 
 
 def _layout(blocks: list[tuple], D: int, cost) -> list[tuple]:
-    """(size, first rank, runs, est. seconds, sums) per block: powers of two largest first from
-    rank 0 (aligned), then any other size."""
+    """(size, first rank, runs, est. seconds, sums, relief) per block: powers of two largest first from
+    rank 0 (aligned), then any other size. Each block's relief is the fastest that holds it, or under ZeRO-3
+    the wave's (`relief_pass.wave_relief`)."""
     blocks.sort(key=lambda b: (b[0] & (b[0] - 1) != 0, -b[0]))
     out, rank = [], 0
     for size, runs in blocks:
         sums = [sum(part) for part in zip(*(cls.sums(start, end, size) for cls, start, end in runs))]
-        local, compute, attn = sums
+        out.append([size, rank, runs, 0.0, sums, None])
+        rank += size
+    if cost.model.wave_uniform_relief and out:
+        local, compute, attn = (np.array([b[4][i] for b in out]) for i in range(3))
+        relief, times = wave_relief(cost, local, compute, attn, np.array([b[0] for b in out]),
+                                    np.array([b[1] for b in out]))
+        for block, t in zip(out, times.tolist()):
+            block[3], block[5] = t, relief
+        return [tuple(b) for b in out]
+    for block in out:
+        size, first, _, _, (local, compute, attn), _ = block
         recompute = cost.choose_recompute(local, compute, attn, size)
         # topped-up blocks may pass the token room by padding; when no allowed recompute holds
         # the block, the candidate loses (infinite time)
-        t = math.inf if recompute is None else cost.time_from_sums(local, compute, attn, size, rank, recompute)
-        out.append((size, rank, runs, t, sums))
-        rank += size
-    return out
+        block[3] = math.inf if recompute is None else cost.time_from_sums(local, compute, attn, size, first, recompute)
+        block[5] = recompute
+    return [tuple(b) for b in out]
 
 
 def _makespan(laid: list[list[tuple]], D: int, cost) -> float:
     wave_of, first_of, size_of, times = [], [], [], []
     for w, blocks in enumerate(laid):
         used = 0
-        for size, first, _, t, _ in blocks:
+        for size, first, _, t, _, _ in blocks:
             wave_of.append(w), first_of.append(first), size_of.append(size), times.append(t)
             used = first + size
         for rank in range(used, D):                   # idle ranks run an empty micro-batch
@@ -213,14 +265,16 @@ def _makespan(laid: list[list[tuple]], D: int, cost) -> float:
 
 
 def _waves(laid: list[list[tuple]], D: int, cost, pairs: list) -> tuple[Wave, ...]:
-    idle = MicroBatch((), est_time_s=cost.cluster.microbatch_overhead_s, est_mem_bytes=cost.static_bytes)
     waves = []
     for blocks in laid:
         groups, rank = [], 0
-        for size, first, runs, _, sums in blocks:
+        for size, first, runs, _, sums, relief in blocks:
             seqs = tuple(pairs[i] for cls, start, end in runs for i in cls.members[start:end].tolist())
-            groups.append(Group(first, size, (microbatch_from_sums(cost, seqs, *sums, size, first),)))
+            groups.append(Group(first, size, (microbatch_from_sums(cost, seqs, *sums, size, first, relief),)))
             rank = first + size
+        # idle ranks run an empty micro-batch; under ZeRO-3 with the wave's relief (they join its gathers)
+        filler = blocks[0][5] if cost.model.wave_uniform_relief and blocks else NO_RECOMPUTE
+        idle = MicroBatch((), filler, est_time_s=cost.cluster.microbatch_overhead_s, est_mem_bytes=cost.static_bytes)
         groups.extend(Group(r, 1, (idle,)) for r in range(rank, D))
         waves.append(Wave(tuple(groups)))
     return tuple(waves)

@@ -92,13 +92,13 @@ def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None, 
     next_rank = [0] * len(out)
     for b in run_order:
         w, first, size = wave_of[b], first_of[b], size_of[b]
-        out[w].extend(_idle(rank, cost) for rank in range(next_rank[w], first))
+        out[w].extend(_idle(rank, cost, recompute) for rank in range(next_rank[w], first))
         mb = microbatch_from_sums(cost, tuple(map(seqs.__getitem__, contents[b])), local_s[b], compute_s[b],
                                   attn_s[b], size, first, recompute)
         out[w].append(Group(first, size, (mb,)))
         next_rank[w] = first + size
     for w, groups in enumerate(out):
-        groups.extend(_idle(rank, cost) for rank in range(next_rank[w], D))
+        groups.extend(_idle(rank, cost, recompute) for rank in range(next_rank[w], D))
     return tuple(Wave(tuple(groups)) for groups in out)
 
 
@@ -124,10 +124,13 @@ def _equal_work_buckets(order: np.ndarray, work: np.ndarray, tokens: np.ndarray,
     return bucket, len(bins)
 
 
-def _idle(rank: int, cost) -> Group:
+def _idle(rank: int, cost, recompute) -> Group:
+    """Nothing to run, or in lockstep an empty micro-batch (under ZeRO-3 with the run-wide recompute: it joins the
+    wave's weight gathers)."""
     if not cost.model.lockstep:
         return Group(rank, 1, ())
-    return Group(rank, 1, (MicroBatch((), est_time_s=cost.cluster.microbatch_overhead_s,
+    filler = recompute if cost.model.wave_uniform_relief else NO_RECOMPUTE
+    return Group(rank, 1, (MicroBatch((), filler, est_time_s=cost.cluster.microbatch_overhead_s,
                                       est_mem_bytes=cost.static_bytes),))
 
 

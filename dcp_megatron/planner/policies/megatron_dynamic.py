@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dcp_megatron.planner.plan import Group, MicroBatch, StepPlan, Wave
+from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, StepPlan, Wave
 from dcp_megatron.planner.policies.common import microbatch_from_sums
 from dcp_megatron.planner.policies.settings import DynamicSetting, check_recompute_fits, default_dynamic_setting
 from dcp_megatron.planner.timeline import plan_makespan
@@ -227,14 +227,16 @@ def waves_of_schedule(waves_of_groups, ids, lengths, cost, recompute) -> tuple[W
             mb = microbatch_from_sums(cost, tuple(seqs[j] for j in members), loc, comp, attn, s, first, recompute)
             out.append(Group(first, s, (mb,)))
             first += s
-        out.extend(_idle(rank, cost) for rank in range(first, D))
+        out.extend(_idle(rank, cost, recompute) for rank in range(first, D))
         waves.append(Wave(tuple(out)))
     return tuple(waves)
 
 
-def _idle(rank: int, cost) -> Group:
-    """A rank no group uses: nothing to run with PP = 1, an empty micro-batch with PP > 1."""
-    if cost.model.pp == 1:
+def _idle(rank: int, cost, recompute) -> Group:
+    """A rank no group uses: nothing to run, or in lockstep an empty micro-batch (under ZeRO-3 with the run-wide
+    recompute: it joins the wave's weight gathers)."""
+    if not cost.model.lockstep:
         return Group(rank, 1, ())
-    return Group(rank, 1, (MicroBatch((), est_time_s=cost.cluster.microbatch_overhead_s,
+    filler = recompute if cost.model.wave_uniform_relief else NO_RECOMPUTE
+    return Group(rank, 1, (MicroBatch((), filler, est_time_s=cost.cluster.microbatch_overhead_s,
                                       est_mem_bytes=cost.static_bytes),))

@@ -20,6 +20,10 @@ from typing import Any, ClassVar
 
 from dcp_megatron.planner.plan import Recompute
 
+SMALLEST_CAP = 256       # token caps 256 x 2^(k/2), rounded to CAP_ROUNDING tokens (token_caps)
+CAP_ROUNDING = 256
+FULL_LIMIT_CAPS = 4      # memory limits of k_min .. k_min + 3 full layers (k_min: the fewest holding the longest)
+
 
 @dataclass(frozen=True, kw_only=True)
 class StaticSetting:
@@ -114,3 +118,20 @@ def default_dynamic_setting(cost, longest: int, sizes: list[int]) -> DynamicSett
     share = 2 * -(-int(longest) // (2 * sizes[-1]))
     r = next((r for r in cost.recompute_options() if cost.max_local_tokens(r) >= share), cost.strongest_recompute)
     return DynamicSetting(token_cap=max(int(cost.max_local_tokens(r)), 1), recompute=r)
+
+
+def token_caps(cost, longest: int, top_size: int) -> list[int]:
+    """The per-rank token caps a tuned dynamic-CP run chooses from (baseline_sweep.dynamic_grid; dcp's ZeRO-3 seeds
+    near their best cap, lockstep_seeds.py), ascending: those that hold the longest sequence on `top_size` ranks."""
+    most = cost.max_local_tokens(cost.strongest_recompute)
+    need = 2 * -(-int(longest) // (2 * top_size))
+    caps, k = {most}, 0
+    while (cap := int(round(SMALLEST_CAP * 2 ** (k / 2) / CAP_ROUNDING)) * CAP_ROUNDING) <= most:
+        caps.add(cap)
+        k += 1
+    caps.update(cost.max_local_tokens(r) for r in cost.recompute_options() if r.kind != "full")
+    # the most tokens the fewest full layers that hold the longest sequence allow, and a few more layers
+    full = [cost.max_local_tokens(r) for r in cost.recompute_options() if r.kind == "full"]
+    first = next((i for i, cap in enumerate(full) if cap >= need), len(full))
+    caps.update(full[first:first + FULL_LIMIT_CAPS])
+    return sorted(c for c in caps if need <= c <= most)

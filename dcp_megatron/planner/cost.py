@@ -291,6 +291,9 @@ class CostModel:
             exposed = max(received / bw - attn_s * passes / CP_PASSES * self.gpu.overlapped_share(cp_size), 0.0)
             t += (float(self._cp_comm_seconds(exposed, local_tokens, passes, cp_size, bw))
                   + self._latency_per_mb * self.gpu.collectives_per_pass(cp_size))
+            if recompute.offload and not self.cluster.same_node(first_rank, cp_size):
+                t += float(self._relief_costs.nic_contention_seconds(local_tokens, compute_s, recompute, received,
+                                                                     passes))
         return float(self._scaled(t, cp_size, recompute.kind))
 
     def times_from_sums(self, local_tokens: np.ndarray, compute_s: np.ndarray, attn_s: np.ndarray,
@@ -309,6 +312,9 @@ class CostModel:
             received = passes * self._kv_bytes_per_token * local_tokens * (cp_sizes - 1)
             exposed = np.maximum(received / bw - attn_s * passes / CP_PASSES * self.gpu.overlapped_share(cp_sizes), 0.0)
             comm = self._cp_comm_seconds(exposed, local_tokens, passes, cp_sizes, bw)
+            if recompute.offload:   # inter-node CP traffic shares the host link with the copies (relief.py)
+                comm = comm + self._relief_costs.nic_contention_seconds(
+                    local_tokens, compute_s, recompute, np.where(same_node, 0.0, received), passes)
             t = np.where(cp_sizes > 1, t + (comm + self._latency_per_mb * self.gpu.collectives_per_pass(cp_sizes)), t)
         t = self._scaled(t, cp_sizes, recompute.kind)
         return np.where(local_tokens <= 0, self.cluster.microbatch_overhead_s, t)
@@ -477,6 +483,8 @@ class CostModel:
         extra, passes = self.recompute_extra(compute_s, attn_s, recompute, local)
         bw = self.cluster.intra_node_bw if self.cluster.same_node(first_rank, cp_size) else self.cluster.inter_node_bw
         comm = float(self._ulysses_comm_seconds(local, passes, cp_size, bw))
+        if recompute.offload and not self.cluster.same_node(first_rank, cp_size):   # the NIC shares the host link
+            comm += float(self._relief_costs.nic_contention_seconds(local, compute_s, recompute, comm * bw, passes))
         t = (self.cluster.microbatch_overhead_s + compute_s + extra + comm + self._latency_per_mb
              + self.moe.seconds(local, recompute.full_layers))
         return float(self._scaled(t, cp_size, recompute.kind))

@@ -136,10 +136,28 @@ class ReliefCosts:
             extra = extra + linear * self.expert_share / 3.0 * f + (
                 self.moe.seconds(local_tokens, self.layers) - self.moe.seconds(local_tokens, 0))
         if recompute.offload and self.cluster.host_link_bw > 0:
-            per_token = self._offloaded.get(recompute)
-            if per_token is None:
-                per_token = self._offloaded[recompute] = offloaded_bytes_per_layer(self.model, recompute) * self.layers
-            move = np.asarray(local_tokens) * per_token / self.cluster.host_link_bw
-            total = np.asarray(compute_s)
-            extra = extra + np.maximum(move - total / 3.0, 0.0) + np.maximum(move - 2.0 * total / 3.0, 0.0)
+            extra = extra + self._offload_exposed(local_tokens, compute_s, recompute, 0.0, 0.0)
         return extra
+
+    def _offload_exposed(self, local_tokens, compute_s, recompute: Recompute, nic_forward_s, nic_backward_s):
+        """Seconds the host link adds beyond what the passes' compute hides: the offload copies one way in the
+        forward and back in the backward, beside `nic_*_s` seconds of other traffic on the same link."""
+        per_token = self._offloaded.get(recompute)
+        if per_token is None:
+            per_token = self._offloaded[recompute] = offloaded_bytes_per_layer(self.model, recompute) * self.layers
+        move = np.asarray(local_tokens) * per_token / self.cluster.host_link_bw
+        total = np.asarray(compute_s)
+        return (np.maximum(move + nic_forward_s - total / 3.0, 0.0)
+                + np.maximum(move + nic_backward_s - 2.0 * total / 3.0, 0.0))
+
+    def nic_contention_seconds(self, local_tokens, compute_s, recompute: Recompute, nic_bytes, passes):
+        """What offload adds when a CP group spans nodes: the NIC reaches the GPU through the same PCIe link as the
+        host copies (GPUDirect RDMA on an H200 node), so the `nic_bytes` a micro-batch's inter-node CP traffic
+        moves (one of `passes` in the forward, the rest in the backward) leave the copies less of the link. The
+        CP traffic's own time is charged by the CP model; this is only the offload's extra exposure."""
+        if not recompute.offload or self.cluster.host_link_bw <= 0:
+            return 0.0
+        nic_s = np.asarray(nic_bytes, dtype=np.float64) / self.cluster.host_link_bw
+        forward, backward = nic_s / passes, nic_s * (passes - 1) / passes
+        return (self._offload_exposed(local_tokens, compute_s, recompute, forward, backward)
+                - self._offload_exposed(0.0, compute_s, recompute, forward, backward))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from dcp_megatron.planner.activations import layer_tensors
@@ -106,6 +107,31 @@ def test_core_attention_offload_copies_its_output_but_frees_only_q_k_v():
     assert none - held_bytes_per_layer(m, both) == pytest.approx(t["core_attn_in"] + t["attn_out"])
     assert offloaded_bytes_per_layer(m, core) == offloaded_bytes_per_layer(m, both) == \
         pytest.approx(t["core_attn_in"] + t["attn_out"])
+
+
+def test_offload_on_a_group_across_nodes_shares_the_host_link_with_the_nic():
+    """Inter-node CP traffic reaches the GPU through the PCIe link the offload copies use: the same offload costs
+    more on a group spanning two nodes than its copies alone would (what it adds over no offload, there vs on one
+    node's worth of copies), and the array and scalar paths agree."""
+    cost = _h200(gpus=32)
+    off = Recompute("none", offload=frozenset({"core_attn"}))
+    lengths = [16384]           # 1,024 tokens per rank: the inter-node K/V traffic outlasts the linear compute
+    local, compute, attn = cost._sums(lengths, 16)
+    added = {}
+    for first_rank in (0, 4):    # CP 16 from rank 0 spans 2 nodes of 8; from rank 4, 3 nodes: both cross
+        with_off = cost.time_from_sums(local, compute, attn, 16, first_rank, off)
+        without = cost.time_from_sums(local, compute, attn, 16, first_rank, NO_RECOMPUTE)
+        many = cost.times_from_sums(np.array([local]), np.array([compute]), np.array([attn]), 16,
+                                    np.array([first_rank]), off)
+        assert float(many[0]) == pytest.approx(with_off)
+        added[first_rank] = with_off - without
+    alone = float(cost._relief_costs.extra_seconds(local, compute, attn, off))   # the copies with an idle NIC
+    assert added[0] > alone >= 0.0
+    # one node (CP 8 from rank 0): no NIC traffic, the offload adds only its copies' own exposure
+    local8, compute8, attn8 = cost._sums(lengths, 8)
+    assert cost.time_from_sums(local8, compute8, attn8, 8, 0, off) - \
+        cost.time_from_sums(local8, compute8, attn8, 8, 0, NO_RECOMPUTE) == \
+        pytest.approx(float(cost._relief_costs.extra_seconds(local8, compute8, attn8, off)))
 
 
 def test_menu_names_restrict_the_menu_and_selective_is_core_attn():

@@ -1,4 +1,5 @@
-"""GPU patch for `megatron.core.extensions.transformer_engine`: a CP stream for dynamic CP groups.
+"""GPU patches for `megatron.core.extensions.transformer_engine`: a CP stream for dynamic CP groups, and FP8's
+checkpoint never handed a Parameter.
 
 `TEDotProductAttention.forward` (0.19.2) hands TE the micro-batch's CP group when
 `PackedSeqParams.cp_group` is set, passing the class attribute `cp_stream`; but that stream is created
@@ -12,6 +13,10 @@ the current device to the stream's: a stream made before Megatron's `torch.cuda.
 every rank's CP kernels on GPU 0), one per device if a process ever uses several. Megatron's own
 `if cp_stream is None: cp_stream = Stream()` then finds one and keeps it. Registered only on a machine
 with a GPU and Transformer Engine; the descriptor itself is tested on CPU with a recording stream maker.
+
+`te_checkpoint` (the MLP's recompute under FP8) gets the same fix as megatron's own checkpoint: the MLP returns its
+bias Parameter through it, which would make the Parameter the checkpoint's output and its replay recurse
+(patches/tensor_parallel_random.py says how).
 """
 from __future__ import annotations
 
@@ -20,8 +25,11 @@ from typing import Callable
 
 import torch
 
+import functools
+
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
+from patches.tensor_parallel_random import without_leaf_outputs
 
 _TARGET = "megatron.core.extensions.transformer_engine:TEDotProductAttention.cp_stream"
 
@@ -51,10 +59,29 @@ def te_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
+def _te_checkpoint_without_leaf_outputs(original):
+    @functools.wraps(original)
+    def te_checkpoint(forward_func, *args, **kwargs):
+        return original(without_leaf_outputs(forward_func), *args, **kwargs)
+
+    te_checkpoint.dcp_original = original
+    return te_checkpoint
+
+
 def dcp_patches() -> tuple[Patch, ...]:
     if not te_available():
         return ()
+    from megatron.core.extensions import transformer_engine
+
+    current = transformer_engine.te_checkpoint
     return (
+        Patch(
+            target="megatron.core.extensions.transformer_engine:te_checkpoint",
+            replacement=_te_checkpoint_without_leaf_outputs(getattr(current, "dcp_original", current)),
+            reason="the MLP returns its bias Parameter through the FP8 checkpoint, which makes the Parameter the "
+                   "checkpoint's output and its replay recurse; the checkpointed function returns a copy instead.",
+            versions=MEGATRON_CORE_VERSIONS,
+        ),
         Patch(
             target=_TARGET,
             replacement=PerDeviceStream(),

@@ -11,6 +11,8 @@
 - transformer layer + MoE router: an MoE router's balancing losses are per document of the micro-batch;
 - tensor-parallel layers: every run, an expert's output projection on a TP group of one skips the no-op
   all-reduce whose view output the expert MLP's in-place bias add trips on (EP 1 MoE with biases);
+- activation checkpoints: every run, a checkpointed MLP's bias Parameter comes back as a copy (its replay
+  recursed until the rank died; megatron's checkpoint, and TE's on GPU);
 - Transformer Engine (GPU with TE only): a CP stream for dynamic CP groups;
 - fine-grained activation offload: under --dcp on GPU, every step its own offload warm-up (per-micro-batch sets).
 Without --dcp the DCP entries pass everything through to Megatron unchanged.
@@ -20,7 +22,7 @@ from __future__ import annotations
 from patches.compat import cpu_compat_patches, needs_cpu_compat
 from patches import (core_dist_checkpointing_filesystem_async, core_utils, extensions_transformer_engine,
                      models_gpt_gpt_model, pipeline_parallel_fine_grained_activation_offload, tensor_parallel_layers,
-                     training_arguments, training_checkpointing, training_training, transformer_attention,
+                     tensor_parallel_random, training_arguments, training_checkpointing, training_training, transformer_attention,
                      transformer_moe_router, transformer_transformer_layer)
 from patches.registry import PatchRegistry
 
@@ -32,5 +34,6 @@ def megatron_patch_registry(*, installed_version: str | None = None) -> PatchReg
                 + training_checkpointing.dcp_patches() + core_dist_checkpointing_filesystem_async.dcp_patches()
                 + transformer_transformer_layer.dcp_patches() + transformer_moe_router.dcp_patches()
                 + models_gpt_gpt_model.dcp_patches() + tensor_parallel_layers.dcp_patches()
+                + tensor_parallel_random.dcp_patches()
                 + pipeline_parallel_fine_grained_activation_offload.dcp_patches())
     return PatchRegistry(patches, installed_version=installed_version)

@@ -1,10 +1,27 @@
-"""CPU shim for `megatron.core.tensor_parallel.random`: the "CUDA" RNG becomes the CPU generator.
+"""Patches for `megatron.core.tensor_parallel.random`.
 
-Megatron keeps named CUDA RNG states (data-parallel, tensor-parallel, expert) in a tracker,
-forks them for tensor-parallel regions, and saves/restores them around activation
-recompute. On CPU the generator those regions actually draw from is the CPU one, so the
+CPU shim (no GPU only): the "CUDA" RNG becomes the CPU generator. Megatron keeps named CUDA RNG states
+(data-parallel, tensor-parallel, expert) in a tracker, forks them for tensor-parallel regions, and saves/restores
+them around activation recompute. On CPU the generator those regions actually draw from is the CPU one, so the
 tracker and the checkpoint functions are pointed at it.
+
+Every run (with or without --dcp): a checkpointed function never hands a Parameter back through the checkpoint.
+megatron-core 0.19.2's MLP returns its output projection's bias Parameter itself (`skip_bias_add`), and
+`TransformerLayer._forward_mlp` checkpoints the MLP under `recompute_mlp` (`--recompute-modules mlp`, and DCP's
+per-micro-batch MLP relief). An autograd Function that returns a leaf tensor it was not given makes that leaf its
+own output: the bias Parameter gets the checkpoint's backward as its `grad_fn` and stops being a leaf. The replay
+in backward returns the same Parameter again, so `torch.autograd.backward` on it re-enters the checkpoint's
+backward, which replays again: every model with linear biases (GPT-2-style GELU MLPs, megatron's default
+`--add-bias-linear`) recursed until the rank died at the first backward of an MLP-recomputed micro-batch. The
+checkpointed function now returns a copy of such a leaf (a bias-sized copy; its gradient flows to the
+Parameter through the copy, as the unrecomputed path's does through the bias add).
 """
+from __future__ import annotations
+
+import functools
+
+import torch
+
 from patches.cpu_torch import CpuTorch, get_cpu_rng_state, set_cpu_rng_state
 from patches import MEGATRON_CORE_VERSIONS
 from patches.registry import Patch
@@ -32,3 +49,42 @@ CPU_PATCHES = (
         versions=MEGATRON_CORE_VERSIONS,
     ),
 )
+
+
+def _copy_of_leaf(value):
+    if isinstance(value, torch.Tensor) and value.is_leaf and value.requires_grad:
+        return value.clone()
+    return value
+
+
+def without_leaf_outputs(function):
+    """`function`, returning a copy of every output that is a leaf requiring grad (a Parameter), top level or in a
+    returned tuple/list: what a checkpoint may return (module docstring)."""
+    def run(*args, **kwargs):
+        outputs = function(*args, **kwargs)
+        if type(outputs) in (tuple, list):
+            return type(outputs)(_copy_of_leaf(value) for value in outputs)
+        return _copy_of_leaf(outputs)
+
+    return run
+
+
+def _checkpoint_without_leaf_outputs(original):
+    @functools.wraps(original)
+    def checkpoint(function, distribute_saved_activations, *args):
+        return original(without_leaf_outputs(function), distribute_saved_activations, *args)
+
+    checkpoint.dcp_original = original
+    return checkpoint
+
+
+def dcp_patches() -> tuple[Patch, ...]:
+    from megatron.core.tensor_parallel import random
+
+    return (Patch(target=f"{_MODULE}:checkpoint",
+                  replacement=_checkpoint_without_leaf_outputs(getattr(random.checkpoint, "dcp_original",
+                                                                       random.checkpoint)),
+                  reason="the MLP returns its bias Parameter through the checkpoint (`recompute_mlp`), which makes "
+                         "the Parameter the checkpoint's output and its replay recurse until the rank dies; the "
+                         "checkpointed function returns a copy of such a leaf instead.",
+                  versions=MEGATRON_CORE_VERSIONS),)

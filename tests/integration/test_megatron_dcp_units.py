@@ -329,8 +329,38 @@ def _recompute_worker(rank: int, world_size: int) -> dict:
         for offload in ({"core_attn"}, set(), {"core_attn", "attn_proj"}):
             apply_offload(built, frozenset(offload))
             results["offload"].append(read_at_forward())
+        results["biased"] = _biased_mlp_recompute(tokens, params)
         parallel_state.destroy_model_parallel()
     return results
+
+
+def _biased_mlp_recompute(tokens, params) -> dict:
+    """A GPT-2-style model (GELU MLP, linear biases: megatron's defaults) under MLP recompute, two micro-batches
+    per step as a plan runs them: megatron-core's MLP returns its bias Parameter through the checkpoint, which
+    must leave the Parameter a leaf (patches/tensor_parallel_random.py; without it backward recursed until the
+    rank died). Gradients against the same steps without recompute."""
+    import torch.nn.functional as F
+
+    from tests.support.megatron_runs import tiny_local_gpt
+    from dcp_megatron.core.recompute import apply_recompute
+
+    model = tiny_local_gpt(num_layers=2, max_sequence_length=32, add_bias_linear=True, gated_linear_unit=False,
+                           activation_func=F.gelu)
+    position_ids = torch.arange(12).unsqueeze(0)
+    out = {}
+    for recompute in (NO_RECOMPUTE, Recompute.of_modules({"mlp"}), Recompute.of_modules({"core_attn", "mlp"})):
+        model.zero_grad(set_to_none=True)
+        apply_recompute(model, model.config, recompute)
+        losses = [model(tokens, position_ids, None, labels=tokens, packed_seq_params=params).sum() for _ in range(2)]
+        biases_are_leaves = all(layer.mlp.linear_fc2.bias.is_leaf for layer in model.decoder.layers)
+        if biases_are_leaves:   # otherwise backward would recurse: the assertion reports it instead
+            for loss in reversed(losses):
+                loss.backward()
+        out[str(recompute)] = {"leaves": biases_are_leaves,
+                               "grads": {name: None if p.grad is None else p.grad.tolist()
+                                         for name, p in model.named_parameters()}}
+    apply_recompute(model, model.config, NO_RECOMPUTE)
+    return out
 
 
 def test_the_recompute_a_microbatch_asks_for_really_runs_in_backward():
@@ -363,6 +393,15 @@ def test_the_recompute_a_microbatch_asks_for_really_runs_in_backward():
     assert trace[1]["replayed"] == {"layer": 0, "core_attention": 3, "mlp": 0}, trace
     on, attention_only, off = [(True, True)] * 2, [(True, False)] * 2, [(False, False)] * 2
     assert results["offload"] == [on, attention_only, off, on], results["offload"]
+    # MLP recompute of a model with linear biases: the bias stays a Parameter, backward ends, gradients exact
+    biased = results["biased"]
+    reference = biased["none"]["grads"]
+    assert any(name.endswith("linear_fc2.bias") for name in reference) and all(g is not None for g in reference.values())
+    for name in ("mlp", "core_attn+mlp"):
+        assert biased[name]["leaves"], f"{name} recompute made the MLP's bias Parameter a checkpoint output"
+        for param, grad in biased[name]["grads"].items():
+            assert torch.allclose(torch.tensor(grad), torch.tensor(reference[param]), rtol=1e-5, atol=1e-7), \
+                (name, param)
 
 
 def test_run_paths_are_checked_at_start_up(tmp_path):

@@ -194,7 +194,8 @@ def tiny_local_gpt(*, num_layers: int, max_sequence_length: int, **config_overri
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     model_parallel_cuda_manual_seed(1)
-    config = TransformerConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                               hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, **config_overrides)
+    fields = dict(num_layers=num_layers, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                  hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False)
+    config = TransformerConfig(**{**fields, **config_overrides})
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
                     max_sequence_length=max_sequence_length, position_embedding_type="rope")

@@ -39,7 +39,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,12 +54,6 @@ DCP_LINE = re.compile(r" dcp iteration\s+(\d+) \| plan (\S+): waves (\d+) \| cp 
 CPU_FLAGS = ("--transformer-impl local --use-cpu-initialization --distributed-backend gloo "
              "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
              "--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm").split()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def build_dataset(prefix: str, max_files: int) -> None:
@@ -79,8 +72,9 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 
 
 def command(prefix: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(_free_port()), os.path.join(ROOT, "pretrain_scripts", "pretrain_gpt.py"),
+    # --standalone: the rendezvous store binds a free port itself (no port picked here and bound later)
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+            os.path.join(ROOT, "pretrain_scripts", "pretrain_gpt.py"),
             *training_flags(prefix, args, extra)]
 
 

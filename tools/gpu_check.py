@@ -29,7 +29,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -91,7 +90,7 @@ def recompute_switching_budget_gb(model: dict, *, fp8: bool) -> float:
 
 def build_steps(*, out: str, profiles: str, python: str) -> list[dict]:
     """Every step: name, argv, timeout (s), and where its log goes."""
-    torchrun = [python, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(_free_port())]
+    torchrun = [python, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone"]
     script = os.path.join(REPO, "pretrain_scripts", "pretrain_gpt.py")
     steps = [dict(name="te_attention", argv=[python, os.path.abspath(__file__), "--probe", out], timeout_s=120)]
     for name, extra in (("train_bf16", []), ("train_fp8", list(FP8_FLAGS))):
@@ -210,12 +209,6 @@ def _versions() -> dict:
         except md.PackageNotFoundError:
             pass
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

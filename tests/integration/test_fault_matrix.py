@@ -23,7 +23,6 @@ import pytest
 
 from dcp_megatron.runtime import checkpoint_manifest as manifest_io
 from tests.support.deepspeed_runs import DS_SCRIPT, TINY_MODEL, ds_config, load_ds_script, run_deepspeed
-from tests.support.dist_utils import free_port
 from tests.support.fault_runs import run_with_fault
 from tests.support.megatron_runs import (CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, run_env, run_training, strip_dcp_lines,
                                 torchrun_command)
@@ -45,7 +44,7 @@ def _megatron_flags(*extra: str) -> list[str]:
 
 def _ds_command(config_path: str, *extra: str) -> list[str]:
     flags = [*TINY_MODEL, "--deepspeed-config", config_path, "--train-iters", str(LONG_RUN), *DS_DCP, *extra]
-    return torchrun_command(DS_SCRIPT, flags, nproc=2, launcher=False, port=free_port())
+    return torchrun_command(DS_SCRIPT, flags, nproc=2, launcher=False)
 
 
 def _ds_env() -> dict:
@@ -75,7 +74,7 @@ def _assert_stopped_rank_named(run, *, expect_prefix: str):
 
 def test_megatron_sigstop_of_one_rank_mid_step_ends_the_run_naming_it():
     command = torchrun_command(OUR_SCRIPT, _megatron_flags("--distributed-timeout-minutes", str(TIMEOUT_MINUTES)),
-                               nproc=2, launcher=False, port=free_port())
+                               nproc=2, launcher=False)
     # torchrun would wait its 30 s grace before SIGKILLing the stopped worker: the test ends the job instead.
     run = run_with_fault(command, trigger="iteration        2/", victim=1, sig=signal.SIGSTOP,
                          stop_after_survivors_s=2)
@@ -90,7 +89,7 @@ def megatron_terminated_mid_save(tmp_path_factory):
     strip_dcp_lines(OUR_SCRIPT, script)
     save = root / "ckpt"
     command = torchrun_command(script, _megatron_flags("--save", str(save), "--save-interval", "1"), nproc=2,
-                               launcher=True, port=free_port())
+                               launcher=True)
     run = run_with_fault(command, trigger="saving checkpoint at iteration       3", victim="agent",
                          sig=signal.SIGTERM)
     return run, save

@@ -299,13 +299,12 @@ def test_row_alignment_and_the_apex_switch_end_to_end_leave_the_loss_trace_and_g
     """Megatron's loop, 1 rank: --dcp against --dcp --dcp-row-alignment 16 without --no-gradient-accumulation-fusion
     (no GPU here: the CPU defaults turn the fusion off and say so; on a GPU without apex --dcp's switch does, which
     test_gradient_accumulation_fusion_is_turned_off_without_apex_and_said covers): never a failure at model build."""
-    from tests.support.dist_utils import free_port
     from tests.support.megatron_runs import (CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, REPO, parse_output, run_env,
                                      torchrun_command)
 
     def train(cpu_flags, extra):
         command = torchrun_command(OUR_SCRIPT, [*LLAMA_TINY, *cpu_flags, "--train-iters", "4", "--dcp", *extra],
-                                   nproc=1, launcher=False, port=free_port())
+                                   nproc=1, launcher=False)
         proc = subprocess.run(command, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600)
         return parse_output(proc.returncode, proc.stdout + proc.stderr)
 

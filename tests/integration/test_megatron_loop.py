@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import glob
 import re
-import subprocess
 
 import pytest
 import torch
 
-from tests.support.dist_utils import free_port
-from tests.support.megatron_runs import (CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, REPO, microbatches_planned, microbatches_seen,
-                                parse_output, read_plan_dumps, run_env, run_training, strip_dcp_lines,
-                                torchrun_command, flatten_state)
+from tests.support.megatron_runs import (CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, microbatches_planned, microbatches_seen,
+                                         parse_output, read_plan_dumps, run_agents, run_training, strip_dcp_lines,
+                                         flatten_state)
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -83,14 +81,7 @@ def _two_agents(root, script):
     plans may differ from the single-node runs', the loss trace may not. It refines its cost model online and
     reruns step 2 (RERUN_FLAGS)."""
     flags = [*LLAMA_TINY, *CPU_FLAGS, "--train-iters", str(ITERS), "--dcp", *SMALL_BUDGET, *RERUN_FLAGS]
-    port = free_port()
-    agents = [subprocess.Popen(torchrun_command(OUR_SCRIPT, flags, nproc=1, launcher=False, port=port, nnodes=2,
-                                                node_rank=node), cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
-    outputs = []
-    for agent in agents:
-        out, _ = agent.communicate(timeout=600)
-        outputs.append(parse_output(agent.returncode, out).check())
+    outputs = [result.check() for result in run_agents(OUR_SCRIPT, flags, nnodes=2)]
     # Megatron prints iteration lines on the last rank (node 1), DCP its plan lines on rank 0 (node 0).
     return parse_output(0, outputs[0].output + outputs[1].output)
 

@@ -74,7 +74,7 @@ def run_deepspeed(config: dict, extra: list[str], *, nproc: int = 2, iters: int 
     with open(path, "w") as f:
         json.dump(config, f)
     flags = list(TINY_MODEL if model is None else model) + ["--deepspeed-config", path, "--train-iters", str(iters)] + list(extra)
-    command = (torchrun_command(DS_SCRIPT, flags, nproc=nproc, launcher=False, port=free_port()) if torchrun
+    command = (torchrun_command(DS_SCRIPT, flags, nproc=nproc, launcher=False) if torchrun
                else [sys.executable, DS_SCRIPT, *flags])
     # a plain process makes its own one-rank group on MASTER_PORT (29500 by default): a free one, so runs side by
     # side (pytest workers, other suites) do not collide

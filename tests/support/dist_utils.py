@@ -3,8 +3,8 @@
     results = run_distributed(worker_fn, 4, arg1, arg2, timeout_s=300)
 
 `worker_fn(rank, world_size, *args)` must be a module-level (picklable) function; it runs in a
-fresh spawned process with the default process group initialised (gloo, TCP store on a free
-port) and one intra-op thread. Its return value (picklable) comes back in rank order. If any
+fresh spawned process with the default process group initialised (gloo, a file store in a fresh
+temporary directory: no port to pick, so runs beside other jobs never collide) and one intra-op thread. Its return value (picklable) comes back in rank order. If any
 rank raises, the others are given a short grace period and then terminated, and a RuntimeError
 carrying every failing rank's traceback is raised; past timeout_s, a TimeoutError names the
 ranks that never finished. Workers end with barrier(); destroy_process_group().
@@ -13,8 +13,11 @@ Launching costs ~10-20 s of imports on this machine: run many cases inside one l
 """
 from __future__ import annotations
 
+import os
 import queue
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -41,9 +44,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, rank, world_size, port, backend, group_timeout_s, args, reports),
-                         daemon=True)
+    store_dir = tempfile.mkdtemp(prefix="dcp-ranks-")
+    init_method = "file://" + os.path.join(store_dir, "store")
+    procs = [ctx.Process(target=_worker, args=(fn, rank, world_size, init_method, backend, group_timeout_s, args,
+                                               reports), daemon=True)
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
@@ -69,6 +73,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5.0)
+        shutil.rmtree(store_dir, ignore_errors=True)
     if errors:
         details = "\n".join(f"--- rank {rank} ---\n{text}" for rank, text in sorted(errors.items()))
         raise RuntimeError(f"{len(errors)} of {world_size} ranks failed:\n{details}")
@@ -78,10 +83,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     return [results[rank] for rank in range(world_size)]
 
 
-def _worker(fn, rank, world_size, port, backend, group_timeout_s, args, reports) -> None:
+def _worker(fn, rank, world_size, init_method, backend, group_timeout_s, args, reports) -> None:
     torch.set_num_threads(1)  # ranks share a couple of cores; oversubscription only slows everyone
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=group_timeout_s))
         result = fn(rank, world_size, *args)
         dist.barrier()

@@ -86,10 +86,19 @@ def parse_output(returncode: int, output: str) -> RunResult:
     return result
 
 
-def torchrun_command(script: str, flags: list[str], *, nproc: int, launcher: bool, port: int,
+def torchrun_command(script: str, flags: list[str], *, nproc: int, launcher: bool, port: int | None = None,
                      nnodes: int = 1, node_rank: int = 0) -> list[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}",
-               f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}"]
+    """Without `port` (one node): torchrun's standalone rendezvous, whose store binds a free port itself and is the
+    store the workers use (MASTER_PORT), so a launch never races another job for a port it picked earlier.
+    Several agents must meet at a port chosen beforehand (`port`); `run_agents` retries them if it was taken."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if port is None:
+        if nnodes != 1:
+            raise ValueError(f"{nnodes} agents need a port to meet at")
+        command.append("--standalone")
+    else:
+        command += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
+                    f"--master-port={port}"]
     command += ["-m", "dcp_megatron.launch", script] if launcher else [script]
     return command + flags
 
@@ -106,9 +115,33 @@ def run_training(script: str, extra: list[str], *, nproc: int = 2, launcher: boo
     """`cpu_flags=False`: none of CPU_FLAGS but the timeout (the patched validate_args defaults the others)."""
     cpu = CPU_FLAGS if cpu_flags else CPU_FLAGS[CPU_FLAGS.index("--distributed-timeout-minutes"):]
     flags = list(base) + cpu + ["--train-iters", str(iters)] + list(extra)
-    command = torchrun_command(script, flags, nproc=nproc, launcher=launcher, port=free_port())
+    command = torchrun_command(script, flags, nproc=nproc, launcher=launcher)
     proc = subprocess.run(command, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout_s)
     return parse_output(proc.returncode, proc.stdout + proc.stderr)
+
+
+_PORT_TAKEN = ("EADDRINUSE", "Address already in use", "address already in use")
+
+
+def run_agents(script: str, flags: list[str], *, nnodes: int, nproc: int = 1, timeout_s: float = 600,
+               tries: int = 3) -> list[RunResult]:
+    """`nnodes` torchrun agents on localhost meeting at one port (multi-node on one machine), each agent's result;
+    the port is picked before the agents bind it, so a launch whose port another job took in between is run again
+    on a new one (at most `tries` launches)."""
+    for attempt in range(tries):
+        port = free_port()
+        agents = [subprocess.Popen(torchrun_command(script, flags, nproc=nproc, launcher=False, port=port,
+                                                    nnodes=nnodes, node_rank=node), cwd=REPO, env=run_env(),
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                  for node in range(nnodes)]
+        results = []
+        for agent in agents:
+            out, _ = agent.communicate(timeout=timeout_s)
+            results.append(parse_output(agent.returncode, out))
+        taken = any(r.returncode != 0 and any(t in r.output for t in _PORT_TAKEN) for r in results)
+        if not taken or attempt == tries - 1:
+            return results
+    raise AssertionError("unreachable")
 
 
 class LazyRuns:

@@ -24,7 +24,8 @@ def validate(plan: StepPlan, batch: Sequence[tuple[int, int]], cluster: ClusterS
     exceeds the CP size limit; every sequence of the batch appears exactly once (no extras,
     same length); every micro-batch fits the memory budget under its recompute policy and
     full recompute names at most the layers of one pipeline stage; with PP > 1 every group
-    runs exactly one micro-batch per wave."""
+    runs exactly one micro-batch per wave; under ZeRO-3 every micro-batch of a wave, fillers included,
+    runs the same relief."""
     D = cluster.domain_size
     if plan.domain_size != D:
         raise PlanError(f"domain size: plan has {plan.domain_size} ranks, the cluster {D}")
@@ -77,6 +78,11 @@ def validate(plan: StepPlan, batch: Sequence[tuple[int, int]], cluster: ClusterS
                                         f"(recompute {rc}), budget {budget}")
         if next_rank != D:
             raise PlanError(f"partition: wave {w} covers ranks [0, {next_rank}) of [0, {D})")
+        if cost.model.wave_uniform_relief:
+            reliefs = sorted({str(mb.recompute) for g in wave.groups for mb in g.microbatches})
+            if len(reliefs) > 1:   # idle fillers too: they run the wave's layers like everyone else
+                raise PlanError(f"relief: wave {w} mixes {reliefs}; under ZeRO-3 every micro-batch of a wave, "
+                                f"idle fillers included, runs one relief (the weight gathers pair up across ranks)")
     expected = Counter((int(s), int(n)) for s, n in batch)
     if seen != expected:
         missing = sorted((expected - seen).elements())[:3]

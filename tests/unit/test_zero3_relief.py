@@ -124,3 +124,31 @@ def test_an_idle_ranks_filler_runs_the_relief_its_plan_names():
     full = Recompute("full", 2)
     filler = build_batch([], cp_size=1, cp_rank=0, group=None, recompute=full, wave_index=3, device=torch.device("cpu"))
     assert filler[MICROBATCH_KEY].recompute == full and int(filler["loss_mask"].sum()) == 0
+
+
+def test_a_seeded_waves_idle_filler_takes_the_waves_relief_and_validate_refuses_a_wave_that_mixes():
+    """A baseline's wave with an idle rank: the relief pass gives the filler the relief its busy peers run
+    (relief_pass.with_wave_reliefs), and `validate` refuses a ZeRO-3 plan whose filler kept its own."""
+    from dcp_megatron.planner.policies.common import microbatch_from_sums
+    from dcp_megatron.planner.policies.relief_pass import with_own_reliefs
+    from dcp_megatron.planner.validate import PlanError
+
+    cost, _, _ = _run("lognormal", 8, 262144, steps=1)
+    batch = [(0, 30000), (1, 8000)]
+    run_wide = Recompute("full", cost.layers_per_stage)   # the baseline's, on every micro-batch of its wave
+
+    def planned(sequence, size, first):   # a micro-batch with the baseline's relief and its modelled time
+        return microbatch_from_sums(cost, (sequence,), *cost._sums([sequence[1]], size), size, first, run_wide)
+
+    seeded = (Wave((Group(0, 4, (planned(batch[0], 4, 0),)), Group(4, 2, (planned(batch[1], 2, 4),)),
+                    Group(6, 2, (MicroBatch((), run_wide),)))),)
+    waves, changed = with_own_reliefs(seeded, cost)
+    (relief,) = _wave_reliefs(waves)[0]
+    # the premise: the wave's fullest micro-batch needs relief, a cheaper one than the baseline's
+    assert changed and relief not in (NO_RECOMPUTE, run_wide), relief
+    assert waves[0].groups[2].microbatches[0].recompute == relief
+    validate(StepPlan(domain_size=8, waves=waves), batch, cost.cluster, cost)
+    groups = waves[0].groups
+    filler_kept_its_own = Wave((*groups[:2], Group(6, 2, (MicroBatch(()),))))
+    with pytest.raises(PlanError, match=r"relief: wave 0 mixes .*idle fillers included"):
+        validate(StepPlan(domain_size=8, waves=(filler_kept_its_own,)), batch, cost.cluster, cost)

@@ -330,8 +330,38 @@ def _recompute_worker(rank: int, world_size: int) -> dict:
             apply_offload(built, frozenset(offload))
             results["offload"].append(read_at_forward())
         results["biased"] = _biased_mlp_recompute(tokens, params)
+        results["at_forward"] = _recompute_at_each_forward(model, config)
         parallel_state.destroy_model_parallel()
     return results
+
+
+# A step whose micro-batches each ask for another recompute: full layers, module sets (layernorm's switch is not pinned
+# per call as core_attn's and mlp's are) and none, in an order where each differs from the one before.
+_ASKED = (Recompute("full", 2), NO_RECOMPUTE, Recompute.of_modules({"mlp"}), Recompute("full", 1),
+          Recompute.of_modules({"core_attn", "layernorm"}), Recompute("full", 3), Recompute.of_modules({"core_attn"}))
+
+
+def _recompute_at_each_forward(model, config) -> list:
+    """What the model holds when the user's forward step runs each micro-batch under DcpForwardStep: the block
+    recompute of the config and the module switches of every layer (the switches each forward reads)."""
+    from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY, MicroBatchFacts
+    from dcp_megatron.core.recompute import modules_on
+    from dcp_megatron.training.forward_step import DcpForwardStep
+
+    layers = list(model.decoder.layers)
+    seen = []
+
+    def user_forward_step(data_iterator, model):
+        next(data_iterator)
+        seen.append((config.recompute_granularity, config.recompute_num_layers, sorted(modules_on(layers))))
+        return None, None
+
+    batches = [{MICROBATCH_KEY: MicroBatchFacts(wave_index=i, cp_size=1, cp_rank=0, group=None, recompute=asked)}
+               for i, asked in enumerate(_ASKED)]
+    step = DcpForwardStep(user_forward_step, batches, model_chunks=[model], config=config)
+    for _ in batches:
+        step(None, model)
+    return seen
 
 
 def _biased_mlp_recompute(tokens, params) -> dict:
@@ -393,6 +423,10 @@ def test_the_recompute_a_microbatch_asks_for_really_runs_in_backward():
     assert trace[1]["replayed"] == {"layer": 0, "core_attention": 3, "mlp": 0}, trace
     on, attention_only, off = [(True, True)] * 2, [(True, False)] * 2, [(False, False)] * 2
     assert results["offload"] == [on, attention_only, off, on], results["offload"]
+    # each micro-batch's forward runs under its own recompute (not the previous micro-batch's)
+    expected = [("full", r.full_layers, []) if r.kind == "full" else (None, None, sorted(r.modules))
+                for r in _ASKED]
+    assert [tuple(seen) for seen in results["at_forward"]] == expected, results["at_forward"]
     # MLP recompute of a model with linear biases: the bias stays a Parameter, backward ends, gradients exact
     biased = results["biased"]
     reference = biased["none"]["grads"]

@@ -1,0 +1,58 @@
+"""`--dcp-recompute`, `--dcp-memory-budget-gb` and `--dcp-max-cp-size` reach the cost model every plan is made by,
+on both engines (Megatron's flags through `dcp_config_from_args`; the DeepSpeed script's flags and its JSON's "dcp"
+block through its own set-up): a flag parsed but never handed on would leave the preset's menu and memory, which
+only a multi-minute training run showed before."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from dcp_megatron.config import DEFAULT_RECOMPUTE
+from dcp_megatron.core.planning import build_cost_model
+from dcp_megatron.planner.cluster import GiB, cluster_preset
+from dcp_megatron.planner.model import model_preset
+
+GIVEN = {"recompute": ("none", "mlp"), "memory_budget_gb": 0.25, "max_cp_size": 2}
+FLAGS = ["--dcp-recompute", "none,mlp", "--dcp-memory-budget-gb", "0.25", "--dcp-max-cp-size", "2"]
+
+
+def _assert_reached(config) -> None:
+    cost = build_cost_model(config, model_preset("llama3-8b"), domain_size=4, has_gpu=False)
+    preset = cluster_preset("cpu", domain_size=4, gpus_per_node=config.gpus_per_node)
+    # the premise: each given value differs from what the cost model would hold without it
+    assert set(GIVEN["recompute"]) != set(DEFAULT_RECOMPUTE)
+    assert preset.mem_bytes_per_gpu != int(0.25 * GiB) and preset.max_cp_size != 2
+    assert set(cost.allowed_recompute) == set(GIVEN["recompute"]), cost.allowed_recompute
+    assert cost.cluster.mem_bytes_per_gpu == int(0.25 * GiB)
+    assert cost.cluster.max_cp_size == 2
+
+
+def test_megatrons_dcp_flags_reach_the_cost_model():
+    from dcp_megatron.flags.dcp_flags import add_dcp_arguments, dcp_config_from_args
+
+    args = add_dcp_arguments(argparse.ArgumentParser()).parse_args(["--dcp", *FLAGS])
+    vars(args).update(seq_length=1024, log_interval=1, train_iters=4)
+    _assert_reached(dcp_config_from_args(args))
+
+
+@pytest.mark.parametrize("where", ["flags", "json"])
+def test_the_deepspeed_scripts_dcp_flags_and_json_block_reach_the_cost_model(where, tmp_path, monkeypatch):
+    from tests.support.deepspeed_runs import TINY_MODEL, ds_config, load_ds_script
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")   # the domain --dcp-max-cp-size is checked against
+    config = dict(ds_config(stage=1, total_steps=9))
+    flags = ["--dcp", *FLAGS]
+    if where == "json":
+        config["dcp"] = {"enabled": True, "recompute": list(GIVEN["recompute"]),
+                         "memory_budget_gb": GIVEN["memory_budget_gb"], "max_cp_size": GIVEN["max_cp_size"]}
+        flags = []
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    script = load_ds_script()
+    args = script.parse_args([*TINY_MODEL, "--deepspeed-config", str(path), "--train-iters", "9", *flags])
+    _, dcp = script.deepspeed_setup(args, has_gpu=False)
+    _assert_reached(dcp)

@@ -1,8 +1,8 @@
 """The baselines' run-wide settings and their sweep (planner/baseline_sweep.py), on small cases worked by hand.
 
-tiny_cost(2) (gpt-tiny, 4 layers, 2 ranks, CP at most 2): at most 2,410 local tokens per rank without recompute,
-2,537 with selective, 2,381 / 2,967 / 3,936 / 5,844 with full recompute of 1 / 2 / 3 / 4 layers; 1e-4 s per
-micro-batch.
+tiny_cost(2) (gpt-tiny, 4 layers, 2 ranks, CP at most 2): at most 2,529 local tokens per rank without recompute,
+2,537 with selective, 2,496 / 3,101 / 4,092 / 6,015 with full recompute of 1 / 2 / 3 / 4
+layers; 1e-4 s per micro-batch (test_the_memory_figures_this_file_works_from pins them).
 """
 import pytest
 
@@ -136,3 +136,12 @@ def test_the_simulator_runs_each_baseline_at_its_swept_winner():
     # here the dynamic schedulers' defaults are not their winners: tuning shows
     assert report["megatron-dynamic"]["mean_step_s"] < plain["megatron-dynamic"]["mean_step_s"] * (1 - 1e-3)
     assert report["dcp"]["mean_step_s"] == plain["dcp"]["mean_step_s"]      # dcp is never tuned
+
+
+def test_the_memory_figures_this_file_works_from():
+    """The per-rank token capacities the module docstring states (the cases above are worked from them)."""
+    cost = tiny_cost(2)
+    caps = {str(r): cost.max_local_tokens(r) for r in (NO_RECOMPUTE, SELECTIVE, Recompute("full", 1), FULL2, FULL3,
+                                                       FULL4)}
+    assert caps == {"none": 2529, "selective": 2537, "full1": 2496, "full2": 3101, "full3": 4092, "full4": 6015}, caps
+    assert cost.cluster.microbatch_overhead_s == 1e-4

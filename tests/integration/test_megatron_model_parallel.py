@@ -11,7 +11,11 @@ checkpoint loaded by one rank gives the same losses to 7 digits (docs/megatron.m
   (nothing is broadcast per micro-batch), documents are padded so rows split evenly over TP, the
   plans mix CP 1 and 2, full and selective recompute and unequal micro-batch counts.
 - PP 2: Megatron's 1F1B schedule with per-micro-batch shapes; the plan gives every rank one
-  micro-batch per wave (equal counts), mixing CP 1 and 2, recompute chosen per micro-batch.
+  micro-batch per wave (equal counts), mixing CP 1 and 2, and MLP recompute beside full recompute of the
+  stage's layers in every step of dcp's own. The model is GPT-2-style (a GELU MLP with linear biases,
+  megatron's defaults), whose MLP recompute once recursed until the rank died.
+- What ran: every micro-batch on every rank (TP 2 + SP, PP 2, PP 2 x VPP 2) replayed in backward the recompute
+  its plan named and ran on its plan's CP group (the trace --dcp-dump-plans writes, counted inside the replays).
 - MoE: tests/integration/test_megatron_moe.py.
 - Virtual pipeline stages: PP 2 x VPP 2 (a 2-rank domain, mixed CP) and PP 4 x VPP 2 (slow; 8 ranks, a 2-rank
   domain at every stage, mixed CP and recompute).
@@ -25,19 +29,25 @@ from __future__ import annotations
 import pytest
 
 from dcp_megatron.planner.plan import StepPlan
-from tests.support.megatron_runs import LLAMA_TINY, OUR_SCRIPT, LazyRuns, read_plan_dumps, run_training
+from tests.support.megatron_runs import (LLAMA_TINY, OUR_SCRIPT, LazyRuns, microbatches_planned, microbatches_seen,
+                                         read_plan_dumps, run_training)
 
 pytestmark = pytest.mark.timeout(1500)
 
 ITERS = 6   # refinement starts at step 4: three refined steps; one evaluation (step 5) besides the last
 TOLERANCE = 1e-5
 TP_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-PP = ["--pipeline-model-parallel-size", "2"]
+PP = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+# megatron's default MLP (GELU, linear biases) on the PP runs: its output bias used to come back through the MLP's
+# recompute checkpoint as the Parameter itself (patches/tensor_parallel_random.py)
+GELU_WITH_BIASES = [flag for flag in LLAMA_TINY if flag not in ("--swiglu", "--disable-bias-linear")]
 UNREFINED_STEPS = 3
 # Budgets that make 1,024-token documents need CP 2 or recompute at this layout (TP halves the
 # activations per rank; 1F1B keeps two micro-batches per stage in flight).
 TP_BUDGET = ["--dcp-memory-budget-gb", "0.002", "--dcp-recompute", "none,selective,full"]   # core attention and full k
-PP_BUDGET = ["--dcp-memory-budget-gb", "0.0035", "--dcp-recompute", "selective,full"]
+# 2 layers per stage: at this budget some micro-batches fit with MLP recompute, fuller ones need both layers
+# recomputed, 1,024-token documents need CP 2
+PP_BUDGET = ["--dcp-memory-budget-gb", "0.003", "--dcp-recompute", "mlp,full"]
 # Virtual pipeline stages (interleaved 1F1B), 4 layers, one per virtual stage. PP 2 x VPP 2 on 4 ranks: a 2-rank
 # domain, so plans mix CP 1 and 2 on every model chunk (1,024-token documents need CP 2 at this budget). PP 4 x
 # VPP 2 (8 layers) on 8 ranks (~2.5 min on 2 cores): a 2-rank domain at each of the 4 stages, CP groups on two
@@ -59,10 +69,10 @@ def runs(tmp_path_factory):
         "tp_dcp": lambda: run_training(OUR_SCRIPT, [*TP_SP, "--dcp", *TP_BUDGET, "--dcp-check-plans",
                                                     "--dcp-dump-plans", str(root / "tp_plans")],
                                        nproc=4, iters=ITERS),
-        "pp_plain": lambda: run_training(OUR_SCRIPT, PP, nproc=2, iters=ITERS),
+        "pp_plain": lambda: run_training(OUR_SCRIPT, PP, nproc=2, iters=ITERS, base=GELU_WITH_BIASES),
         "pp_dcp": lambda: run_training(OUR_SCRIPT, [*PP, "--dcp", *PP_BUDGET, "--dcp-check-plans",
                                                     "--dcp-dump-plans", str(root / "pp_plans")],
-                                       nproc=4, iters=ITERS),
+                                       nproc=4, iters=ITERS, base=GELU_WITH_BIASES),
     }
     specs.update({
         "vpp_plain": lambda: run_training(OUR_SCRIPT, VPP, nproc=2, iters=ITERS),
@@ -139,21 +149,59 @@ def test_tp_dcp_path_ran_dcps_own_plans_with_mixed_cp_recompute_and_counts(runs)
 def test_pp_dcp_path_ran_one_microbatch_per_group_per_wave_with_mixed_cp(runs):
     dcp = runs("pp_dcp")
     assert sorted(dcp.dcp_steps) == list(range(1, ITERS + 1))
-    # Every step planned by dcp. In lockstep on two ranks a baseline's layout is sometimes faster by the model
-    # (0.3-3.6% on these batches): dcp then runs it, labelled dcp(fallback:<baseline>), through the same PP path;
-    # some steps are dcp's own layout.
+    # Every step planned by dcp. In lockstep on two ranks a baseline's layout is sometimes faster by the model:
+    # dcp then runs it (labelled), through the same PP path. Most steps are dcp's own layout, and the shapes
+    # are checked on those.
     assert all(step["policy"].startswith("dcp") for step in dcp.dcp_steps.values())
-    assert any(step["policy"] == "dcp" for step in dcp.dcp_steps.values()), dcp.dcp_steps
     plans = _plans(runs.root / "pp_plans")
+    own = [plan for plan in plans if is_own_plan(plan)]
+    assert len(own) >= ITERS - 2, [plan.extra for plan in plans]
     for plan in plans:
         assert plan.policy == "dcp" and plan.domain_size == 2
         assert all(len(g.microbatches) == 1 for wave in plan.waves for g in wave.groups)
-    assert any({g.size for wave in plan.waves for g in wave.groups} == {1, 2} for plan in plans)
     assert all(min(step["counts"]) == max(step["counts"]) for step in dcp.dcp_steps.values())
-    kinds = {mb.recompute.kind for plan in plans for wave in plan.waves for g in wave.groups
-             for mb in g.microbatches if mb.sequences}
-    assert kinds and kinds <= {"selective", "full"}, kinds
+    for plan in own:   # CP 1 beside CP 2, MLP recompute beside full recompute of both stage layers, in one step
+        assert {g.size for wave in plan.waves for g in wave.groups} == {1, 2}, plan.summary()
+        reliefs = {str(mb.recompute) for wave in plan.waves for g in wave.groups for mb in g.microbatches
+                   if mb.sequences}
+        assert reliefs == {"mlp", "full2"}, reliefs
     assert "measured corrections" not in dcp.output   # refinement needs PP 1 (1F1B interleaves micro-batches)
+
+
+def is_own_plan(plan) -> bool:
+    """A plan of dcp's own layout: not a baseline's run as is (fallback) nor a baseline's layout with re-chosen
+    relief (seeded_from)."""
+    return plan.policy == "dcp" and not plan.extra.get("fallback") and not plan.extra.get("seeded_from")
+
+
+def _assert_every_microbatch_ran_as_planned(directory, plans, *, coordinates, to_global, name=str, chunks=(None,)):
+    """Each traced rank's micro-batches, step by step (and model chunk by chunk): the recompute their backward
+    replayed and their CP group (global ranks) are the plan's. `coordinates`: the TP/PP coordinates of the ranks
+    traced; `to_global(domain_rank, coordinate)`: a domain rank's global rank there."""
+    ran = set()
+    for step, plan in enumerate(plans, start=1):
+        for coordinate in coordinates:
+            for rank in range(plan.domain_size):
+                for chunk in chunks:
+                    seen = microbatches_seen(directory, to_global(rank, coordinate), step, chunk=chunk)
+                    expected = microbatches_planned(plan, rank, to_global=lambda r: to_global(r, coordinate),
+                                                    name=name)
+                    assert seen == expected, (step, coordinate, rank, chunk, seen, expected)
+                    ran |= {recompute for _, recompute in seen}
+    return ran
+
+
+def test_every_microbatch_replayed_its_plans_recompute_under_tp_and_pp(runs):
+    """TP 2 + SP (global rank = tp + 2 x domain rank) and PP 2 (global rank = domain rank + 2 x stage): what each
+    micro-batch's backward replayed, counted inside the replays, and its CP group."""
+    runs("tp_dcp")
+    ran = _assert_every_microbatch_ran_as_planned(runs.root / "tp_plans", _plans(runs.root / "tp_plans"),
+                                                  coordinates=(0, 1), to_global=lambda r, tp: tp + 2 * r)
+    assert {"none", "selective"} <= ran and any(kind.startswith("full") for kind in ran), ran
+    runs("pp_dcp")
+    ran = _assert_every_microbatch_ran_as_planned(runs.root / "pp_plans", _plans(runs.root / "pp_plans"),
+                                                  coordinates=(0, 1), to_global=lambda r, stage: r + 2 * stage)
+    assert {"mlp", "full2"} <= ran, ran
 
 
 @pytest.mark.slow   # upstream's own CP 2 against one rank: the premise the --dcp comparisons rest on
@@ -174,6 +222,14 @@ def test_virtual_pipeline_stages_dcp_equals_megatrons_plain_path(runs, layout):
     assert all(len(g.microbatches) == 1 for plan in plans for wave in plan.waves for g in wave.groups)
     sizes = {g.size for plan in plans for wave in plan.waves for g in wave.groups}
     assert sizes == {1, 2}, sizes
+    # what each chunk replayed: full k of the stage's 2 layers is ceil(k / 2) of each chunk's one layer
+    # (core/recompute.apply_recompute); global rank = domain rank + 2 x stage
+    per_chunk = lambda rc: f"full{-(-rc.full_layers // 2)}" if rc.kind == "full" else str(rc)  # noqa: E731
+    ran = _assert_every_microbatch_ran_as_planned(runs.root / f"{layout}_plans", plans,
+                                                  coordinates=range(2 if layout == "vpp" else 4),
+                                                  to_global=lambda r, stage: r + 2 * stage, name=per_chunk,
+                                                  chunks=(0, 1))
+    assert "selective" in ran and "full1" in ran, ran
     if layout == "pp4vpp2":   # the replay case: CP-2 full recompute beside CP-1 micro-batches of either kind
         kinds = {(g.size, mb.recompute.kind) for plan in plans for wave in plan.waves for g in wave.groups
                  for mb in g.microbatches if mb.sequences}

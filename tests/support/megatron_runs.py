@@ -186,22 +186,25 @@ def strip_dcp_lines(source: str, destination: str) -> None:
         f.write(stripped)
 
 
-def microbatches_seen(directory, rank: int, iteration: int) -> list[tuple]:
+def microbatches_seen(directory, rank: int, iteration: int, *, chunk: int | None = None) -> list[tuple]:
     """(CP group's global ranks or None, recompute that RAN) of each micro-batch a rank's decoder ran at an
     iteration, from the trace --dcp-dump-plans writes next to the plans (dcp_megatron/core/microbatch_trace.py:
-    the recompute is what its backward replayed, not what the model's switches said)."""
+    the recompute is what its backward replayed, not what the model's switches said); `chunk`: that virtual
+    pipeline stage's records only."""
     import json
 
     with open(os.path.join(str(directory), f"microbatches_rank{rank}.jsonl")) as f:
         records = [json.loads(line) for line in f if json.loads(line)["iteration"] == iteration]
     assert not [r for r in records if "unattributed_replays" in r], (rank, iteration, records)
-    return [(r["group_ranks"], r["recompute"]) for r in records]
+    return [(r["group_ranks"], r["recompute"]) for r in records if chunk is None or r["chunk"] == chunk]
 
 
-def microbatches_planned(plan, rank: int) -> list[tuple]:
-    """The same as the plan names it for a domain rank (TP 1, PP 1: domain ranks are global ranks); an idle
-    rank runs one filler without a group or recompute."""
-    expected = [(list(group.ranks) if group.size > 1 else None, str(mb.recompute))
+def microbatches_planned(plan, rank: int, *, to_global=lambda domain_rank: domain_rank,
+                         name=lambda recompute: str(recompute)) -> list[tuple]:
+    """The same as the plan names it for a domain rank; an idle rank runs one filler without a group or recompute.
+    `to_global`: a domain rank's global rank at the traced rank's TP/PP coordinate (TP 1, PP 1: the same);
+    `name`: what one model chunk replays of a recompute (virtual stages split full recompute over chunks)."""
+    expected = [([to_global(r) for r in group.ranks] if group.size > 1 else None, name(mb.recompute))
                 for _, group in plan.rank_schedule(rank) for mb in group.microbatches]
     return expected or [(None, "none")]
 

@@ -239,7 +239,7 @@ def setup_training(args: argparse.Namespace) -> Training:
             shares=SampleShares(valid, global_batch_size=args.eval_global_batch_size,
                                 micro_batch_size=args.eval_micro_batch_size, data_parallel_rank=rank,
                                 data_parallel_size=world_size),
-            config=config, cost=cost, pool=pool, model_config=model_config, forward_loss=forward_loss, device=device,
+            config=config, cost=cost, pool=pool, forward_loss=forward_loss, device=device,
             eval_iters=args.eval_iters)
     except BaseException:
         if parallel_state.model_parallel_is_initialized():

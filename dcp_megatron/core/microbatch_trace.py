@@ -76,13 +76,14 @@ class MicrobatchTrace:
         for chunk_index, chunk in enumerate(model_chunks):
             decoder = transformer_block(chunk)
             layers = decoder_layers(chunk)
+            chunk_config = getattr(decoder, "config", config)   # each virtual stage's own (core/recompute.py)
 
-            def opened(module, args, kwargs, chunk_index=chunk_index, layers=layers):
+            def opened(module, args, kwargs, chunk_index=chunk_index, layers=layers, chunk_config=chunk_config):
                 params = kwargs.get("packed_seq_params")
                 group = getattr(params, "cp_group", None)
                 ranks = torch.distributed.get_process_group_ranks(group) if group is not None else None
                 self._records.append({"iteration": iteration, "chunk": chunk_index, "group_ranks": ranks,
-                                      "recompute_set": recompute_seen(config, layers), "num_layers": len(layers),
+                                      "recompute_set": recompute_seen(chunk_config, layers), "num_layers": len(layers),
                                       "replayed": {name: 0 for name, _ in WATCHED}})
 
             def closed(module, args, kwargs, output):

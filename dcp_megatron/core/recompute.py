@@ -1,8 +1,11 @@
 """Switch a megatron-core model's activation recompute per micro-batch (docs/megatron.md).
 
-Full (block) recompute is read from the TransformerConfig at every forward, and all modules share one config
-object, so setting `recompute_granularity/method/num_layers` right before a micro-batch's forward is enough (also
-inside 1F1B: the checkpoint records what it wraps when the forward runs).
+Full (block) recompute is read from the TransformerConfig at every forward, and all modules of a model chunk share
+one config object, so setting `recompute_granularity/method/num_layers` right before a micro-batch's forward is
+enough (also inside 1F1B: the checkpoint records what it wraps when the forward runs). Each chunk's own: with
+virtual pipeline stages megatron.training builds every chunk from its own config (`core_transformer_config_from_args`
+per chunk), so the schedule's config (chunk 0's) is not the others'; a switch set there alone left every later
+chunk without the full recompute its plan counted.
 
 Module recompute (megatron-core's `recompute_granularity="selective"` with `recompute_modules`) is decided per
 module at construction, from the config, into one attribute each module reads at every forward
@@ -74,14 +77,23 @@ def _switches(layers) -> list[tuple[object, str, str]]:
     return out
 
 
-def apply_recompute(model, config, recompute: Recompute, *, stage_layers: int | None = None) -> None:
+def block_config(model):
+    """The TransformerConfig the model chunk's decoder reads its full recompute from at each forward."""
+    decoder = transformer_block(model)
+    if decoder is None:
+        raise ValueError(f"{type(model).__name__} holds no GPT decoder; cannot switch recompute")
+    return decoder.config
+
+
+def apply_recompute(model, recompute: Recompute, *, stage_layers: int | None = None) -> None:
     """none: keep activations; module recompute: checkpoint those modules in every layer; full k: checkpoint the
-    first k layers.
+    first k layers. Set on the chunk's own config and modules (module docstring).
 
     `stage_layers`: the layers of the whole pipeline stage when `model` is one of its virtual-stage chunks. The plan
-    counts full recompute in the stage's layers; Megatron's block recompute counts in each chunk's (its config is
-    shared by the chunks), so k of the stage becomes the same share of every chunk, rounded up."""
+    counts full recompute in the stage's layers; Megatron's block recompute counts in each chunk's, so k of the
+    stage becomes the same share of every chunk, rounded up."""
     layers = decoder_layers(model)
+    config = block_config(model)
     stage_layers = stage_layers or len(layers)
     if recompute.kind == "full":
         if recompute.full_layers > stage_layers:
@@ -105,15 +117,20 @@ def _is_identity(norm) -> bool:
     return norm is None or type(norm).__name__ == "IdentityOp"
 
 
-def snapshot_recompute(model_chunks, config) -> tuple:
-    """The run's own recompute settings, to put back after a DCP step (evaluation uses them)."""
-    flags = [getattr(module, attribute, False) for chunk in model_chunks
-             for module, attribute, _ in _switches(decoder_layers(chunk))]
-    return (config.recompute_granularity, config.recompute_method, config.recompute_num_layers, flags)
+def snapshot_recompute(model_chunks) -> list[tuple]:
+    """The run's own recompute settings of every chunk, to put back after a DCP step (evaluation uses them)."""
+    saved = []
+    for chunk in model_chunks:
+        config = block_config(chunk)
+        flags = [getattr(module, attribute, False) for module, attribute, _ in _switches(decoder_layers(chunk))]
+        saved.append((config.recompute_granularity, config.recompute_method, config.recompute_num_layers, flags))
+    return saved
 
 
-def restore_recompute(model_chunks, config, saved: tuple) -> None:
-    config.recompute_granularity, config.recompute_method, config.recompute_num_layers, flags = saved
-    switches = [s for chunk in model_chunks for s in _switches(decoder_layers(chunk))]
-    for (module, attribute, _), flag in zip(switches, flags):
-        setattr(module, attribute, flag)
+def restore_recompute(model_chunks, saved: list[tuple]) -> None:
+    for chunk, (granularity, method, num_layers, flags) in zip(model_chunks, saved, strict=True):
+        config = block_config(chunk)
+        config.recompute_granularity, config.recompute_method, config.recompute_num_layers = granularity, method, \
+            num_layers
+        for (module, attribute, _), flag in zip(_switches(decoder_layers(chunk)), flags, strict=True):
+            setattr(module, attribute, flag)

@@ -74,7 +74,7 @@ def _reduction_scopes(engine, count: int):
     return contextlib.nullcontext(), [engine.no_sync() for _ in range(count - 1)] + [contextlib.nullcontext()]
 
 
-def run_planned_step(engine, batches: list[dict], *, forward_loss, model_config, num_tokens: int,
+def run_planned_step(engine, batches: list[dict], *, forward_loss, num_tokens: int,
                      world_size: int) -> StepOutcome:
     """Forward/backward every micro-batch of this rank, then `engine.step()` (a collective over the world).
 
@@ -90,7 +90,7 @@ def run_planned_step(engine, batches: list[dict], *, forward_loss, model_config,
     outer, scopes = _reduction_scopes(engine, len(batches))
     with outer:
         for batch, scope in zip(batches, scopes):
-            apply_recompute(engine.module, model_config, batch[MICROBATCH_KEY].recompute)
+            apply_recompute(engine.module, batch[MICROBATCH_KEY].recompute)
             sync()
             marks.append(time.perf_counter())
             with scope:

@@ -30,10 +30,10 @@ def validation_samples(args) -> int:
 class Evaluation:
     """Validation batches over the run's layout (module docstring)."""
 
-    def __init__(self, *, shares, config, cost, pool, model_config, forward_loss, device, eval_iters: int) -> None:
+    def __init__(self, *, shares, config, cost, pool, forward_loss, device, eval_iters: int) -> None:
         self.shares = shares   # samples.SampleShares over the validation dataset
         self.config, self.cost, self.pool = config, cost, pool
-        self.model_config, self.forward_loss, self.device = model_config, forward_loss, device
+        self.forward_loss, self.device = forward_loss, device
         self.eval_iters = eval_iters
 
     def evaluate(self, engine) -> float:
@@ -63,7 +63,7 @@ class Evaluation:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         with torch.no_grad():
             for batch in rank_batches(plan, documents, pool=pool, device=self.device):
-                apply_recompute(engine.module, self.model_config, NO_RECOMPUTE)   # forward only: nothing to replay
+                apply_recompute(engine.module, NO_RECOMPUTE)   # forward only: nothing to replay
                 loss_sum, valid = self.forward_loss(engine, batch)
                 sums += torch.stack([loss_sum.double(), torch.tensor(float(valid), dtype=torch.float64,
                                                                      device=self.device)])

@@ -100,7 +100,7 @@ class _DeepSpeedStep:
         if pool.domain_size > 1:   # the global batch's loss tokens: the per-token loss scale
             dist.all_reduce(tokens, group=pool.domain_group)
         outcome = run_planned_step(self.engine, batches, forward_loss=self.owner.forward_loss,
-                                   model_config=self.owner.model_config, num_tokens=int(tokens),
+                                   num_tokens=int(tokens),
                                    world_size=pool.domain_size)
         return RanBatches(durations=outcome.durations, result=outcome)
 

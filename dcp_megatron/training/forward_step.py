@@ -121,7 +121,7 @@ class DcpForwardStep:
             raise AssertionError("the schedule ran more forward steps than this rank has DCP micro-batches") from None
         facts = batch[MICROBATCH_KEY]
         for chunk in self._model_chunks:
-            apply_recompute(chunk, self._config, facts.recompute, stage_layers=self._stage_layers)
+            apply_recompute(chunk, facts.recompute, stage_layers=self._stage_layers)
         # offload: the plan's set for this forward only; off at rest, which recompute replays in backward read
         # (dcp_megatron/core/offload.py)
         switch_offload(self._model_chunks, self._config, facts.recompute.offload)

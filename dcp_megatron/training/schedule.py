@@ -175,7 +175,7 @@ class _MegatronStep:
     def run_batches(self, batches: list[dict], share: Share) -> RanBatches:
         """Megatron's own schedule over this rank's micro-batches, recompute switched per micro-batch."""
         config, chunks = self.model_config, self.model_chunks
-        saved = snapshot_recompute(chunks, config), config.variable_seq_lengths
+        saved = snapshot_recompute(chunks), config.variable_seq_lengths
         step = DcpForwardStep(self.forward_step_func, batches, model_chunks=chunks, config=config,
                               cuda_events=self.owner.has_gpu)
         # With PP, stages send activations of each micro-batch's own length: shapes go with them.
@@ -188,7 +188,7 @@ class _MegatronStep:
                                               num_microbatches=len(batches), seq_length=self.seq_length,
                                               micro_batch_size=1, forward_only=False, **self.schedule_kwargs)
         finally:
-            restore_recompute(chunks, config, saved[0])
+            restore_recompute(chunks, saved[0])
             config.variable_seq_lengths = saved[1]
         if step.num_run != len(batches) * len(chunks):
             raise AssertionError(f"the schedule ran {step.num_run} forward steps for this rank's {len(batches)} DCP "

@@ -168,7 +168,7 @@ def _alignment_worker(rank: int, world_size: int) -> dict:
             for docs in microbatches:
                 batch = build_batch(docs, cp_size=1, cp_rank=0, group=None, recompute=recompute, wave_index=0,
                                     device="cpu", row_multiple=row_multiple)
-                apply_recompute(model, config, recompute)
+                apply_recompute(model, recompute)
                 bounds = batch["cu_seqlens_padded"].view(-1)
                 params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
                                          cu_seqlens_q_padded=bounds, cu_seqlens_kv_padded=bounds,

@@ -269,7 +269,7 @@ def _recompute_worker(rank: int, world_size: int) -> dict:
         for recompute in (NO_RECOMPUTE, Recompute("full", 2), Recompute("selective"), Recompute.of_modules({"mlp"}),
                           Recompute.of_modules({"core_attn", "mlp"})):
             counts.clear()
-            apply_recompute(model, config, recompute)
+            apply_recompute(model, recompute)
             phase["now"] = "forward"
             loss = model(tokens, torch.arange(12).unsqueeze(0), None, labels=tokens, packed_seq_params=params).sum()
             phase["now"] = "backward"
@@ -284,7 +284,7 @@ def _recompute_worker(rank: int, world_size: int) -> dict:
             facts = MicroBatchFacts(wave_index=0, cp_size=1, cp_rank=0, group=None, recompute=recompute)
             hook = forward_step.facts_on_model_calls(model, facts)   # what DcpForwardStep does per micro-batch
             try:
-                apply_recompute(model, config, recompute)
+                apply_recompute(model, recompute)
                 own = PackedSeqParams(**{name: getattr(params, name) for name in (
                     "qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv")})
                 return model(tokens, torch.arange(12).unsqueeze(0), None, labels=tokens, packed_seq_params=own).sum()
@@ -331,6 +331,23 @@ def _recompute_worker(rank: int, world_size: int) -> dict:
             results["offload"].append(read_at_forward())
         results["biased"] = _biased_mlp_recompute(tokens, params)
         results["at_forward"] = _recompute_at_each_forward(model, config)
+        # virtual pipeline stages: megatron.training builds each chunk from its own config; full recompute is set
+        # on every chunk's (k of the stage's 2 layers: ceil(k / 2) of each chunk's one), and put back
+        from dcp_megatron.core.recompute import restore_recompute, snapshot_recompute
+
+        chunks = [tiny_local_gpt(num_layers=1, max_sequence_length=32) for _ in range(2)]
+        assert chunks[0].config is not chunks[1].config
+        saved = snapshot_recompute(chunks)
+        results["chunks"] = []
+        for recompute in (Recompute("full", 2), Recompute("full", 1), Recompute.of_modules({"mlp"})):
+            for chunk in chunks:
+                apply_recompute(chunk, recompute, stage_layers=2)
+            results["chunks"].append([(c.config.recompute_granularity, c.config.recompute_num_layers,
+                                       c.decoder.layers[0].recompute_mlp) for c in chunks])
+        apply_recompute(chunks[1], Recompute("full", 2), stage_layers=2)
+        restore_recompute(chunks, saved)
+        results["chunks"].append([(c.config.recompute_granularity, c.config.recompute_num_layers,
+                                   c.decoder.layers[0].recompute_mlp) for c in chunks])
         parallel_state.destroy_model_parallel()
     return results
 
@@ -380,7 +397,7 @@ def _biased_mlp_recompute(tokens, params) -> dict:
     out = {}
     for recompute in (NO_RECOMPUTE, Recompute.of_modules({"mlp"}), Recompute.of_modules({"core_attn", "mlp"})):
         model.zero_grad(set_to_none=True)
-        apply_recompute(model, model.config, recompute)
+        apply_recompute(model, recompute)
         losses = [model(tokens, position_ids, None, labels=tokens, packed_seq_params=params).sum() for _ in range(2)]
         biases_are_leaves = all(layer.mlp.linear_fc2.bias.is_leaf for layer in model.decoder.layers)
         if biases_are_leaves:   # otherwise backward would recurse: the assertion reports it instead
@@ -389,7 +406,7 @@ def _biased_mlp_recompute(tokens, params) -> dict:
         out[str(recompute)] = {"leaves": biases_are_leaves,
                                "grads": {name: None if p.grad is None else p.grad.tolist()
                                          for name, p in model.named_parameters()}}
-    apply_recompute(model, model.config, NO_RECOMPUTE)
+    apply_recompute(model, NO_RECOMPUTE)
     return out
 
 
@@ -423,6 +440,8 @@ def test_the_recompute_a_microbatch_asks_for_really_runs_in_backward():
     assert trace[1]["replayed"] == {"layer": 0, "core_attention": 3, "mlp": 0}, trace
     on, attention_only, off = [(True, True)] * 2, [(True, False)] * 2, [(False, False)] * 2
     assert results["offload"] == [on, attention_only, off, on], results["offload"]
+    assert results["chunks"] == [[("full", 1, False)] * 2, [("full", 1, False)] * 2, [(None, None, True)] * 2,
+                                 [(None, None, False)] * 2], results["chunks"]
     # each micro-batch's forward runs under its own recompute (not the previous micro-batch's)
     expected = [("full", r.full_layers, []) if r.kind == "full" else (None, None, sorted(r.modules))
                 for r in _ASKED]

@@ -120,6 +120,13 @@ def test_the_patched_validate_args_applies_the_evaluation_flags(parser, monkeypa
         _with_dcp_validation(megatron_validate)(args)
     assert seen["eval_interval"] == 10
     assert "dcp: --eval-iters 0: this run does not evaluate" in capsys.readouterr().out
+    args = _args(parser, "--eval-iters", "2", "--eval-interval", "5", "--train-iters", "10", "--mock-data", "--split",
+                 "1,0,0")
+    with pytest.raises(SystemExit):
+        _with_dcp_validation(megatron_validate)(args)
+    assert capsys.readouterr().out.strip().splitlines()[1:] == [   # (after the CPU defaults' line)
+        "dcp: note: --mock-data ignores --split 1,0,0 (megatron-core splits mock data 1,1,1), so this run still "
+        "evaluates, on mock validation data; give --eval-iters 0 to train without evaluation"]
 
 
 # ------------------------------------------------------------- recompute flags under --dcp (item 3)

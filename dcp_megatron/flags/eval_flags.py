@@ -25,10 +25,11 @@ _DATA_PATHS = ("data_path", "train_data_path", "valid_data_path", "test_data_pat
 
 def settle_eval_interval(args: argparse.Namespace) -> str | None:
     """Set `--eval-interval` where `--eval-iters 0` leaves it unset (the note to print), or refuse a missing one."""
+    # Full validation and --skip-train size their data without the interval; sample-counted runs stop on
+    # Megatron's own assertion that --train-iters is set.
     if getattr(args, "eval_interval", None) is not None or getattr(args, "skip_train", False) \
             or getattr(args, "full_validation", False) or not getattr(args, "train_iters", None):
-        return None   # (full validation and --skip-train size their data without the interval; samples-based runs
-        #              are Megatron's own business)
+        return None
     eval_iters = getattr(args, "eval_iters", None)
     if not isinstance(eval_iters, int):
         return None

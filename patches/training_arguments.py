@@ -5,7 +5,8 @@
   `extra_args_provider` is untouched, so zero lines change in the user's script. Megatron's
   `--distributed-timeout-minutes` also takes fractions of a minute (upstream: whole minutes only).
 - `validate_args` runs Megatron's checks between ours: without a GPU, the CPU flags first unless the
-  user gave them (dcp_megatron/flags/cpu_defaults.py: Megatron's GPU defaults die at init on CPU);
+  user gave them (dcp_megatron/flags/cpu_defaults.py: Megatron's GPU defaults die at init on CPU), and
+  the evaluation flags 0.19.2 fails on or ignores (dcp_megatron/flags/eval_flags.py);
   then flag conflicts (`refuse_conflicting_flags`, so e.g. `--context-parallel-size 2` is refused
   before Megatron sets CP up), the rest after
   (`validate_dcp_args`): a flag DCP cannot honour stops the run at start-up with the reason, before
@@ -54,6 +55,7 @@ def _with_dcp_validation(original):
 
         try:
             _cpu_defaults(args)  # before Megatron's checks, which would take the GPU defaults
+            _evaluation_flags(args)  # an --eval-interval 0.19.2 would divide by; a --split mock data ignores
             refuse_conflicting_flags(args)  # first: Megatron's own checks may fail on what we refuse
             check_megatron_flags(args)      # mistakes Megatron meets with bare assertions, named by flag
             check_moe_dispatcher(args)      # a token dispatcher this machine cannot run (moe_checks.py)
@@ -83,6 +85,15 @@ def _cpu_defaults(args) -> None:
     applied = apply_cpu_defaults(args, argv=sys.argv[1:])
     if applied and getattr(args, "rank", 0) == 0:
         print(cpu_defaults_notice(applied), flush=True)
+
+
+def _evaluation_flags(args) -> None:
+    """--eval-iters 0 without --eval-interval: no evaluation, said in one line (else refused); mock data's split."""
+    from dcp_megatron.flags.eval_flags import mock_split_note, settle_eval_interval
+
+    notes = [note for note in (settle_eval_interval(args), mock_split_note(args)) if note]
+    if notes and getattr(args, "rank", 0) == 0:
+        print("\n".join(notes), flush=True)
 
 
 # The GPU generation validate_args sees on CPU: Hopper (H200).

@@ -51,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     """The DeepSpeed config the engine gets and the run's DcpConfig (policy "static" without --dcp)."""
-    from dcp_megatron.deepspeed.config import (DEFAULT_CP_ATTENTION, check_schedule_length, dcp_config,
+    from dcp_megatron.deepspeed.config import (DEFAULT_CP_ATTENTION, check_precision_runs_here,
+                                               check_schedule_length, dcp_config,
                                                load_deepspeed_config, prepare_deepspeed_config, torch_adam_params,
                                                zero_stage)
     from dcp_megatron.config import DcpConfig, parse_comma_list
@@ -64,6 +65,7 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     user_config = apply_megatron_flags(load_deepspeed_config(args.deepspeed_config),
                                        getattr(args, "deepspeed_megatron_flags", {}), sgd_momentum=args.sgd_momentum)
     ds_config = prepare_deepspeed_config(user_config)
+    check_precision_runs_here(ds_config, has_gpu=has_gpu)   # fp16 on a CPU without fp16 kernels
     check_schedule_length(ds_config, train_iters=args.train_iters)
     if "optimizer" not in ds_config:
         raise DcpUsageError(f'--deepspeed-config {args.deepspeed_config}: add an "optimizer" block (e.g. '

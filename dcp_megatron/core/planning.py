@@ -116,7 +116,6 @@ def check_longest_fits(config: DcpConfig, cost: CostModel) -> None:
         min_fitting_size(np.array([config.seq_length]), np.array([0]), candidate_sizes(cost.cluster), cost)
     except ValueError:
         # (not the planner's own advice: "e.g. full" recompute, which EP > 1 forbids, and its batcher's options)
-        budget_gib = cost.cluster.mem_budget_bytes / GiB
         # Advise full recompute only where it may run: EP > 1 takes it out (layout_checks._without_full_recompute).
         if "full" in cost.allowed_recompute:
             recompute = ""
@@ -127,10 +126,18 @@ def check_longest_fits(config: DcpConfig, cost: CostModel) -> None:
         raise DcpUsageError(
             f"a --seq-length {config.seq_length} document fits no CP group of this {cost.cluster.domain_size}-rank "
             f"domain (largest allowed group {candidate_sizes(cost.cluster)[-1]}) within "
-            f"{budget_gib:.3f} GiB per rank with recompute {'/'.join(cost.allowed_recompute)}: raise "
+            f"{_budget_words(config, cost)} with recompute {'/'.join(cost.allowed_recompute)}: raise "
             f"--dcp-memory-budget-gb{recompute}, raise --dcp-max-cp-size, lower --seq-length, or use more "
             f"ranks{static_problem}") from None
     check_policy_setting(config, cost)
+
+
+def _budget_words(config: DcpConfig, cost: CostModel) -> str:
+    """The budget a refusal names: the --dcp-memory-budget-gb given and what its safety margin takes."""
+    cluster = cost.cluster
+    given = (f"the {cluster.name} preset's {cluster.mem_bytes_per_gpu / GiB:.4g} GiB" if config.memory_budget_gb is None
+             else f"--dcp-memory-budget-gb {config.memory_budget_gb:g}")
+    return cluster.budget_words(given)
 
 
 def check_policy_setting(config: DcpConfig, cost: CostModel) -> None:

@@ -9,7 +9,8 @@ checkpoint_manifest.py) with the run's optimizer and scheduler blocks.
 Checked at start (before any process group): a `--save` that is a file or not writable would otherwise
 fail at the first save, after training; a `--load` without a checkpoint would make DeepSpeed warn and
 train from scratch; the checkpoint `latest` names is verified against its manifest (a flipped byte or a
-truncated file stops the run naming the file), and its ZeRO partitions against this run's world size;
+truncated file stops the run naming the file), its ZeRO layout against this run's stage (recorded in the
+manifest; else read from the file names) and its ZeRO partitions against this run's world size;
 changed optimizer/scheduler settings are refused unless
 `--override-optimizer-config` asks for them: DeepSpeed would silently keep the checkpoint's
 hyperparameters in the optimizer's param groups (the learning rate until the scheduler's next step,
@@ -21,6 +22,7 @@ import glob
 import os
 
 from dcp_megatron.config import DcpUsageError
+from dcp_megatron.deepspeed.config import zero_stage
 from dcp_megatron.flags.run_paths import check_resume_dir, check_writable_dir, hold_save_dir_or_refuse
 from dcp_megatron.runtime import checkpoint_manifest as manifest_io
 
@@ -70,6 +72,8 @@ def check_resume(load: str, ds_config: dict, *, override: bool, rank: int, world
         manifest = manifest_io.read_and_verify(directory, rank=rank, world_size=world_size)
     except manifest_io.CheckpointError as err:
         raise DcpUsageError(f"--load {load}: {err}") from err
+    check_zero_stage(load, directory, ds_config, saved_stage=None if manifest is None else
+                     manifest["settings"].get("zero_stage"))
     if manifest is None:
         if rank == 0:
             print(f"{directory} has no checksum manifest ({manifest_io.MANIFEST_FILE}): loaded unverified", flush=True)
@@ -100,6 +104,38 @@ def check_zero_world_size(load: str, directory: str, ds_config: dict, *, world_s
         raise DcpUsageError(f"--load {load}: {os.path.basename(directory)}'s ZeRO optimizer state is partitioned over "
                             f"{saved_ranks} data-parallel ranks and this run has {world_size}; DeepSpeed cannot "
                             f"re-partition it: resume on {saved_ranks} ranks")
+
+
+# ZeRO stages whose checkpoints DeepSpeed 0.19.8 loads into each other (1 and 2 partition the optimizer alike)
+_STAGE_LAYOUTS = {0: "no ZeRO", 1: "ZeRO 1-2", 2: "ZeRO 1-2", 3: "ZeRO-3"}
+
+
+def saved_zero_stage(directory: str) -> int:
+    """The ZeRO stage a tag directory's files were written under, as far as their names tell: 3 (every rank's
+    weight partition, `zero_pp_rank_*_model_states.pt`), 1 for stages 1-2 (optimizer partitions beside one
+    `mp_rank_*_model_states.pt`), 0 (neither)."""
+    if glob.glob(os.path.join(directory, "zero_pp_rank_*_mp_rank_*_model_states.pt")):
+        return 3
+    return 1 if glob.glob(os.path.join(directory, "*zero_pp_rank_*_mp_rank_*_optim_states.pt")) else 0
+
+
+def check_zero_stage(load: str, directory: str, ds_config: dict, *, saved_stage: int | None = None) -> None:
+    """A checkpoint of another ZeRO layout does not load: a ZeRO-3 one under stage 0-2 ends in a bare AssertionError
+    in DeepSpeed's state_dict_factory, a stage 0-2 one under stage 3 finds no weight partitions, a stage 1-2 one
+    under stage 0 has no optimizer state in its model file, and a stage 0 one under stage 1-2 trains on with a
+    fresh optimizer. `saved_stage`: the stage the manifest recorded (else the file names tell the layout)."""
+    now = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if (ds_config.get("checkpoint") or {}).get("load_universal") or now not in _STAGE_LAYOUTS:
+        return
+    layout = saved_zero_stage(directory)
+    if _STAGE_LAYOUTS[layout] == _STAGE_LAYOUTS[now]:
+        return
+    exact = saved_stage if _STAGE_LAYOUTS.get(saved_stage) == _STAGE_LAYOUTS[layout] else None
+    saved = str(exact) if exact is not None else ("1 or 2" if layout == 1 else str(layout))
+    raise DcpUsageError(f"--load {load}: {os.path.basename(directory)} was saved under ZeRO stage {saved} and the "
+                        f"DeepSpeed config asks for stage {now}: DeepSpeed cannot load one stage's files into the "
+                        f"other's layout; resume with \"zero_optimization\": {{\"stage\": {saved}}}, or train "
+                        "without --load")
 
 
 class SaveFailed(RuntimeError):
@@ -136,7 +172,8 @@ def save(engine, directory: str, *, iteration: int, data_state: dict, ds_config:
     try:
         engine.save_checkpoint(directory, tag=tag, save_latest=False,
                                client_state={_CLIENT_KEY: {"iteration": iteration, "data": data_state}})
-        manifest_io.record(os.path.join(directory, tag), {"deepspeed": optimizer_settings(ds_config)})
+        manifest_io.record(os.path.join(directory, tag), {"deepspeed": optimizer_settings(ds_config),
+                                                          "zero_stage": zero_stage(ds_config)})
     except OSError as err:
         raise SaveFailed(_failed_save_message(directory, tag, err)) from err
     if dist.get_rank() == 0:

@@ -128,6 +128,29 @@ def prepare_deepspeed_config(ds_config: dict) -> dict:
     return config
 
 
+def check_precision_runs_here(config: dict, *, has_gpu: bool, cpu_has_fp16: bool | None = None) -> None:
+    """DeepSpeed's CPU accelerator runs fp16 only where oneDNN has fp16 kernels (0.19.8, cpu_accelerator.
+    is_fp16_supported); elsewhere the engine raises "Type fp16 is not supported on your device" once the model is
+    built. `cpu_has_fp16`: that answer (None: ask torch as DeepSpeed does)."""
+    if has_gpu or not (config.get("fp16") or {}).get("enabled"):
+        return
+    if cpu_has_fp16 is None:
+        cpu_has_fp16 = _cpu_has_fp16()
+    if not cpu_has_fp16:
+        raise DcpUsageError('"fp16" is enabled in the DeepSpeed config (or by --fp16), and this machine has no GPU '
+                            "and no CPU fp16 kernels (DeepSpeed would stop after building the engine: \"Type fp16 is "
+                            'not supported on your device"): on CPU use "bf16": {"enabled": true} (--bf16) or fp32')
+
+
+def _cpu_has_fp16() -> bool:
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def batch_size_of_config(ds_config: dict, *, global_batch_size: int | None) -> int | None:
     """One source of truth for the batch: the JSON's "train_batch_size" (samples per step, as in DeepSpeed) is
     --global-batch-size when the flag is not given, and must equal it when it is."""

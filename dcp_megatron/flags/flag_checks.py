@@ -11,7 +11,13 @@ only when the optimizer's scheduler is built). Every run on megatron.training, w
 `--rampup-batch-size` (megatron-core 0.19's calculator ignores it: the run trains `--global-batch-size` from
 step 1), `--wandb-project` without wandb installed (ModuleNotFoundError when the writer is set up), or
 without an experiment name or a directory for its files, and `--position-embedding-type yarn` without a GPU
-(megatron-core's YaRN embedding moves its tables to `torch.cuda.current_device()` in every forward).
+(megatron-core's YaRN embedding moves its tables to `torch.cuda.current_device()` in every forward); also
+without a GPU, `--fine-grained-activation-offloading` / `--offload-modules` (megatron.training's bare assertion
+that TE runs it; TE's offload is CUDA streams and pinned memory) and `--moe-grouped-gemm` (validate_args asks CUDA
+for the compute capability: "Found no NVIDIA driver").
+
+`check_model_parallel_tiles_world`: a world size that TP x PP (x CP) does not divide (Megatron's assertion names
+`total_model_size`, with a traceback).
 """
 from __future__ import annotations
 
@@ -32,6 +38,25 @@ def data_parallel_size_of(args: argparse.Namespace) -> int | None:
     if not world_size or model_size < 1 or world_size % model_size:
         return None   # Megatron's own check names an indivisible world size
     return world_size // model_size
+
+
+def check_model_parallel_tiles_world(args: argparse.Namespace) -> None:
+    """Megatron's validate_args asserts that the world size is a multiple of TP x PP x CP (a traceback that names
+    `total_model_size`); say it with the flags and the ranks that would run."""
+    world_size = getattr(args, "world_size", None)
+    if not world_size or getattr(args, "tensor_parallel_num_weight_shards", None) not in (None, 1):
+        return   # weight shards add an axis Megatron derives inside validate_args; its own check stands
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size)
+    model_size = tp * pp * cp
+    if model_size < 1 or world_size % model_size == 0:
+        return
+    sizes = f"TP {tp} x PP {pp}{f' x CP {cp}' if cp > 1 else ''}"
+    flags = "--tensor-model-parallel-size / --pipeline-model-parallel-size" + (
+        " / --context-parallel-size" if cp > 1 else "")
+    example = model_size * max(1, world_size // model_size)
+    raise DcpUsageError(f"world size {world_size} is not divisible by {sizes} = {model_size} (every model replica "
+                        f"spans {model_size} ranks): run a multiple of {model_size} ranks (e.g. {example}), or "
+                        f"change {flags} so their product divides {world_size}")
 
 
 def check_unrunnable_flags(args: argparse.Namespace, *, has_gpu: bool) -> None:
@@ -55,6 +80,25 @@ def check_unrunnable_flags(args: argparse.Namespace, *, has_gpu: bool) -> None:
         raise DcpUsageError("--position-embedding-type yarn needs a GPU: megatron-core's YaRN rotary embedding "
                             "moves its tables to the current CUDA device in every forward; on CPU use "
                             "--position-embedding-type rope")
+    if not has_gpu:
+        check_gpu_only_flags(args)
+
+
+def check_gpu_only_flags(args: argparse.Namespace) -> None:
+    """On a machine without a GPU: flags whose megatron-core code needs CUDA, refused before they fail in it."""
+    offload = [flag for flag, given in (
+        ("--fine-grained-activation-offloading", getattr(args, "fine_grained_activation_offloading", False)),
+        ("--offload-modules", bool(getattr(args, "offload_modules", None)))) if given]
+    if offload:
+        # megatron.training asserts TE for it (a bare AssertionError); TE's offload is CUDA streams and pinned memory
+        raise DcpUsageError(f"{' '.join(offload)} needs a GPU: megatron-core's fine-grained activation offloading "
+                            "copies activations to pinned host memory on CUDA streams (so does --dcp-recompute "
+                            f"offload); on CPU drop {' and '.join(offload)}")
+    if getattr(args, "moe_grouped_gemm", False):
+        # megatron.training's validate_args asks CUDA for the compute capability: "Found no NVIDIA driver"
+        raise DcpUsageError("--moe-grouped-gemm needs a GPU: megatron.training checks the GPU's compute capability "
+                            "for its grouped GEMM kernels; on CPU drop it (the experts then run as megatron-core's "
+                            "SequentialMLP)")
 
 
 def _schedule_example(args: argparse.Namespace, rampup) -> str:
@@ -106,6 +150,7 @@ def check_megatron_flags(args: argparse.Namespace) -> None:
     """Refuse (DcpUsageError) the mistakes of the module docstring, naming the flag to change."""
     import torch
 
+    check_model_parallel_tiles_world(args)
     check_unrunnable_flags(args, has_gpu=torch.cuda.is_available())
     check_sequence_parallel_rows(args)
     if args.save and (args.save_interval is None or args.save_interval < 1):

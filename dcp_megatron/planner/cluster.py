@@ -80,6 +80,14 @@ class ClusterSpec:
     def mem_budget_bytes(self) -> int:
         return int(self.mem_bytes_per_gpu * (1.0 - self.mem_safety_frac))
 
+    def budget_words(self, given: str | None = None) -> str:
+        """The budget plans fill, as a message says it: what was given (`given`, e.g. the flag and its value;
+        else the memory per rank), what the safety margin takes, and what is left."""
+        total, usable = self.mem_bytes_per_gpu / GiB, self.mem_budget_bytes / GiB
+        source = given or f"{total:.4g} GiB"
+        return (f"{usable:.4g} GiB per rank ({source} less the {self.mem_safety_frac:.0%} safety margin, "
+                f"{total - usable:.2g} GiB)")
+
     def attn_rate(self, length: int) -> float:
         """Achieved causal-attention FLOP/s for a document of `length` tokens."""
         pts = self.attn_rate_points

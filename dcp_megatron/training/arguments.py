@@ -14,6 +14,7 @@ from dcp_megatron.flags.dcp_flags import dcp_config_from_args
 from dcp_megatron.flags.fp8_checks import DeviceFacts
 from dcp_megatron.training.checks.gpu_checks import check_gpu_path
 from dcp_megatron.training.checks.offload_checks import check_offload
+from dcp_megatron.training.checks.recompute_checks import check_megatron_recompute
 
 
 def refuse_conflicting_flags(args: argparse.Namespace) -> None:
@@ -30,9 +31,6 @@ def refuse_conflicting_flags(args: argparse.Namespace) -> None:
          "every document per step (Megatron's own CP stays 1); cap it with --dcp-max-cp-size"),
         (getattr(args, "hybrid_context_parallel", False),
          "--hybrid-context-parallel is Megatron's own per-batch CP scheduler; use it or --dcp, not both"),
-        (args.recompute_granularity is not None,
-         f"--recompute-granularity {args.recompute_granularity} conflicts with --dcp: DCP chooses recompute per "
-         "micro-batch; restrict its choices with --dcp-recompute"),
         (args.attention_dropout > 0,
          f"--attention-dropout {args.attention_dropout} is not supported by DCP's context-parallel attention; use 0"),
         (args.micro_batch_size != 1 and not args.dataloader_inter_document_masking,
@@ -42,6 +40,7 @@ def refuse_conflicting_flags(args: argparse.Namespace) -> None:
     for refused, message in refusals:
         if refused:
             raise DcpUsageError(message)
+    check_megatron_recompute(args)   # Megatron's run-wide recompute flags: DCP's switches would override them
     if getattr(args, "dcp_check_plans", False) and getattr(args, "dcp_no_check_plans", False):
         raise DcpUsageError("--dcp-check-plans and --dcp-no-check-plans contradict each other: give one (the check "
                             "is on by default)")

@@ -255,7 +255,8 @@ MEGATRON_CASES = {
     "timeout_zero": (lambda w: ([*MEGATRON_DCP, "--distributed-timeout-minutes", "0"], 0), ["--distributed-timeout-minutes must be positive"]),
     # the longest document against the memory budget: flags to change named, before any model
     "fits_no_group": (lambda w: (["--dcp", "--dcp-memory-budget-gb", "0.0013", "--dcp-recompute", "none"], 0),
-                      ["fits no CP group of this 2-rank domain", "--dcp-memory-budget-gb", "--dcp-recompute", "--seq-length"]),
+                      ["fits no CP group of this 2-rank domain", "--dcp-memory-budget-gb", "--dcp-recompute", "--seq-length",
+                       "(--dcp-memory-budget-gb 0.0013 less the 10% safety margin"]),
     "static_state_over_budget": (lambda w: (["--dcp", "--dcp-memory-budget-gb", "0.0001"], 0), ["GiB per rank", "--dcp-memory-budget-gb", "--use-distributed-optimizer"]),
     # profiles
     "profile_missing": (lambda w: ([*MEGATRON_DCP, "--dcp-profile", str(w.root / "none.json")], 0), ["--dcp-profile", "no such file"]),
@@ -439,6 +440,10 @@ DS_CASES = {
                           ["--rampup-batch-size 2 2 100 is ignored"]),
     "megatron_writer_flag": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--tensorboard-dir", str(w.root)]),
                              ["--tensorboard-dir", 'monitor blocks', '"tensorboard"']),
+    # issue 36: DeepSpeed loaded it only as far as an assertion (stage 3 vs 1-2) or with a fresh optimizer (1-2 vs 0)
+    "resume_under_another_zero_stage": (lambda w: (ds_config(stage=3, total_steps=LONG_RUN), [*DS_DCP, "--load", w.ds_checkpoint()[0]]),
+                                        ["saved under ZeRO stage 1 and the DeepSpeed config asks for stage 3",
+                                         '"zero_optimization": {"stage": 1}']),
 }
 
 

@@ -22,7 +22,7 @@ from dcp_megatron.config import DcpUsageError
 from dcp_megatron.runtime import save_lock
 from tests.support.deepspeed_runs import TINY_MODEL, ds_config, load_ds_script
 from tests.support.megatron_runs import CPU_FLAGS, LLAMA_TINY
-from tests.integration.test_fault_matrix import (DS_DCP, LONG_RUN, MEGATRON_DCP, _assert_refused,  # noqa: F401
+from tests.integration.test_fault_matrix import (DS_DCP, LONG_RUN, MEGATRON_DCP, MOE_EP2, _assert_refused,  # noqa: F401
                                      launch_refused_in_one_line, user_script)
 
 pytestmark = pytest.mark.timeout(900)
@@ -130,6 +130,16 @@ MEGATRON_CASES = {
     "tensorboard_not_writable": (lambda r: ["--tensorboard-dir", "/sys/dcp-tensorboard/run"], ["--tensorboard-dir", "/sys is not writable"]),
     "wandb_without_name": (lambda r: ["--wandb-project", "p", "--save", str(r / "ckpt"), "--save-interval", "2"],
                            ["--wandb-project p needs --wandb-exp-name"]),
+    # issue 36: Megatron's AssertionError traceback on a world size TP x PP does not divide (these run as 2 ranks)
+    "world_not_divisible_by_tp_pp": (lambda r: ["--pipeline-model-parallel-size", "3"],
+                                     ["world size 2 is not divisible by TP 1 x PP 3 = 3", "run a multiple of 3 ranks"]),
+    # issue 36: Megatron's recompute flags, which DCP's per-micro-batch switches would override
+    "recompute_modules_with_dcp": (lambda r: [*MEGATRON_DCP, "--recompute-modules", "core_attn"],
+                                   ["--recompute-modules core_attn conflicts with --dcp",
+                                    "--dcp-recompute none,core_attn"]),
+    "moe_layer_recompute_ep2": (lambda r: [*MEGATRON_DCP, *MOE_EP2, "--moe-layer-recompute"],
+                                ["--moe-layer-recompute conflicts with --dcp",
+                                 "--dcp-recompute moe is off under --expert-model-parallel-size 2"]),
 }
 
 
@@ -181,11 +191,46 @@ def test_gpu_only_and_missing_module_flags_refuse_in_one_line(dcp, user_script, 
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     launch_refused_in_one_line(monkeypatch, capsys, [*base, "--position-embedding-type", "yarn"],
                                ["--position-embedding-type yarn needs a GPU", "rope"])
+    # issue 36: megatron.training's bare AssertionError (offload) and "Found no NVIDIA driver" (grouped GEMM)
+    launch_refused_in_one_line(monkeypatch, capsys, [*base, "--fine-grained-activation-offloading", "--offload-modules",
+                                                     "core_attn"],
+                               ["--fine-grained-activation-offloading --offload-modules needs a GPU"])
+    launch_refused_in_one_line(monkeypatch, capsys, [*base, *MOE_EP2, "--moe-grouped-gemm"],
+                               ["--moe-grouped-gemm needs a GPU"])
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     launch_refused_in_one_line(monkeypatch, capsys, [*base, "--wandb-project", "p", "--wandb-exp-name", "e",
                                                      "--wandb-save-dir", str(tmp_path)],
                                ["--wandb-project p: wandb is not installed"])
+
+
+def test_eval_iters_without_eval_interval_is_refused_in_one_line(user_script, monkeypatch, capsys):
+    """megatron.training 0.19.2 has no --eval-interval default and divides by it after the model is built (issue
+    36); with --eval-iters 0 the run trains without evaluating instead (tests/unit/test_start_refusals.py)."""
+    i = LLAMA_TINY.index("--eval-interval")
+    base = [user_script, *LLAMA_TINY[:i], *LLAMA_TINY[i + 2:], *CPU_FLAGS, "--train-iters", str(LONG_RUN)]
+    for dcp in ([], MEGATRON_DCP):
+        launch_refused_in_one_line(monkeypatch, capsys, [*base, *dcp, "--eval-iters", "2"],
+                                   ["--eval-iters 2 needs --eval-interval N", "--eval-iters 0"])
+
+
+def test_deepspeed_fp16_on_a_cpu_without_fp16_kernels_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """DeepSpeed's CPU accelerator raised "Type fp16 is not supported on your device" once the engine was built."""
+    import torch
+
+    from dcp_megatron.deepspeed import config as ds_config_module
+
+    monkeypatch.setattr(ds_config_module, "_cpu_has_fp16", lambda: False)   # as on this machine's CPUs
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(ds_config(stage=1, total_steps=LONG_RUN, fp16={"enabled": True})))
+    code = load_ds_script().main([*TINY_MODEL, "--deepspeed-config", str(config), "--train-iters", str(LONG_RUN),
+                                  "--dcp"])
+    out = capsys.readouterr()
+    _assert_refused(code, out.err, out.out, ['"fp16" is enabled in the DeepSpeed config', 'use "bf16"'],
+                    prefix="error: ")
+    assert not torch.distributed.is_initialized()
 
 
 def test_deepspeed_train_batch_size_is_the_global_batch(tmp_path, monkeypatch, capsys):

@@ -52,6 +52,7 @@ def _model(*, moe: bool = False, layers: int = 2):
     model = _Module(decoder=_Module(layers=torch.nn.ModuleList([_layer(moe=moe) for _ in range(layers)])))
     model.config = SimpleNamespace(fine_grained_activation_offloading=True, recompute_granularity=None,
                                    recompute_method=None, recompute_num_layers=None)
+    model.decoder.config = model.config   # one object, as GPTModel hands its config to its decoder
     return model
 
 

@@ -12,6 +12,9 @@ only when the optimizer's scheduler is built). Every run on megatron.training, w
 step 1), `--wandb-project` without wandb installed (ModuleNotFoundError when the writer is set up), or
 without an experiment name or a directory for its files, and `--position-embedding-type yarn` without a GPU
 (megatron-core's YaRN embedding moves its tables to `torch.cuda.current_device()` in every forward).
+`check_backend` (both scripts, after the CPU defaults) refuses `--distributed-backend nccl` given on a machine
+without a GPU: torch's ProcessGroupNCCL raises "no GPUs found" with a traceback per rank once the process groups
+are made.
 """
 from __future__ import annotations
 
@@ -55,6 +58,14 @@ def check_unrunnable_flags(args: argparse.Namespace, *, has_gpu: bool) -> None:
         raise DcpUsageError("--position-embedding-type yarn needs a GPU: megatron-core's YaRN rotary embedding "
                             "moves its tables to the current CUDA device in every forward; on CPU use "
                             "--position-embedding-type rope")
+
+
+def check_backend(args: argparse.Namespace, *, has_gpu: bool) -> None:
+    """`--distributed-backend nccl` without a GPU (given explicitly: without the flag a CPU run defaults to gloo)."""
+    if getattr(args, "distributed_backend", None) == "nccl" and not has_gpu:
+        raise DcpUsageError("--distributed-backend nccl needs a GPU (torch's NCCL process group finds none on this "
+                            "machine); on CPU give --distributed-backend gloo, or leave the flag out (without a GPU "
+                            "it defaults to gloo)")
 
 
 def _schedule_example(args: argparse.Namespace, rampup) -> str:
@@ -107,6 +118,7 @@ def check_megatron_flags(args: argparse.Namespace) -> None:
     import torch
 
     check_unrunnable_flags(args, has_gpu=torch.cuda.is_available())
+    check_backend(args, has_gpu=torch.cuda.is_available())   # after the CPU defaults (patches/training_arguments.py)
     check_sequence_parallel_rows(args)
     if args.save and (args.save_interval is None or args.save_interval < 1):
         got = "is missing" if args.save_interval is None else f"is {args.save_interval}"

@@ -369,10 +369,12 @@ def test_checkpoints_cross_the_dcp_boundary_both_ways_in_torch_format(runs, work
     last = runs("plain_torch_from_dcp")
     assert "verified against its checksum manifest" in last.output and not last.dcp_steps
     assert sorted(last.losses) == [HALF + 2, ITERS]
+    # Megatron's loop decides to exit before it evaluates a step: the --dcp run's step 4 weights are checked by the
+    # plain run's step-5 loss (computed on them) and its validation after steps 5 and 6
     evals = {**first.eval_losses, **middle.eval_losses, **last.eval_losses}
-    assert sorted(evals) == sorted(full.eval_losses) and len(evals) >= ITERS
-    for step, loss in full.eval_losses.items():
-        assert evals[step] == pytest.approx(loss, rel=TOLERANCE), ("validation", step)
+    assert sorted(evals) == [step for step in sorted(full.eval_losses) if step != HALF + 1], evals
+    for step, loss in evals.items():
+        assert loss == pytest.approx(full.eval_losses[step], rel=TOLERANCE), ("validation", step)
     norms = {**first.grad_norms, **middle.grad_norms, **last.grad_norms}
     assert norms == full.grad_norms
     losses = {**first.losses, **middle.losses, **last.losses}

@@ -37,7 +37,7 @@ TOLERANCE = 1e-5
 # leaves the uninterrupted trace even without --dcp (docs/megatron.md, "Not yet").
 RESUME_BASE = [flag for flag in LLAMA_TINY if flag != "--use-distributed-optimizer"]
 RESUME_FLAGS = ["--eval-interval", "1"]
-LATE_AGENT_S = 20   # the two-agent run's second torchrun agent starts this much later than the first
+LATE_AGENT_S = 10   # the two-agent run's second torchrun agent starts this much later than the first
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 - `add_megatron_arguments` builds Megatron's parser for every script on megatron.training; after
   it, our argument group is added (dcp_megatron/training/arguments.py). A script's own
   `extra_args_provider` is untouched, so zero lines change in the user's script. Megatron's
-  `--distributed-timeout-minutes` also takes fractions of a minute (upstream: whole minutes only).
+  `--distributed-timeout-minutes` and `--exit-duration-in-mins` also take fractions of a minute (upstream:
+  whole minutes only).
 - `validate_args` runs Megatron's checks between ours: without a GPU, the CPU flags first unless the
   user gave them (dcp_megatron/flags/cpu_defaults.py: Megatron's GPU defaults die at init on CPU), and
   the evaluation flags 0.19.2 fails on or ignores (dcp_megatron/flags/eval_flags.py);
@@ -117,7 +118,7 @@ def dcp_patches() -> tuple[Patch, ...]:
         Patch(target=f"{_MODULE}:add_megatron_arguments",
               replacement=_with_dcp_arguments(unwrapped(module.add_megatron_arguments)),
               reason="adds the --dcp* argument group to Megatron's parser (no change to the user's script); "
-                     "--distributed-timeout-minutes takes fractions of a minute.",
+                     "--distributed-timeout-minutes and --exit-duration-in-mins take fractions of a minute.",
               versions=MEGATRON_CORE_VERSIONS),
         Patch(target=f"{_MODULE}:validate_args",
               replacement=_with_dcp_validation(unwrapped(module.validate_args)),

@@ -83,6 +83,10 @@ def _with_timeout_report(original):
             step_of=lambda: getattr(run_args, "curr_iteration", 0) + 1).start()
         try:
             return original(*args, **kwargs)
+        except SystemExit as err:
+            if err.code in (0, None):   # the loop's collective exit (signal, duration, interval), after a barrier
+                _say_signal_exit(run_args, is_logging_rank=rank == 0)
+            raise
         except DcpUsageError as err:
             # A check that needs the built tokenizer (the first step's plannability) refuses on every rank
             # alike: one line and exit 2, as at start-up, not a traceback per rank under plain torchrun.
@@ -101,6 +105,26 @@ def _with_timeout_report(original):
 
     train.dcp_original = original
     return train
+
+
+def _say_signal_exit(run_args, *, is_logging_rank: bool) -> None:
+    """--exit-signal-handler: upstream ends with "exiting program after receiving SIGTERM." without the step; one
+    line naming the last finished iteration and whether it was saved. Called on every rank as train() ends the
+    process with status 0 (a collective decision, after a barrier), so the all-gather of the signal flags pairs up."""
+    if not getattr(run_args, "exit_signal_handler", False):
+        return
+    from megatron.training import get_signal_handler
+
+    if not any(get_signal_handler().signals_received()):
+        return
+    import signal
+
+    iteration = getattr(run_args, "curr_iteration", 0) + 1   # the loop sets it to the finished steps as a step starts
+    saved = f"saved to --save {run_args.save}" if run_args.save else "nothing saved (no --save)"
+    if is_logging_rank:
+        name = signal.Signals(getattr(run_args, "exit_signal", signal.SIGTERM)).name
+        print(f"dcp: {name} received (--exit-signal-handler): stopped after iteration {iteration}; {saved}",
+              flush=True)
 
 
 def _profile_instead(run_args, *, forward_step_func, model) -> None:

@@ -64,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from megatron.training import arguments
 
     from dcp_megatron.flags.cpu_defaults import apply_cpu_defaults, cpu_defaults_notice
+    from dcp_megatron.flags.flag_checks import check_backend
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -89,6 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         applied = apply_cpu_defaults(args, argv=argv)
         if applied and args.rank == 0:
             print(cpu_defaults_notice(applied), flush=True)
+    check_backend(args, has_gpu=torch.cuda.is_available())   # an explicit nccl without a GPU (flag_checks.py)
     try:
         _unwrapped_validate(arguments)(args, {"tokenizer_type": "NullTokenizer"})
     except AssertionError as err:   # Megatron's checks are bare asserts: name them as a usage error

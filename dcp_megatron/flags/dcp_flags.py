@@ -22,13 +22,14 @@ def unwrapped(function):
 
 
 def with_dcp_arguments(add_megatron_arguments):
-    """Megatron's `add_megatron_arguments` followed by the `--dcp*` group (and a fractional timeout)."""
+    """Megatron's `add_megatron_arguments` followed by the `--dcp*` group (and fractional minutes)."""
     def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser = add_megatron_arguments(parser)
         for action in parser._actions:
-            # An int upstream; timedelta(minutes=...) everywhere it is used takes a float: 0.5 finds a stopped
-            # rank in 30 s (tests, debugging) where the smallest whole value waits a minute.
-            if "--distributed-timeout-minutes" in action.option_strings:
+            # Ints upstream; timedelta(minutes=...) and the loop's `train_time > args.exit_duration_in_mins`, where
+            # they are used, take floats: 0.5 finds a stopped rank in 30 s (tests, debugging) where the smallest whole
+            # value waits a minute, and an exit after 0.01 minutes lands at a known step.
+            if {"--distributed-timeout-minutes", "--exit-duration-in-mins"} & set(action.option_strings):
                 action.type = float
         return add_dcp_arguments(parser)
 

@@ -16,6 +16,10 @@ without a GPU, `--fine-grained-activation-offloading` / `--offload-modules` (meg
 that TE runs it; TE's offload is CUDA streams and pinned memory) and `--moe-grouped-gemm` (validate_args asks CUDA
 for the compute capability: "Found no NVIDIA driver").
 
+`check_backend` (both scripts, after the CPU defaults) refuses `--distributed-backend nccl` given on a machine
+without a GPU: torch's ProcessGroupNCCL raises "no GPUs found" with a traceback per rank once the process groups
+are made.
+
 `check_model_parallel_tiles_world`: a world size that TP x PP (x CP) does not divide (Megatron's assertion names
 `total_model_size`, with a traceback).
 """
@@ -101,6 +105,14 @@ def check_gpu_only_flags(args: argparse.Namespace) -> None:
                             "SequentialMLP)")
 
 
+def check_backend(args: argparse.Namespace, *, has_gpu: bool) -> None:
+    """`--distributed-backend nccl` without a GPU (given explicitly: without the flag a CPU run defaults to gloo)."""
+    if getattr(args, "distributed_backend", None) == "nccl" and not has_gpu:
+        raise DcpUsageError("--distributed-backend nccl needs a GPU (torch's NCCL process group finds none on this "
+                            "machine); on CPU give --distributed-backend gloo, or leave the flag out (without a GPU "
+                            "it defaults to gloo)")
+
+
 def _schedule_example(args: argparse.Namespace, rampup) -> str:
     """The schedule megatron-core's old ramp-up calculator followed, when it is a short one."""
     start, increment, ramp_samples = (int(v) for v in rampup)
@@ -152,6 +164,7 @@ def check_megatron_flags(args: argparse.Namespace) -> None:
 
     check_model_parallel_tiles_world(args)
     check_unrunnable_flags(args, has_gpu=torch.cuda.is_available())
+    check_backend(args, has_gpu=torch.cuda.is_available())   # after the CPU defaults (patches/training_arguments.py)
     check_sequence_parallel_rows(args)
     if args.save and (args.save_interval is None or args.save_interval < 1):
         got = "is missing" if args.save_interval is None else f"is {args.save_interval}"

@@ -16,11 +16,15 @@ manifest after each save, and the checkpoint to resume checked at start-up (befo
   torch. Its schedule flags are compared with this run's: megatron-core 0.19.2 fails on a changed
   schedule only while loading, with an assertion (`--train-iters`, warm-up, decay) or a KeyError inside
   the distributed optimizer (`--lr`, `--min-lr`), after the model is built. Here the user is told which
-  flag changed and which upstream flag makes Megatron follow the new value.
+  flag changed and which upstream flag makes Megatron follow the new value. A `torch_dist` checkpoint resumed
+  with `--ckpt-format torch` is refused (megatron-core 0.19.2 stops after building the model: "neither
+  --use-dist-ckpt nor --auto-detect-ckpt-format is set", and with `--auto-detect-ckpt-format` a KeyError 'model').
+  The other way round loads: a `torch_dist` run reads a `torch`-format checkpoint.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 
@@ -125,6 +129,7 @@ def check_resume(args: argparse.Namespace) -> None:
                     else f"its tracker {os.path.join(load, TRACKER_FILE)}")
         raise DcpUsageError(f"--load {load}: {named_by} names {os.path.basename(directory)}, which does not exist; "
                             f"point the tracker at a saved iteration ({_saved_iterations(load)}) or fix --load")
+    _check_format(args, directory)
     try:
         manifest = manifest_io.read_and_verify(directory, rank=getattr(args, "rank", 0),
                                                world_size=getattr(args, "world_size", 1))
@@ -143,6 +148,22 @@ def check_resume(args: argparse.Namespace) -> None:
         _check_schedule(args, saved, directory)
     if getattr(args, "rank", 0) == 0:
         print(f"dcp: {directory} verified against its checksum manifest ({len(manifest['files'])} files)", flush=True)
+
+
+def _check_format(args: argparse.Namespace, directory: str) -> None:
+    """A torch_dist checkpoint (its metadata.json names the backend) cannot load into a --ckpt-format torch run."""
+    if getattr(args, "ckpt_format", None) != "torch":
+        return
+    try:
+        with open(os.path.join(directory, "metadata.json")) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError):
+        return   # not a distributed checkpoint (torch format): Megatron loads it
+    if backend:
+        raise DcpUsageError(f"--load {args.load}: {os.path.basename(directory)} is a {backend} checkpoint and "
+                            f"--ckpt-format is torch, which megatron-core 0.19.2 cannot load it into (it fails after "
+                            f"building the model, also with --auto-detect-ckpt-format); resume with --ckpt-format "
+                            f"{backend} (the default; it also reads torch-format checkpoints)")
 
 
 def clear_interrupted_saves(save: str, *, rank: int) -> list[str]:

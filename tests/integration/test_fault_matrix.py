@@ -24,8 +24,8 @@ import pytest
 from dcp_megatron.runtime import checkpoint_manifest as manifest_io
 from tests.support.deepspeed_runs import DS_SCRIPT, TINY_MODEL, ds_config, load_ds_script, run_deepspeed
 from tests.support.fault_runs import run_with_fault
-from tests.support.megatron_runs import (CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, run_env, run_training, strip_dcp_lines,
-                                torchrun_command)
+from tests.support.megatron_runs import (CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, parse_output, run_env, run_training,
+                                         strip_dcp_lines, torchrun_command)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -122,6 +122,31 @@ def test_a_step_at_infinite_lr_stops_without_saving_inf_weights(tmp_path):
     assert "the weights hold NaN/Inf, so they are not saved" in run.output, run.output[-3000:]
     assert "exitcode: 16" in run.output, run.output[-3000:]    # Megatron's rerun state machine: a reproducible NaN
     assert not (save / "latest_checkpointed_iteration.txt").exists() and sorted(run.losses) == [1]
+
+
+@pytest.mark.slow
+def test_sigterm_mid_step_with_exit_signal_handler_saves_and_ends_naming_the_step(tmp_path):
+    """--exit-signal-handler under --dcp, on Megatron's blended GPT datasets (two weighted corpora): SIGTERM to one
+    rank while step 3 runs. The ranks agree (Megatron all-gathers the flag after each step), save the step they
+    finished, exit 0, and one line names that step and the save (patches/training_training.py)."""
+    from tests.support.deepspeed_runs import write_blend
+
+    blend = write_blend(str(tmp_path))
+    save = tmp_path / "ckpt"
+    base = [flag for flag in LLAMA_TINY if flag not in ("--mock-data", "--split", "98,1,1")]
+    flags = [*base, *CPU_FLAGS, "--train-iters", str(LONG_RUN), *MEGATRON_DCP, *blend, "--exit-signal-handler",
+             "--save", str(save), "--save-interval", str(LONG_RUN)]
+    run = run_with_fault(torchrun_command(OUR_SCRIPT, flags, nproc=2, launcher=False), trigger="iteration        2/",
+                         victim=1, sig=signal.SIGTERM)
+    assert run.returncode == 0 and run.agent_exit_s is not None and run.agent_exit_s < 60, run.output[-3000:]
+    lines = [line for line in run.output.splitlines() if "received (--exit-signal-handler)" in line]
+    assert len(lines) == 1 and lines[0].startswith("dcp: SIGTERM received"), run.output[-3000:]
+    step = int(lines[0].split("stopped after iteration ")[1].split(";")[0])
+    assert step >= 2 and f"saved to --save {save}" in lines[0], lines
+    trained = parse_output(run.returncode, run.output)
+    assert sorted(trained.losses) == list(range(1, step + 1)) and len(trained.dcp_steps) == step, run.output[-3000:]
+    assert int((save / "latest_checkpointed_iteration.txt").read_text()) == step
+    _assert_verified(str(save / f"iter_{step:07d}"))
 
 
 def test_deepspeed_sigstop_of_one_rank_mid_step_ends_the_run_naming_it(tmp_path):
@@ -307,6 +332,12 @@ MEGATRON_CASES = {
                                  ["--tensorboard-dir /sys/dcp-tensorboard", "/sys is not writable"]),
     "rampup_batch_size": (lambda w: ([*MEGATRON_DCP, "--rampup-batch-size", "2", "2", "100"], 0),
                           ["--rampup-batch-size 2 2 100 is ignored", '--step-batch-size-schedule "0:2 34816:4 68608:6 102400:8"']),
+    # issue 36: nccl given on a machine without a GPU (CPU_FLAGS' gloo overridden: the last flag wins); a torch_dist
+    # checkpoint resumed with --ckpt-format torch (megatron-core fails on it after building the model)
+    "nccl_without_gpu": (lambda w: ([*MEGATRON_DCP, "--distributed-backend", "nccl"], 0),
+                         ["--distributed-backend nccl needs a GPU", "--distributed-backend gloo"]),
+    "resume_torch_dist_as_torch": (_megatron_changed("--ckpt-format", "torch"),
+                                   ["is a torch_dist checkpoint and --ckpt-format is torch", "--ckpt-format torch_dist"]),
 }
 
 
@@ -444,6 +475,9 @@ DS_CASES = {
     "resume_under_another_zero_stage": (lambda w: (ds_config(stage=3, total_steps=LONG_RUN), [*DS_DCP, "--load", w.ds_checkpoint()[0]]),
                                         ["saved under ZeRO stage 1 and the DeepSpeed config asks for stage 3",
                                          '"zero_optimization": {"stage": 1}']),
+    # issue 36
+    "nccl_without_gpu": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--distributed-backend", "nccl"]),
+                         ["--distributed-backend nccl needs a GPU", "--distributed-backend gloo"]),
 }
 
 

@@ -37,6 +37,7 @@ TOLERANCE = 1e-5
 # leaves the uninterrupted trace even without --dcp (docs/megatron.md, "Not yet").
 RESUME_BASE = [flag for flag in LLAMA_TINY if flag != "--use-distributed-optimizer"]
 RESUME_FLAGS = ["--eval-interval", "1"]
+LATE_AGENT_S = 10   # the two-agent run's second torchrun agent starts this much later than the first
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +80,16 @@ def _two_agents(root, script):
     """Multi-node on one machine: two torchrun agents on localhost (`--nnodes 2`, one rank each). The planner
     then sees one rank per node (LOCAL_WORLD_SIZE 1), so every CP group of 2 crosses nodes in its cost model:
     plans may differ from the single-node runs', the loss trace may not. It refines its cost model online and
-    reruns step 2 (RERUN_FLAGS)."""
+    reruns step 2 (RERUN_FLAGS). The second agent starts LATE_AGENT_S after the first (a node that comes up late):
+    the first waits for it in torchrun's rendezvous and both train."""
     flags = [*LLAMA_TINY, *CPU_FLAGS, "--train-iters", str(ITERS), "--dcp", *SMALL_BUDGET, *RERUN_FLAGS]
-    outputs = [result.check() for result in run_agents(OUR_SCRIPT, flags, nnodes=2)]
+    outputs = [result.check() for result in run_agents(OUR_SCRIPT, flags, nnodes=2, late_s=LATE_AGENT_S)]
     # Megatron prints iteration lines on the last rank (node 1), DCP its plan lines on rank 0 (node 0).
     return parse_output(0, outputs[0].output + outputs[1].output)
 
 
 _DIRECT = ["--dcp", *SMALL_BUDGET, *RESUME_FLAGS, "--dcp-sync-planning", "--dcp-no-refine"]
+_TORCH_FORMAT = ["--ckpt-format", "torch"]
 
 _RUNS = {
     # One rank, no DCP, the whole global batch as one micro-batch: the independent reference.
@@ -112,6 +115,19 @@ _RUNS = {
         OUR_SCRIPT, [*_DIRECT, "--load", str(root / "ckpt"), "--save", str(root / "ckpt"), "--save-interval", str(HALF),
                      "--dcp-dump-plans", str(root / "plans_sync")], launcher=False, iters=ITERS, base=RESUME_BASE),
     "two_agents": _two_agents,
+    # Checkpoints across the --dcp boundary in Megatron's --ckpt-format torch (the runs above use torch_dist, the
+    # default): a plain run stops at step 3 (--exit-interval) saving; a --dcp run resumes it and stops after step 4
+    # (--exit-duration-in-mins, reached at once) saving with its manifest; a plain run resumes that to the end.
+    "plain_torch_first_half": lambda root, script: run_training(
+        OUR_SCRIPT, [*RESUME_FLAGS, *_TORCH_FORMAT, "--save", str(root / "ckpt_torch"), "--save-interval", "100",
+                     "--exit-interval", str(HALF)], launcher=False, iters=ITERS, base=RESUME_BASE),
+    "dcp_torch_resumed": lambda root, script: run_training(
+        OUR_SCRIPT, [*_DIRECT, *_TORCH_FORMAT, "--load", str(root / "ckpt_torch"), "--save", str(root / "ckpt_torch_dcp"),
+                     "--save-interval", "100", "--exit-duration-in-mins", "0.0001"], launcher=False, iters=ITERS,
+        base=RESUME_BASE),
+    "plain_torch_from_dcp": lambda root, script: run_training(
+        OUR_SCRIPT, [*RESUME_FLAGS, *_TORCH_FORMAT, "--load", str(root / "ckpt_torch_dcp")], launcher=False,
+        iters=ITERS, base=RESUME_BASE),
     # Megatron's static layout (CP 2 for every document, one recompute setting) run by the same runtime.
     "static_cp2": lambda root, script: run_training(
         script, ["--dcp", "--dcp-policy", "static", *SMALL_BUDGET], iters=ITERS),
@@ -146,6 +162,7 @@ def test_resumed_dcp_run_continues_the_trace(runs):
     gradient norm and every later loss match (an upstream logging quirk, docs/megatron.md "Not yet")."""
     full, first, resumed = runs("dcp_launcher"), runs("dcp_direct_first_half"), runs("dcp_direct_resumed")
     assert sorted(first.losses) == list(range(1, HALF + 1)) and sorted(resumed.losses) == list(range(HALF + 1, ITERS + 1))
+    assert f"exiting program at iteration {HALF}" in first.output   # --exit-interval under --dcp
     assert "successfully loaded checkpoint" in resumed.output and f"at iteration {HALF}" in resumed.output
     combined_eval = {**first.eval_losses, **resumed.eval_losses}
     assert sorted(combined_eval) == sorted(full.eval_losses) and len(combined_eval) >= ITERS
@@ -325,3 +342,43 @@ def test_plans_made_one_step_ahead_equal_plans_made_at_each_step(runs, work):
     # The first step has no previous one to plan behind; every later one was planned during its predecessor.
     assert [ahead_steps[i][0] for i in range(1, ITERS + 1)] == ["at step start"] + ["ahead"] * (ITERS - 1)
     assert all(when == "at step start" and exposed == planning for when, planning, exposed in sync_steps.values())
+
+
+def _tracked(directory) -> int:
+    return int((directory / "latest_checkpointed_iteration.txt").read_text())
+
+
+def test_checkpoints_cross_the_dcp_boundary_both_ways_in_torch_format(runs, work):
+    """--ckpt-format torch, plain -> --dcp -> plain, each resuming the previous one's checkpoint: the weights
+    (validation loss after every step), grad norms and the comparable training losses continue the uninterrupted
+    --dcp run (dcp_launcher). On the way, --exit-interval (plain) and --exit-duration-in-mins (under --dcp) stop at
+    their step and save there (upstream's loop; the --dcp resume reads a checkpoint without a manifest, the plain
+    one verifies the manifest the --dcp run wrote)."""
+    root, _ = work
+    full = runs("dcp_launcher")
+    first = runs("plain_torch_first_half")
+    assert sorted(first.losses) == [1, 2, 3] and f"exiting program at iteration {HALF}" in first.output
+    assert _tracked(root / "ckpt_torch") == HALF and (root / "ckpt_torch" / f"iter_{HALF:07d}" / "mp_rank_00"
+                                                      / "model_optim_rng.pt").is_file()
+    middle = runs("dcp_torch_resumed")
+    assert "has no checksum manifest" in middle.output and f"at iteration {HALF}" in middle.output
+    # --exit-duration-in-mins 0.0001 has passed by the first check: the run stops after one step, saving it
+    assert sorted(middle.losses) == [HALF + 1] and "exiting program after" in middle.output, middle.output[-3000:]
+    assert middle.dcp_steps and _tracked(root / "ckpt_torch_dcp") == HALF + 1
+    saved = root / "ckpt_torch_dcp" / f"iter_{HALF + 1:07d}"
+    assert (saved / "mp_rank_00" / "model_optim_rng.pt").is_file() and (saved / "dcp_checkpoint.json").is_file()
+    last = runs("plain_torch_from_dcp")
+    assert "verified against its checksum manifest" in last.output and not last.dcp_steps
+    assert sorted(last.losses) == [HALF + 2, ITERS]
+    # Megatron's loop decides to exit before it evaluates a step: the --dcp run's step 4 weights are checked by the
+    # plain run's step-5 loss (computed on them) and its validation after steps 5 and 6
+    evals = {**first.eval_losses, **middle.eval_losses, **last.eval_losses}
+    assert sorted(evals) == [step for step in sorted(full.eval_losses) if step != HALF + 1], evals
+    for step, loss in evals.items():
+        assert loss == pytest.approx(full.eval_losses[step], rel=TOLERANCE), ("validation", step)
+    norms = {**first.grad_norms, **middle.grad_norms, **last.grad_norms}
+    assert norms == full.grad_norms
+    losses = {**first.losses, **middle.losses, **last.losses}
+    # each resume's second step prints the mean of its first two (Megatron's logging, module docstring): 6 here
+    for step in (1, 2, 3, HALF + 1, HALF + 2):
+        assert losses[step] == pytest.approx(full.losses[step], rel=TOLERANCE), ("training", step)

@@ -124,16 +124,22 @@ _PORT_TAKEN = ("EADDRINUSE", "Address already in use", "address already in use")
 
 
 def run_agents(script: str, flags: list[str], *, nnodes: int, nproc: int = 1, timeout_s: float = 600,
-               tries: int = 3) -> list[RunResult]:
+               tries: int = 3, late_s: float = 0) -> list[RunResult]:
     """`nnodes` torchrun agents on localhost meeting at one port (multi-node on one machine), each agent's result;
     the port is picked before the agents bind it, so a launch whose port another job took in between is run again
-    on a new one (at most `tries` launches)."""
+    on a new one (at most `tries` launches). `late_s`: the last agent starts that many seconds after the others
+    (a node that comes up late; torchrun's static rendezvous waits up to 600 s for it)."""
+    import time
+
     for attempt in range(tries):
         port = free_port()
-        agents = [subprocess.Popen(torchrun_command(script, flags, nproc=nproc, launcher=False, port=port,
-                                                    nnodes=nnodes, node_rank=node), cwd=REPO, env=run_env(),
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                  for node in range(nnodes)]
+        agents = []
+        for node in range(nnodes):
+            if node == nnodes - 1 and late_s:
+                time.sleep(late_s)
+            agents.append(subprocess.Popen(torchrun_command(script, flags, nproc=nproc, launcher=False, port=port,
+                                                            nnodes=nnodes, node_rank=node), cwd=REPO, env=run_env(),
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         results = []
         for agent in agents:
             out, _ = agent.communicate(timeout=timeout_s)

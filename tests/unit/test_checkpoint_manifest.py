@@ -144,3 +144,24 @@ def test_heartbeat_names_the_rank_that_stopped_beating():
     assert "rank 1 (stopped or dead" in text and "rank 2 (alive but behind" in text and "rank 3" in text
     assert is_collective_timeout(RuntimeError("[gloo] Timed out waiting 30000ms for recv operation to complete"))
     assert not is_collective_timeout(RuntimeError("Connection reset by peer"))
+
+
+def test_a_torch_dist_checkpoint_resumed_with_ckpt_format_torch_is_refused(tmp_path):
+    """megatron-core 0.19.2 fails on it after building the model; a torch-format checkpoint loads either way."""
+    from dcp_megatron.training.checkpoints import check_resume
+    from dcp_megatron.config import DcpUsageError
+
+    dist = tmp_path / "dist"
+    (dist / "iter_0000003").mkdir(parents=True)
+    (dist / "iter_0000003" / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    (dist / "latest_checkpointed_iteration.txt").write_text("3")
+    with pytest.raises(DcpUsageError, match="iter_0000003 is a torch_dist checkpoint and --ckpt-format is torch.*"
+                                            "resume with --ckpt-format torch_dist"):
+        check_resume(_megatron_args(str(dist), dcp=False, ckpt_format="torch"))
+    check_resume(_megatron_args(str(dist), dcp=False, ckpt_format="torch_dist"))
+    legacy = tmp_path / "legacy"
+    (legacy / "iter_0000003" / "mp_rank_00").mkdir(parents=True)
+    (legacy / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"x")
+    (legacy / "latest_checkpointed_iteration.txt").write_text("3")
+    for ckpt_format in ("torch", "torch_dist"):
+        check_resume(_megatron_args(str(legacy), dcp=False, ckpt_format=ckpt_format))

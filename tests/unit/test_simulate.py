@@ -144,3 +144,29 @@ def test_megatron_dynamic_against_dcp(tmp_path, capsys):
     assert report["dcp"]["mean_step_s"] <= report["megatron-dynamic"]["mean_step_s"]
     assert report["megatron-dynamic"]["lb_ratio_p50"] >= 1.0 - 1e-9
     assert "| megatron-dynamic" in capsys.readouterr().out
+
+
+def test_ablate_peer_refuses_a_zero_length_in_one_line_as_dcp_simulate_does(tmp_path, capsys):
+    lengths = tmp_path / "zero.txt"
+    lengths.write_text("100\n0\n200\n")
+    assert main(["--lengths", str(lengths), *SMALL]) == 2
+    simulate_err = capsys.readouterr().err
+    assert load_tool("ablate_peer").main(["--lengths", str(lengths), "--domains", "4", "--steps", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [simulate_err.strip().replace("dcp-simulate:", "ablate_peer:")]
+    assert "zero.txt:2" in captured.err and captured.out == ""   # refused before any sweep printed a row
+
+
+def test_sweeps_print_their_winner_and_the_grid_only_with_verbose(tmp_path, capsys):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in [300, 12000, 40, 900, 65000, 7, 2048] * 6) + "\n")
+    argv = ["--lengths", str(lengths), *SMALL, "--policies", "static,megatron-hybrid,dcp"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out.splitlines()
+    winners = [line for line in printed if " run-wide settings over " in line]
+    assert [line.split(":")[0] for line in winners] == ["static", "megatron-hybrid"]
+    assert all("winner " in line for line in winners)
+    assert not [line for line in printed if line.startswith("  ")]           # no grid point
+    assert main(argv + ["--verbose"]) == 0
+    grid = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert len([line for line in grid if line.startswith("  * ")]) == 2 and len(grid) > 4   # every point, winners starred

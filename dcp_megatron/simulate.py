@@ -204,13 +204,16 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
             except ValueError as err:
                 raise PolicyFailure(f"tuning policy {name!r} failed: {err}") from err
     kept: dict[str, StepPlan] = {}
+    tuned = {name: result.winner for name, result in sweeps.items()}
     for batch in batches:
         bound = lower_bound(batch.sequences, cost)
         for name in config.policies:
             started = time.perf_counter()
             try:
+                # dcp must not lose to the tuned baselines either: it seeds from their winning settings too
                 plan = make_plan(name, batch.sequences, cost, max_seq_len=max_seq_len,
-                                 setting=sweeps[name].winner if name in sweeps else None)
+                                 setting=sweeps[name].winner if name in sweeps else None,
+                                 **({"baseline_settings": tuned} if name == "dcp" else {}))
             except ValueError as err:
                 raise PolicyFailure(f"policy {name!r} failed on step {batch.step}: {err}") from err
             plan_s = time.perf_counter() - started

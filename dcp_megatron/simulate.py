@@ -47,7 +47,7 @@ from dcp_megatron.planner.relief import MENU_NAMES
 from dcp_megatron.planner.distributions import iter_builtin_lengths, read_lengths
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import StepPlan
-from dcp_megatron.simulate_report import PolicyRun, format_table, summarize
+from dcp_megatron.simulate_report import PolicyRun, format_origins, format_table, summarize
 
 DEFAULT_POLICIES = ("static", "static-balanced", "megatron-hybrid", "megatron-dynamic", "dcp")
 BUILTIN_PREFIX = "builtin:"
@@ -210,8 +210,7 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
         for name in config.policies:
             started = time.perf_counter()
             try:
-                # dcp must not lose to the tuned baselines either: it seeds from their winning settings too
-                plan = make_plan(name, batch.sequences, cost, max_seq_len=max_seq_len,
+                plan = make_plan(name, batch.sequences, cost, max_seq_len=max_seq_len,   # dcp seeds from the tuned too
                                  setting=sweeps[name].winner if name in sweeps else None,
                                  **({"baseline_settings": tuned} if name == "dcp" else {}))
             except ValueError as err:
@@ -304,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"max_seq_len={result.max_seq_len}, {config.model} on {config.gpus}x{config.cluster} "
           f"(tp={config.tp} pp={config.pp} ep={config.ep}, domain {config.domain_size}"
           f"{'' if config.zero_stage is None else f', ZeRO-{config.zero_stage}'})")
-    print(format_table(report["policies"]))
+    print(format_table(report["policies"]) + format_origins(report["policies"]))   # dcp's own layouts vs a baseline's
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, sort_keys=True)

@@ -26,6 +26,7 @@ Per policy (all step times from the same cost model, on the same batches):
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -122,7 +123,11 @@ def format_origins(report: dict[str, dict]) -> str:
     parts = []
     for kind, o in origins.items():
         lead = f", {o['lead_share']:.0%} of its lead" if o["lead_share"] is not None else ""
-        sources = "; " + ", ".join(f"{s} x{n}" for s, n in o["sources"].items()) if o["sources"] else ""
+        seeds: dict[str, int] = {}   # ZeRO-3's seeds, one per token cap, counted together (exact in the JSON)
+        for source, n in o["sources"].items():
+            name = re.sub(r"@cap\d+$", "@cap*", source)
+            seeds[name] = seeds.get(name, 0) + n
+        sources = "; " + ", ".join(f"{s} x{n}" for s, n in seeds.items()) if seeds else ""
         parts.append(f"{kind} {o['steps']} ({o['time_share']:.0%} of its time{lead}{sources})")
     total = sum(o["steps"] for o in origins.values())
     return f"\ndcp's plans over {total} steps: " + ", ".join(parts)

@@ -61,6 +61,11 @@ def test_the_simulator_breaks_dcps_steps_down_by_origin():
         "\ndcp's plans over 4 steps: own 1 (27% of its time, 57% of its lead), seeded 2 (47% of its time, 43% of its "
         "lead; megatron-dynamic x2), fallback 1 (27% of its time, 0% of its lead; static x1)")
     assert format_origins(summarize({"megatron-dynamic": runs["megatron-dynamic"]})) == ""
+    # ZeRO-3's seeds, one name per token cap, are counted together on the line (each cap stays in the JSON)
+    caps = [dataclasses.replace(OWN_PLAN, extra={"seeded_from": f"megatron-dynamic@cap{n}"}) for n in (100, 200)]
+    runs["dcp"] = run("dcp", caps + [SEEDED, OWN_PLAN], [2.0, 2.0, 1.5, 2.0])
+    line = format_origins(summarize(runs))
+    assert "seeded 3 (" in line and "megatron-dynamic x1, megatron-dynamic@cap* x2" in line, line
 
 
 def test_zero3_seed_names_are_one_token():

@@ -24,8 +24,9 @@ would pick, and the most favourable one for the static baselines.
 Baselines are tuned as their users tune them (`dcp_megatron.planner.baseline_sweep`): before the
 run is scored, each selected baseline with run-wide knobs (static's CP size and recompute,
 megatron-dynamic's per-rank token cap, smallest CP size and recompute, megatron-hybrid's cap and
-recompute) gets the single setting with the lowest mean step over the run's batches; the grid and
-the winner are printed. `--no-tune` plans them at their defaults instead. `dcp` is never tuned.
+recompute) gets the single setting with the lowest mean step over the run's batches; the winner is
+printed (and the whole grid with `--verbose`; both are in the `--json` report). `--no-tune` plans
+them at their defaults instead. `dcp` is never tuned.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ from dcp_megatron.planner.relief import MENU_NAMES
 from dcp_megatron.planner.distributions import iter_builtin_lengths, read_lengths
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import StepPlan
-from dcp_megatron.simulate_report import PolicyRun, format_table, summarize
+from dcp_megatron.simulate_report import PolicyRun, format_origins, format_table, summarize
 
 DEFAULT_POLICIES = ("static", "static-balanced", "megatron-hybrid", "megatron-dynamic", "dcp")
 BUILTIN_PREFIX = "builtin:"
@@ -203,13 +204,15 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
             except ValueError as err:
                 raise PolicyFailure(f"tuning policy {name!r} failed: {err}") from err
     kept: dict[str, StepPlan] = {}
+    tuned = {name: result.winner for name, result in sweeps.items()}
     for batch in batches:
         bound = lower_bound(batch.sequences, cost)
         for name in config.policies:
             started = time.perf_counter()
             try:
-                plan = make_plan(name, batch.sequences, cost, max_seq_len=max_seq_len,
-                                 setting=sweeps[name].winner if name in sweeps else None)
+                plan = make_plan(name, batch.sequences, cost, max_seq_len=max_seq_len,   # dcp seeds from the tuned too
+                                 setting=sweeps[name].winner if name in sweeps else None,
+                                 **({"baseline_settings": tuned} if name == "dcp" else {}))
             except ValueError as err:
                 raise PolicyFailure(f"policy {name!r} failed on step {batch.step}: {err}") from err
             plan_s = time.perf_counter() - started
@@ -260,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-tune", action="store_true",
                    help="plan the baselines at their default settings instead of sweeping each one's run-wide "
                    "setting over the run's batches (dcp_megatron/planner/baseline_sweep.py)")
+    p.add_argument("--verbose", action="store_true",
+                   help="print every point of each baseline's sweep, not only its winner")
     p.add_argument("--json", default=None, metavar="OUT", help="write the metrics as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="draw one step's per-rank timelines")
     p.add_argument("--plot-step", type=int, default=0, help="which step --plot draws")
@@ -292,13 +297,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     report = result.to_json()
     from dcp_megatron.planner.baseline_sweep import format_sweep
-    for sweep_result in result.sweeps.values():
-        print(format_sweep(sweep_result))
+    for sweep_result in result.sweeps.values():   # the winners; the grids (hundreds of lines) with --verbose
+        print(format_sweep(sweep_result, grid=args.verbose))
     print(f"{config.lengths}: {len(result.batches)} steps of <= {config.tokens_per_step} tokens, "
           f"max_seq_len={result.max_seq_len}, {config.model} on {config.gpus}x{config.cluster} "
           f"(tp={config.tp} pp={config.pp} ep={config.ep}, domain {config.domain_size}"
           f"{'' if config.zero_stage is None else f', ZeRO-{config.zero_stage}'})")
-    print(format_table(report["policies"]))
+    print(format_table(report["policies"]) + format_origins(report["policies"]))   # dcp's own layouts vs a baseline's
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, sort_keys=True)

@@ -18,12 +18,20 @@ Per policy (all step times from the same cost model, on the same batches):
   peak_mem_frac     largest per-rank micro-batch memory estimate / GPU memory (not the budget).
   plan_ms_p50/p99   wall time of make_plan in milliseconds (on the machine that ran the simulation).
   cp_size_hist      CP size -> number of sequences run at that size, over all steps.
+  plan_origins      dcp only (planner/plan_origin.py): per origin (own: dcp's own layout; seeded: a baseline's
+                    layout with dcp's reliefs; fallback: a baseline's plan as is), its steps, its share of dcp's
+                    total step time, its share of dcp's lead over the per-step best baseline (Σ over its steps of
+                    best baseline - dcp, / the same Σ over all steps; null when no other baseline ran or there is
+                    no lead), and how many steps each baseline layout gave (`sources`).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from dcp_megatron.planner.plan_origin import ORIGINS, plan_origin
 
 DCP_POLICY = "dcp"
 
@@ -40,6 +48,7 @@ class PolicyRun:
     plan_s: list[float] = field(default_factory=list)
     peak_mem_bytes: int = 0
     cp_size_hist: dict[int, int] = field(default_factory=dict)
+    origins: list[tuple[str, str | None]] = field(default_factory=list)   # per step: plan_origin(plan)
 
     def add_step(self, *, step_time_s: float, lower_bound_s: float, num_tokens: int, plan_s: float, plan) -> None:
         self.step_time_s.append(step_time_s)
@@ -50,6 +59,7 @@ class PolicyRun:
             for group in wave.groups:
                 for mb in group.microbatches:
                     self.peak_mem_bytes = max(self.peak_mem_bytes, mb.est_mem_bytes)
+        self.origins.append(plan_origin(plan))
         for size, count in plan.cp_size_histogram().items():
             self.cp_size_hist[size] = self.cp_size_hist.get(size, 0) + count
 
@@ -82,7 +92,45 @@ def summarize(runs: dict[str, PolicyRun]) -> dict[str, dict]:
             "plan_ms_p99": float(np.percentile(plan_ms, 99)),
             "cp_size_hist": {str(size): count for size, count in sorted(run.cp_size_hist.items())},
         }
+        if name == DCP_POLICY:
+            report[name]["plan_origins"] = _origins(run, t, best_other)
     return report
+
+
+def _origins(run: PolicyRun, times: np.ndarray, best_other: np.ndarray | None) -> dict[str, dict]:
+    """dcp's steps per plan origin: steps, share of time, share of the lead (module docstring), sources."""
+    origin = np.array([o for o, _ in run.origins])
+    lead = None if best_other is None else best_other - times
+    out = {}
+    for kind in ORIGINS:
+        mine = origin == kind
+        sources: dict[str, int] = {}
+        for (o, source) in run.origins:
+            if o == kind and source is not None:
+                sources[source] = sources.get(source, 0) + 1
+        out[kind] = {"steps": int(mine.sum()), "time_share": float(times[mine].sum() / times.sum()),
+                     "lead_share": float(lead[mine].sum() / lead.sum()) if lead is not None and lead.sum() > 0
+                     else None, "sources": dict(sorted(sources.items()))}
+    return out
+
+
+def format_origins(report: dict[str, dict]) -> str:
+    """A line under the table (newline first; empty without dcp): how many of dcp's steps were its own layout,
+    seeded from a baseline's, or a baseline's plan, and their shares of its time and of its lead."""
+    if "plan_origins" not in report.get(DCP_POLICY, {}):
+        return ""
+    origins = report[DCP_POLICY]["plan_origins"]
+    parts = []
+    for kind, o in origins.items():
+        lead = f", {o['lead_share']:.0%} of its lead" if o["lead_share"] is not None else ""
+        seeds: dict[str, int] = {}   # ZeRO-3's seeds, one per token cap, counted together (exact in the JSON)
+        for source, n in o["sources"].items():
+            name = re.sub(r"@cap\d+$", "@cap*", source)
+            seeds[name] = seeds.get(name, 0) + n
+        sources = "; " + ", ".join(f"{s} x{n}" for s, n in seeds.items()) if seeds else ""
+        parts.append(f"{kind} {o['steps']} ({o['time_share']:.0%} of its time{lead}{sources})")
+    total = sum(o["steps"] for o in origins.values())
+    return f"\ndcp's plans over {total} steps: " + ", ".join(parts)
 
 
 _COLUMNS = (  # (header, key, format)

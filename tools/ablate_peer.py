@@ -88,6 +88,17 @@ def mean_steps(batches, cost, max_seq_len: int) -> tuple[dict[str, float], dict[
     return out, {"static": str(tuned["static"].winner), "md-tuned": str(tuned["megatron-dynamic"].winner)}
 
 
+def _run_inputs(lengths: str, domain: int, args):
+    """(lengths, domain, cost model, batches, max_seq_len) of one row; ValueError in one line for bad input."""
+    config = SimulationConfig(lengths=lengths, gpus=domain * args.tp, steps=args.steps, model=args.model,
+                              tp=args.tp, tokens_per_step=args.tokens_per_step)
+    cost = CostModel(model_preset(config.model, tp=args.tp),
+                     cluster_preset(config.cluster, domain_size=domain, gpus_per_node=config.domain_ranks_per_node),
+                     allowed_recompute=MENU_NAMES)
+    batches, max_seq_len = cut_batches(config)
+    return lengths, domain, cost, batches, max_seq_len
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="builtin:wikipedia,builtin:prolong")
@@ -97,21 +108,24 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--tp", type=int, default=1)
     args = parser.parse_args(argv)
+    try:   # every input checked before the long sweeps, by dcp-simulate's own checks (SimulationConfig, cut_batches)
+        runs = [_run_inputs(lengths, int(domain), args) for lengths in args.lengths.split(",")
+                for domain in args.domains.split(",")]
+    except ValueError as err:
+        print(f"ablate_peer: error: {err}", file=sys.stderr)
+        return 2
     print(f"{args.model}, tp {args.tp}, H200 preset, {args.tokens_per_step} tokens per step, {args.steps} steps (modelled)")
     print("| lengths | domain | " + " | ".join(COLUMNS) + " | dcp / md-tuned | tuned settings (static; md) |")
     print("|---|---|" + "---|" * (len(COLUMNS) + 2))
-    for lengths in args.lengths.split(","):
-        for domain in (int(d) for d in args.domains.split(",")):
-            config = SimulationConfig(lengths=lengths, gpus=domain * args.tp, steps=args.steps, model=args.model,
-                                      tp=args.tp, tokens_per_step=args.tokens_per_step)
-            cost = CostModel(model_preset(config.model, tp=args.tp),
-                             cluster_preset(config.cluster, domain_size=domain, gpus_per_node=config.domain_ranks_per_node),
-                             allowed_recompute=MENU_NAMES)
-            batches, max_seq_len = cut_batches(config)
+    for lengths, domain, cost, batches, max_seq_len in runs:
+        try:
             means, settings = mean_steps(batches, cost, max_seq_len)
-            cells = " | ".join(f"{means['static'] / means[c]:.3f}x" for c in COLUMNS)
-            print(f"| {lengths} | {domain} | {cells} | {means['md-tuned'] / means['dcp']:.3f}x | "
-                  f"{settings['static']}; {settings['md-tuned']} |", flush=True)
+        except ValueError as err:    # a baseline no setting of its grid can run (e.g. static's sweep)
+            print(f"ablate_peer: error: {lengths}, domain {domain}: {err}", file=sys.stderr)
+            return 2
+        cells = " | ".join(f"{means['static'] / means[c]:.3f}x" for c in COLUMNS)
+        print(f"| {lengths} | {domain} | {cells} | {means['md-tuned'] / means['dcp']:.3f}x | "
+              f"{settings['static']}; {settings['md-tuned']} |", flush=True)
     return 0
 
 

@@ -116,7 +116,7 @@ class PlannedStepLoop:
         self.equal_rows = equal_rows       # one row count per lockstep wave (MoE token gathers over EP peers)
         self._plan_function = plan_function or (lambda sequences, cost: plan_global_batch(config, sequences, cost))
         self._base_cost = self._cost = cost
-        self._correction = (TimeCorrection(cp_sizes=tuple(range(1, pool.domain_size + 1)))
+        self._correction = (TimeCorrection()
                             if config.refine and refine else None)
         self._dumper = PlanDumper(config.dump_plans) if config.dump_plans and is_logging_rank else None
         self._planner = PlanAhead(self._plan_function) if config.plan_ahead else None
@@ -143,7 +143,7 @@ class PlannedStepLoop:
 
     @property
     def corrections(self) -> dict:
-        """The measured corrections the cost model carries now: {(cp size, kind): factor}."""
+        """The measured corrections the cost model carries now: {(cp size, relief name): factor}."""
         return dict(self._correction.factors) if self._correction is not None else {}
 
     def ahead_position(self) -> Any:

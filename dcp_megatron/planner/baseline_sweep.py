@@ -172,9 +172,12 @@ def _default_setting(policy: str, cost, max_seq_len: int):
         return None
 
 
-def format_sweep(result: SweepResult) -> str:
+def format_sweep(result: SweepResult, *, grid: bool = True) -> str:
+    """The sweep's winner in one line and, with `grid`, every point under it (one line each)."""
     lines = [f"{result.policy}: {len(result.points)} run-wide settings over {result.num_batches} batches; "
              f"winner {result.winner} (mean step {result.winner_mean_step_s:.3f} s)"]
+    if not grid:
+        return lines[0]
     for p in result.points:
         mark = "*" if p.setting == result.winner else " "
         value = f"{p.mean_step_s:9.3f} s" if p.mean_step_s is not None else "        - "

@@ -88,7 +88,7 @@ class CostModel:
         self.prefer_ulysses = tuple(cp_attention) == ("ulysses",) or cp_attention == "ulysses"
         self._init_args = (model, cluster, profile)
         self.gpu = gpu   # FP8 GEMMs, TE's p2p ring, NCCL communicators (gpu_costs.py)
-        # Measured corrections (planner/refine.py): micro-batch seconds x factor per (cp size, recompute kind).
+        # Measured corrections (planner/refine.py): micro-batch seconds x factor per (cp size, relief name).
         self.time_scale: dict[tuple[int, str], float] = dict(time_scale or {})
         bad = {k: v for k, v in self.time_scale.items() if not (math.isfinite(v) and v > 0)}
         if bad:
@@ -165,20 +165,20 @@ class CostModel:
         return allows(self.allowed_recompute, recompute) and (recompute.kind == "full" or recompute in self._layer_bytes)
 
     def with_time_scale(self, time_scale: dict) -> "CostModel":
-        """The same cost model with micro-batch times scaled per (cp size, recompute kind)."""
+        """The same cost model with micro-batch times scaled per (cp size, relief name: str(Recompute))."""
         model, cluster, profile = self._init_args
         return CostModel(model, cluster, profile=profile, allowed_recompute=self.allowed_recompute,
                          time_scale=time_scale, gpu=self.gpu,
                          cp_attention=("ulysses",) if self.prefer_ulysses else self.cp_attention)
 
-    def _scaled(self, t, cp_sizes, kind: str):
-        """t x the measured factor of (cp size, kind); cp_sizes an int or an array like t."""
+    def _scaled(self, t, cp_sizes, recompute: Recompute):
+        """t x the measured factor of (cp size, this relief: refine.py); cp_sizes an int or an array like t."""
         if not self.time_scale:
             return t
         if np.ndim(cp_sizes) == 0:
-            return t * self.time_scale.get((int(cp_sizes), kind), 1.0)
+            return t * self.time_scale.get((int(cp_sizes), str(recompute)), 1.0)
         sizes, where = np.unique(np.asarray(cp_sizes), return_inverse=True)
-        factors = np.array([self.time_scale.get((int(c), kind), 1.0) for c in sizes])
+        factors = np.array([self.time_scale.get((int(c), str(recompute)), 1.0) for c in sizes])
         return t * factors[where].reshape(np.shape(t))
 
     def memoised(self, key, make):
@@ -294,7 +294,7 @@ class CostModel:
             if recompute.offload and not self.cluster.same_node(first_rank, cp_size):
                 t += float(self._relief_costs.nic_contention_seconds(local_tokens, compute_s, recompute, received,
                                                                      passes))
-        return float(self._scaled(t, cp_size, recompute.kind))
+        return float(self._scaled(t, cp_size, recompute))
 
     def times_from_sums(self, local_tokens: np.ndarray, compute_s: np.ndarray, attn_s: np.ndarray,
                         cp_sizes, first_ranks: np.ndarray, recompute: Recompute) -> np.ndarray:
@@ -316,7 +316,7 @@ class CostModel:
                 comm = comm + self._relief_costs.nic_contention_seconds(
                     local_tokens, compute_s, recompute, np.where(same_node, 0.0, received), passes)
             t = np.where(cp_sizes > 1, t + (comm + self._latency_per_mb * self.gpu.collectives_per_pass(cp_sizes)), t)
-        t = self._scaled(t, cp_sizes, recompute.kind)
+        t = self._scaled(t, cp_sizes, recompute)
         return np.where(local_tokens <= 0, self.cluster.microbatch_overhead_s, t)
 
     def _ulysses_comm_seconds(self, local_tokens, passes, cp_sizes, bw):
@@ -487,7 +487,7 @@ class CostModel:
             comm += float(self._relief_costs.nic_contention_seconds(local, compute_s, recompute, comm * bw, passes))
         t = (self.cluster.microbatch_overhead_s + compute_s + extra + comm + self._latency_per_mb
              + self.moe.seconds(local, recompute.full_layers))
-        return float(self._scaled(t, cp_size, recompute.kind))
+        return float(self._scaled(t, cp_size, recompute))
 
     def microbatch_memory(self, lengths: Sequence[int], cp_size: int, *,
                           recompute: Recompute = NO_RECOMPUTE) -> int:

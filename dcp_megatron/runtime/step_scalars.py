@@ -18,11 +18,13 @@ rank; measured times are the writing rank's own.
 | dcp/planning_s, dcp/exposed_planning_s | planning time, and the part the step waited for |
 | dcp/lower_bound_ratio | predicted step time / the batch's lower bound |
 | dcp/tokens, dcp/tokens_padded | the step's document tokens, and pad tokens added for CP (2c) / SP splits |
-| dcp/fallback | 1 when dcp chose a baseline's plan |
+| dcp/fallback | 1 when dcp chose a baseline's plan as is |
+| dcp/seeded | 1 when dcp chose a baseline's layout with its own reliefs (`extra.seeded_from`); both 0: dcp's own layout |
 """
 from __future__ import annotations
 
 from dcp_megatron.planner.plan import StepPlan
+from dcp_megatron.planner.plan_origin import FALLBACK, SEEDED, plan_origin
 from dcp_megatron.runtime.sharding import padded_length
 
 TAG_PREFIX = "dcp/"
@@ -49,7 +51,8 @@ def plan_scalars(plan: StepPlan, *, pad_multiple: int = 1) -> dict[str, float]:
            "recompute_share": recomputing / run if run else 0.0,
            "predicted_step_s": plan.est_step_time_s,
            "lower_bound_ratio": plan.est_step_time_s / plan.lower_bound_s if plan.lower_bound_s > 0 else 0.0,
-           "tokens": tokens, "tokens_padded": padded, "fallback": float("fallback" in plan.extra)}
+           "tokens": tokens, "tokens_padded": padded,
+           "fallback": float(plan_origin(plan)[0] == FALLBACK), "seeded": float(plan_origin(plan)[0] == SEEDED)}
     out.update({f"sequences_cp{size}": n for size, n in sorted(per_size.items())})
     return {TAG_PREFIX + k: float(v) for k, v in out.items()}
 

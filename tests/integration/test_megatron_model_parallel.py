@@ -29,8 +29,8 @@ from __future__ import annotations
 import pytest
 
 from dcp_megatron.planner.plan import StepPlan
-from tests.support.megatron_runs import (LLAMA_TINY, OUR_SCRIPT, LazyRuns, microbatches_planned, microbatches_seen,
-                                         read_plan_dumps, run_training)
+from tests.support.megatron_runs import (LLAMA_TINY, OUR_SCRIPT, LazyRuns, is_own_plan, microbatches_planned,
+                                         microbatches_seen, read_plan_dumps, run_training)
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -127,10 +127,10 @@ def test_tp_dcp_path_ran_dcps_own_plans_with_mixed_cp_recompute_and_counts(runs)
     assert sorted(dcp.dcp_steps) == list(range(1, ITERS + 1))
     # every step planned by dcp; from step 4 refined times may make a baseline's layout win (labelled a fallback)
     assert all(step["policy"].startswith("dcp") for step in dcp.dcp_steps.values())
-    assert all(dcp.dcp_steps[i]["policy"] == "dcp" for i in range(1, UNREFINED_STEPS + 1)), dcp.dcp_steps
+    assert all(is_own_plan(dcp.dcp_steps[i]["policy"]) for i in range(1, UNREFINED_STEPS + 1)), dcp.dcp_steps
     plans = _plans(runs.root / "tp_plans")
     assert all(plan.policy == "dcp" and plan.domain_size == 2 for plan in plans)
-    assert not any(plan.extra.get("fallback") for plan in plans[:UNREFINED_STEPS])
+    assert all(is_own_plan(plan) for plan in plans[:UNREFINED_STEPS]), [plan.extra for plan in plans]
     # Refinement is on (the default): from step 4 plans depend on measured times. Steps 1-3 are planned
     # with the configured cost model (step 1's times are not used, and step 3 is planned while step 2
     # runs), so their shape is fixed by the lengths alone: check it there.
@@ -166,12 +166,6 @@ def test_pp_dcp_path_ran_one_microbatch_per_group_per_wave_with_mixed_cp(runs):
                    if mb.sequences}
         assert reliefs == {"mlp", "full2"}, reliefs
     assert "measured corrections" not in dcp.output   # refinement needs PP 1 (1F1B interleaves micro-batches)
-
-
-def is_own_plan(plan) -> bool:
-    """A plan of dcp's own layout: not a baseline's run as is (fallback) nor a baseline's layout with re-chosen
-    relief (seeded_from)."""
-    return plan.policy == "dcp" and not plan.extra.get("fallback") and not plan.extra.get("seeded_from")
 
 
 def _assert_every_microbatch_ran_as_planned(directory, plans, *, coordinates, to_global, name=str, chunks=(None,)):
@@ -218,7 +212,7 @@ def test_virtual_pipeline_stages_dcp_equals_megatrons_plain_path(runs, layout):
     dcp, plain = runs(f"{layout}_dcp"), runs(f"{layout}_plain")
     _assert_same_training(dcp, plain, f"{layout}: --dcp vs plain")
     plans = _plans(runs.root / f"{layout}_plans")
-    assert all(plan.policy == "dcp" and not plan.extra.get("fallback") for plan in plans)
+    assert all(is_own_plan(plan) for plan in plans), [plan.extra for plan in plans]
     assert all(len(g.microbatches) == 1 for plan in plans for wave in plan.waves for g in wave.groups)
     sizes = {g.size for plan in plans for wave in plan.waves for g in wave.groups}
     assert sizes == {1, 2}, sizes

@@ -28,7 +28,8 @@ import torch
 
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.runtime.sharding import padded_length
-from tests.support.megatron_runs import LLAMA_TINY, OUR_SCRIPT, LazyRuns, flatten_state, read_plan_dumps, run_training
+from tests.support.megatron_runs import (LLAMA_TINY, OUR_SCRIPT, LazyRuns, flatten_state, is_own_plan, read_plan_dumps,
+                                         run_training)
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -160,7 +161,7 @@ def test_ep2_samples_dcp_trains_megatrons_plain_objective_gradient_for_gradient_
     _assert_same_gradients(runs.root, "samples_dcp", "samples_plain", trained)
     plans = read_plan_dumps(runs.root / "samples_dcp_plans", count=len(trained))
     # steps 1-2 are planned by the configured cost model (refinement, on by default, acts from the third plan)
-    assert all(plan.policy == "dcp" and not plan.extra.get("fallback") for plan in plans[:SKIPPED - 1])
+    assert all(is_own_plan(plan) for plan in plans[:SKIPPED - 1]), [plan.extra for plan in plans]
     # micro-batches of two samples: a balancing loss over the micro-batch would balance them together
     assert any(len(mb.sequences) >= 2 for plan in plans for wave in plan.waves for g in wave.groups
                for mb in g.microbatches)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from dcp_megatron.planner.plan_origin import OWN, plan_origin
 from tests.support.dist_utils import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,6 +45,15 @@ _MOE_METRIC = re.compile(r"\| ((?:seq_)?load_balancing_loss|z_loss): ([0-9.E+-]+
 _EVAL = re.compile(r"validation loss at iteration (\d+) (?:on validation set )?\| lm loss value: ([0-9.E+-]+)")
 _DCP = re.compile(r" dcp iteration\s+(\d+) \| plan (\S+): .*?cp sizes (\S+) \| micro-batches/rank (\S+) .*?"
                   r"recompute (\S+) \| predicted \(ms\): ([0-9.]+) \| forward-backward \(ms\): ([0-9.]+)")
+
+
+def is_own_plan(plan_or_label) -> bool:
+    """Whether a step ran dcp's own layout: its log label (`dcp_steps[i]["policy"]`) is plain `dcp`, not
+    `dcp(seeded:<baseline>)` (a baseline's layout with dcp's reliefs) nor `dcp(fallback:<baseline>)`; or a StepPlan
+    (a plan dump) of policy dcp with neither `extra.seeded_from` nor `extra.fallback` (planner/plan_origin.py)."""
+    if isinstance(plan_or_label, str):
+        return plan_or_label == "dcp"
+    return plan_or_label.policy == "dcp" and plan_origin(plan_or_label)[0] == OWN
 
 
 @dataclass

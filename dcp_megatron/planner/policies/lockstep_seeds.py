@@ -79,7 +79,7 @@ def lockstep_seeds(ids: np.ndarray, lengths: np.ndarray, cost, must_beat: float,
         waves, t = seed(cap)
         if waves is not None and t < best * (1 - 1e-9):
             best = t
-            yield f"megatron-dynamic at cap {cap}", waves
+            yield f"megatron-dynamic@cap{cap}", waves
         if t < seeds_best * (1 - 1e-9):
             seeds_best, best_cap, misses = t, cap, 0
         elif math.isfinite(t):
@@ -95,7 +95,7 @@ def lockstep_seeds(ids: np.ndarray, lengths: np.ndarray, cost, must_beat: float,
             waves, t = seed(cap)
             if waves is not None and t < best * (1 - 1e-9):
                 best = t
-                yield f"megatron-dynamic at cap {cap}", waves
+                yield f"megatron-dynamic@cap{cap}", waves
 
 
 def _seconds(schedule, lengths: np.ndarray, cost, recompute, terms: dict) -> float:

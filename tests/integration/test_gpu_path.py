@@ -242,8 +242,28 @@ def test_cp_stream_is_made_lazily_on_the_current_device_once_per_device(monkeypa
     # The patch set on a GPU machine with TE: registered without making any stream (the old patch made one here).
     monkeypatch.setattr(te_patch, "te_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: pytest.fail("a CUDA stream was made at patch time"))
-    (patch,) = te_patch.dcp_patches()
-    assert isinstance(patch.replacement, te_patch.PerDeviceStream)
+    patches = {patch.target.rsplit(":", 1)[1]: patch for patch in te_patch.dcp_patches()}
+    assert sorted(patches) == ["TEDotProductAttention.cp_stream", "te_checkpoint"]
+    assert isinstance(patches["TEDotProductAttention.cp_stream"].replacement, te_patch.PerDeviceStream)
+
+
+def test_fp8s_checkpoint_never_hands_back_a_parameter():
+    """The MLP's recompute under FP8 runs through megatron's `te_checkpoint`: the patched one hands TE a function
+    that returns a copy of the MLP's bias Parameter, never the Parameter (patches/tensor_parallel_random.py)."""
+    from patches import extensions_transformer_engine as te_patch
+
+    weight, bias = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.zeros(2))
+    handed = {}
+
+    def te_checkpoint(forward_func, distribute, rng_tracker, tp_group, *args, **kwargs):   # as TE runs it
+        handed["args"] = (distribute, rng_tracker, tp_group, kwargs)
+        with torch.no_grad():
+            return forward_func(*args)
+
+    patched = te_patch._te_checkpoint_without_leaf_outputs(te_checkpoint)
+    out, returned_bias = patched(lambda x: (x @ weight, bias), False, "tracker", "tp", torch.ones(1, 2), flag=1)
+    assert returned_bias is not bias and torch.equal(returned_bias, bias) and torch.equal(out, torch.full((1, 2), 2.))
+    assert handed["args"] == (False, "tracker", "tp", {"flag": 1}) and patched.dcp_original is te_checkpoint
 
 
 # --- DeepSpeed -------------------------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ import glob
 import pytest
 import torch
 
-from tests.support.megatron_runs import (LLAMA_TINY, OUR_SCRIPT, microbatches_planned, microbatches_seen, read_plan_dumps,
-                                flatten_state, run_training)
+from tests.support.megatron_runs import (LLAMA_TINY, OUR_SCRIPT, flatten_state, is_own_plan, microbatches_planned,
+                                         microbatches_seen, read_plan_dumps, run_training)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -104,8 +104,8 @@ def test_plans_hold_side_by_side_cp2_a_cp4_a_cp3_group_and_an_idle_rank(runs):
     assert all(s["policy"].startswith("dcp") for s in dcp.dcp_steps.values()) and len(dcp.dcp_steps) == ITERS
     # a step where a baseline's layout is faster by the model runs it, labelled a fallback; the shapes below are
     # dcp's own layouts
-    own = [plan for plan in plans if not plan.extra.get("fallback")]
-    assert len(own) * 2 >= len(plans), [p.extra for p in plans]
+    own = [plan for plan in plans if is_own_plan(plan)]
+    assert len(own) >= ITERS - 2, [p.extra for p in plans]   # most steps (5 of 6 measured)
     waves = [[g for g in wave.groups if g.microbatches] for plan in own for wave in plan.waves]
     assert any(sorted(g.size for g in busy) == [2, 2] for busy in waves), "no wave ran two CP-2 groups side by side"
     assert any(g.size == 4 for busy in waves for g in busy), "no CP-4 group"

@@ -270,10 +270,13 @@ def test_tensorboard_event_files_hold_the_dcp_scalars_of_every_step(runs, work):
 def test_two_agents_ran_dcp_plans_with_cp_groups_across_nodes(runs):
     steps = runs("two_agents").dcp_steps
     # every step planned by dcp; refinement is on, so measured times may make a baseline's layout win a step
-    # (labelled dcp(fallback:<baseline>)); the first step is planned by the model as configured: dcp's own
+    # (labelled dcp(fallback:<baseline>)). Steps 1-3 are planned by the model as configured (step 3 while step 2
+    # runs): dcp's own; most steps are (5 of 6 measured twice), and those mix CP 1 with CP-2 groups across nodes.
     assert sorted(steps) == list(range(1, ITERS + 1)) and all(s["policy"].startswith("dcp") for s in steps.values())
-    assert is_own_plan(steps[1]["policy"]), steps
-    assert any("cp2" in s["cp_sizes"] for s in steps.values()), steps
+    assert all(is_own_plan(steps[i]["policy"]) for i in (1, 2, 3)), steps
+    own = [s for s in steps.values() if is_own_plan(s["policy"])]
+    assert len(own) >= ITERS - 2, steps
+    assert all("cp2" in s["cp_sizes"] for s in own) and any("cp1" in s["cp_sizes"] for s in own), steps
 
 
 def test_a_rerun_of_a_suspect_step_replays_its_plan_and_reproduces_every_ranks_value(runs):

@@ -55,7 +55,8 @@ SAMPLES_BUDGET = ["--dcp-memory-budget-gb", "0.02"]
 SKIPPED = 3
 SKIP = ["--iterations-to-skip", str(SKIPPED)]
 ALL_STEPS = list(range(1, ITERS + 1))
-DOCUMENTS_BUDGET = {"ep2": ["--dcp-memory-budget-gb", "0.0094"], "ep1": ["--dcp-memory-budget-gb", "0.007"],
+# EP 2 (lockstep): at 0.008 dcp's own layout wins 5 of 6 steps by the model (at 0.0094, 3 of 6)
+DOCUMENTS_BUDGET = {"ep2": ["--dcp-memory-budget-gb", "0.008"], "ep1": ["--dcp-memory-budget-gb", "0.007"],
                     "tp2": ["--dcp-memory-budget-gb", "0.0035"]}
 DOCUMENTS_BUDGET.update(ep2_allgather=DOCUMENTS_BUDGET["ep2"], ep1_alltoall=DOCUMENTS_BUDGET["ep1"])
 
@@ -178,10 +179,11 @@ def test_documents_dcp_gradients_equal_one_rank_whatever_the_plan(runs, layout):
         _assert_same_gradients(runs.root, name, "documents_one_rank")
     plans = _plans(runs.root / f"{name}_plans")
     # Every step planned by dcp. On two ranks a baseline's layout is sometimes faster by the model (lockstep under
-    # EP 2; refined times from step 4): dcp then runs it, labelled a fallback; most steps are dcp's own layout.
+    # EP 2; refined times from step 4): dcp then runs it, labelled; most steps are dcp's own layout (5 or 6 of 6
+    # measured on each layout), and the shapes are checked on those.
     assert all(plan.policy == "dcp" for plan in plans)
-    own = [plan for plan in plans if not plan.extra.get("fallback")]
-    assert len(own) * 2 >= len(plans), [p.extra for p in plans]
+    own = [plan for plan in plans if is_own_plan(plan)]
+    assert len(own) >= ITERS - 2, [p.extra for p in plans]
     assert {g.size for plan in own for wave in plan.waves for g in wave.groups} == {1, 2}
     assert any(len(mb.sequences) >= 2 for plan in plans for wave in plan.waves for g in wave.groups
                for mb in g.microbatches)

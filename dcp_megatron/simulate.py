@@ -211,7 +211,7 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
             started = time.perf_counter()
             try:
                 plan = make_plan(name, batch.sequences, cost, max_seq_len=max_seq_len,   # dcp seeds from the tuned too
-                                 setting=sweeps[name].winner if name in sweeps else None,
+                                 setting=tuned.get(name),
                                  **({"baseline_settings": tuned} if name == "dcp" else {}))
             except ValueError as err:
                 raise PolicyFailure(f"policy {name!r} failed on step {batch.step}: {err}") from err

@@ -47,6 +47,7 @@ def _with_dcp_validation(original):
     @functools.wraps(original)
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's own signature
         from dcp_megatron.flags.data_files import check_data_files
+        from dcp_megatron.flags.eval_flags import settle_evaluation_flags
         from dcp_megatron.config import DcpUsageError
         from dcp_megatron.training.arguments import check_plannable, refuse_conflicting_flags, validate_dcp_args
         from dcp_megatron.flags.flag_checks import check_megatron_flags
@@ -56,7 +57,7 @@ def _with_dcp_validation(original):
 
         try:
             _cpu_defaults(args)  # before Megatron's checks, which would take the GPU defaults
-            _evaluation_flags(args)  # an --eval-interval 0.19.2 would divide by; a --split mock data ignores
+            settle_evaluation_flags(args)  # an --eval-interval 0.19.2 would divide by; a --split mock data ignores
             refuse_conflicting_flags(args)  # first: Megatron's own checks may fail on what we refuse
             check_megatron_flags(args)      # mistakes Megatron meets with bare assertions, named by flag
             check_moe_dispatcher(args)      # a token dispatcher this machine cannot run (moe_checks.py)
@@ -86,15 +87,6 @@ def _cpu_defaults(args) -> None:
     applied = apply_cpu_defaults(args, argv=sys.argv[1:])
     if applied and getattr(args, "rank", 0) == 0:
         print(cpu_defaults_notice(applied), flush=True)
-
-
-def _evaluation_flags(args) -> None:
-    """--eval-iters 0 without --eval-interval: no evaluation, said in one line (else refused); mock data's split."""
-    from dcp_megatron.flags.eval_flags import mock_split_note, settle_eval_interval
-
-    notes = [note for note in (settle_eval_interval(args), mock_split_note(args)) if note]
-    if notes and getattr(args, "rank", 0) == 0:
-        print("\n".join(notes), flush=True)
 
 
 # The GPU generation validate_args sees on CPU: Hopper (H200).

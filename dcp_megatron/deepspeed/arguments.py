@@ -127,11 +127,9 @@ def check_before_megatron(args: argparse.Namespace) -> None:
         raise DcpUsageError("--save-interval needs --save DIR")
     check_unrunnable_flags(args, has_gpu=torch.cuda.is_available())   # --rampup-batch-size, wandb, yarn on CPU
     if getattr(args, "deepspeed_evaluate", False):   # the validation data is sized as Megatron sizes it
-        from dcp_megatron.flags.eval_flags import mock_split_note, settle_eval_interval
+        from dcp_megatron.flags.eval_flags import settle_evaluation_flags
 
-        notes = [note for note in (settle_eval_interval(args), mock_split_note(args)) if note]
-        if notes and args.rank == 0:
-            print("\n".join(notes), flush=True)
+        settle_evaluation_flags(args)
     check_data_paths(args)
     check_checkpoint_paths(save=args.save, load=args.load, dump_plans=args.dcp_dump_plans)
 

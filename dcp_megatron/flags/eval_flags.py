@@ -42,6 +42,13 @@ def settle_eval_interval(args: argparse.Namespace) -> str | None:
                         "--eval-interval, or --eval-iters 0 to train without evaluation")
 
 
+def settle_evaluation_flags(args: argparse.Namespace) -> None:
+    """Both of the module docstring's checks, their lines printed once (rank 0); both entry points call this."""
+    notes = [note for note in (settle_eval_interval(args), mock_split_note(args)) if note]
+    if notes and getattr(args, "rank", 0) == 0:
+        print("\n".join(notes), flush=True)
+
+
 def mock_split_note(args: argparse.Namespace) -> str | None:
     """The line for a --split that gives evaluation no share when mock data ignores it (module docstring)."""
     split = getattr(args, "split", None)

@@ -33,6 +33,7 @@ TAG_PREFIX = "dcp/"
 def plan_scalars(plan: StepPlan, *, pad_multiple: int = 1) -> dict[str, float]:
     """The plan's own facts (no measurement): identical on every rank."""
     counts = [plan.num_microbatches(rank) for rank in range(plan.domain_size)]
+    origin, _ = plan_origin(plan)
     per_size: dict[int, int] = {}
     tokens = padded = run = recomputing = 0
     for wave in plan.waves:
@@ -52,7 +53,7 @@ def plan_scalars(plan: StepPlan, *, pad_multiple: int = 1) -> dict[str, float]:
            "predicted_step_s": plan.est_step_time_s,
            "lower_bound_ratio": plan.est_step_time_s / plan.lower_bound_s if plan.lower_bound_s > 0 else 0.0,
            "tokens": tokens, "tokens_padded": padded,
-           "fallback": float(plan_origin(plan)[0] == FALLBACK), "seeded": float(plan_origin(plan)[0] == SEEDED)}
+           "fallback": float(origin == FALLBACK), "seeded": float(origin == SEEDED)}
     out.update({f"sequences_cp{size}": n for size, n in sorted(per_size.items())})
     return {TAG_PREFIX + k: float(v) for k, v in out.items()}
 

@@ -71,8 +71,9 @@ def local_tokens(lengths: np.ndarray, size: int) -> np.ndarray:
 def check_static_memory(cost) -> None:
     if cost.static_bytes >= cost.cluster.mem_budget_bytes:
         raise ValueError(f"the model's static state alone ({cost.static_bytes / 2**30:.4g} GiB per rank: weights, "
-                         f"grads, optimizer state) exceeds the memory budget of {cost.cluster.budget_words()}; raise the budget (--dcp-memory-budget-gb), shard the optimizer state over more "
-                         f"ranks (--use-distributed-optimizer, more data-parallel ranks), or split the model "
+                         f"grads, optimizer state) exceeds the memory budget of {cost.cluster.budget_words()}; "
+                         f"raise the budget (--dcp-memory-budget-gb), shard the optimizer state over more ranks "
+                         f"(--use-distributed-optimizer, more data-parallel ranks), or split the model "
                          f"(--tensor-model-parallel-size, --pipeline-model-parallel-size)")
 
 

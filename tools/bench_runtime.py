@@ -5,7 +5,8 @@
 
 Two gloo ranks (one thread each) train gpt-tiny (TinyGPT with the gpt-tiny ModelShape) on the
 same global batches through dcp_megatron/core/step_loop.py (planning one step ahead, plan agreement, the
-document exchange, the micro-batch dicts; the reference engine in place of Megatron's schedule) under two plans, both scored with the `cpu` ClusterSpec (or --profile):
+document exchange, the micro-batch dicts; the test harness's reference engine, tests/support/reference/, in
+place of Megatron's schedule) under two plans, both scored with the `cpu` ClusterSpec (or --profile):
 - static: the planner's `static` policy, the layout fixed for the run from the length cap
   (it picks CP=2 for every sequence here, since a cap-length document does not fit on one rank);
 - dcp: the planner's `dcp` policy, per batch.
@@ -55,10 +56,10 @@ from dcp_megatron.planner.model import model_preset  # noqa: E402
 from dcp_megatron.planner.policies import make_plan  # noqa: E402
 from dcp_megatron.planner.policies.static import static_layout  # noqa: E402
 from dcp_megatron.runtime.group_pool import GroupPool  # noqa: E402
-from dcp_megatron.core.parity import ReferenceRun  # noqa: E402
-from dcp_megatron.runtime.parity import seeded_tokens  # noqa: E402
+from tests.support.reference.parity import ReferenceRun  # noqa: E402
+from tests.support.reference.single_process import seeded_tokens  # noqa: E402
+from tests.support.reference.tiny_gpt import TinyGPT, TinyGPTConfig  # noqa: E402
 from local_ranks import run_local_ranks  # noqa: E402
-from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig  # noqa: E402
 
 WORLD = 2
 POLICIES = ("static", "dcp")

@@ -7,8 +7,8 @@
 Each layout is a random StepPlan on a domain of `world` ranks (random contiguous groups with
 power-of-two groups aligned, random micro-batch split, random recompute, GQA, CP attention
 variant alternating all-gather / ring) run on gloo through dcp_megatron/core/step_loop.py (document exchange,
-micro-batch dicts, plan agreement) with the reference engine, compared with the full-batch single-process
-gradient of the same TinyGPT. Prints one line per layout; the LAST line is `max_rel_err=<value>`
+micro-batch dicts, plan agreement) with the test harness's reference engine (tests/support/reference/),
+compared with the full-batch single-process gradient of the same TinyGPT. Prints one line per layout; the LAST line is `max_rel_err=<value>`
 (worst over layouts, parameters and ranks). Exit status 1 when it exceeds 1e-5 or a loss differs.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 
 from dcp_megatron.planner.plan import StepPlan  # noqa: E402
 from dcp_megatron.runtime.group_pool import GroupPool  # noqa: E402
-from dcp_megatron.core.parity import parity_case  # noqa: E402
+from tests.support.reference.parity import parity_case  # noqa: E402
 from local_ranks import run_local_ranks  # noqa: E402
 
 TOLERANCE = 1e-5

@@ -4,7 +4,9 @@
     python tools/import_layers.py          # prints every violation (exit 1), or the layers and "ok"
 
 Every import counts, also those inside functions (a lazy import is still an arrow). Layers, bottom up:
-config < planner < runtime, data < core, checks < training, deepspeed < patches < entry points.
+config < planner < runtime, data < core, checks < training, deepspeed < patches < entry points < the test
+harness (tests/support/: the reference engine and the helpers tests and tools share; it imports the product,
+the product never imports it).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ LAYERS = {
     # entry points: ask patches for a set by name, run a script
     "dcp_megatron": 6, "dcp_megatron.launch": 6, "dcp_megatron.profile": 6,
     "dcp_megatron.simulate": 3, "dcp_megatron.simulate_report": 2, "dcp_megatron.plotting": 2,
+    "tests.support": 7,
 }
 # same-layer packages that must not see each other (the two adapters; the shared checks above the seams)
 APART = {("dcp_megatron.deepspeed", "dcp_megatron.training"), ("dcp_megatron.training", "dcp_megatron.deepspeed"),
@@ -41,7 +44,7 @@ def package_of(module: str) -> str:
 
 def modules() -> dict[str, pathlib.Path]:
     found = {}
-    for base in ("dcp_megatron", "patches"):
+    for base in ("dcp_megatron", "patches", "tests/support"):
         for path in (ROOT / base).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

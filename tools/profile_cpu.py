@@ -53,10 +53,10 @@ from dcp_megatron.planner.cluster import cpu_cluster  # noqa: E402
 from dcp_megatron.planner.cost import CostModel, check_profile  # noqa: E402
 from dcp_megatron.planner.model import model_preset  # noqa: E402
 from dcp_megatron.planner.plan import Recompute  # noqa: E402
-from dcp_megatron.runtime.recompute import apply_recompute  # noqa: E402
 from dcp_megatron.runtime.cp_attention import cp_attention  # noqa: E402
-from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig  # noqa: E402
 from dcp_megatron.runtime.sharding import shard_microbatch  # noqa: E402
+from tests.support.reference.recompute import apply_recompute  # noqa: E402
+from tests.support.reference.tiny_gpt import TinyGPT, TinyGPTConfig  # noqa: E402
 from local_ranks import run_local_ranks  # noqa: E402
 
 ATTN_LENGTHS = (256, 1024, 2048, 4096)

@@ -27,10 +27,10 @@ from dcp_megatron.planner.policies import make_plan
 from dcp_megatron.planner.validate import validate
 from dcp_megatron.runtime.group_pool import GroupPool
 from dcp_megatron.core.microbatches import MICROBATCH_KEY
-from dcp_megatron.core.parity import ReferenceRun, parity_case, roomy_cost
-from dcp_megatron.runtime.parity import reference_train_step, seeded_tokens
-from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig
 from tests.support.dist_utils import run_distributed
+from tests.support.reference.parity import ReferenceRun, parity_case, roomy_cost
+from tests.support.reference.single_process import reference_train_step, seeded_tokens
+from tests.support.reference.tiny_gpt import TinyGPT, TinyGPTConfig
 
 GRAD_TOL = 1e-5
 LOSS_TOL = 1e-5

@@ -3,10 +3,10 @@ import numpy as np
 import pytest
 import torch
 
-from dcp_megatron.data.assembly import assemble_microbatch, microbatch_arrays
-from dcp_megatron.data.batches import GlobalBatchStream
 from dcp_megatron.data.documents import InMemoryDocuments
 from dcp_megatron.planner.plan import MicroBatch, Recompute
+from tests.support.batch_stream import GlobalBatchStream
+from tests.support.microbatch_assembly import assemble_microbatch, microbatch_arrays
 
 
 class ReadLog(InMemoryDocuments):

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_megatron.data.batches import GlobalBatchStream, epoch_order
 from dcp_megatron.data.documents import InMemoryDocuments, MockDocuments
 from dcp_megatron.planner.batcher import GlobalBatcher
+from tests.support.batch_stream import GlobalBatchStream, epoch_order
 
 
 def _docs_of_lengths(planned_lengths):

@@ -26,3 +26,18 @@ def test_the_checker_sees_a_lazy_arrow_up_and_a_circle(tmp_path, monkeypatch):
 
 def test_deepspeed_adapter_stays_apart_from_the_training_adapter():
     assert ("dcp_megatron.deepspeed", "dcp_megatron.training") in layers.APART
+
+
+def test_the_product_never_imports_the_test_harness(tmp_path, monkeypatch):
+    # a core module reaching into tests/support/ is an arrow up; the harness importing the core is not
+    root = tmp_path
+    for package in ("dcp_megatron", "dcp_megatron/core", "patches", "tests/support"):
+        (root / package).mkdir(parents=True, exist_ok=True)
+        (root / package / "__init__.py").write_text("")
+    (root / "dcp_megatron/core/loop.py").write_text("from tests.support.engine import Engine\n")
+    (root / "tests/support/engine.py").write_text("from dcp_megatron.core import loop\n")
+    monkeypatch.setattr(layers, "ROOT", root)
+    found = layers.violations()
+    assert any(v.startswith("dcp_megatron.core.loop -> tests.support.engine") for v in found), found
+    assert not any(v.startswith("tests.support.engine ->") for v in found), found
+    assert layers.package_of("tests.support.reference.engine") == "tests.support"

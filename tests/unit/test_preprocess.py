@@ -9,8 +9,6 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from dcp_megatron.data.assembly import assemble_microbatch
-from dcp_megatron.data.batches import GlobalBatchStream
 from dcp_megatron.data.preprocess import (
     BYTE_EOD_ID,
     ByteTokenizer,
@@ -19,6 +17,8 @@ from dcp_megatron.data.preprocess import (
     preprocess_texts,
 )
 from dcp_megatron.data.indexed_documents import IndexedDataError, IndexedDocuments
+from tests.support.batch_stream import GlobalBatchStream
+from tests.support.microbatch_assembly import assemble_microbatch
 
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools")
 TEXTS = ["hello world", "", "x", "naïve café — 東京 🚀\n" * 3, "def f():\n    return 1\n"]

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.runtime.cp_attention import cp_attention, packed_causal_attention
-from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig
 from dcp_megatron.runtime.sharding import shard_microbatch
 from tests.support.dist_utils import max_rel_err
+from tests.support.reference.tiny_gpt import TinyGPT, TinyGPTConfig
 
 CONFIG = TinyGPTConfig(vocab_size=97, num_layers=3, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48)
 LENGTHS = [5, 17, 1, 9]

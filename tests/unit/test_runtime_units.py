@@ -12,11 +12,11 @@ from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, StepPlan, Wave
 from dcp_megatron.runtime.cp_attention import packed_causal_attention
-from dcp_megatron.runtime.loss import IGNORE_INDEX, StepLoss, next_token_labels, reduce_step, token_loss_sum
-from dcp_megatron.runtime.parity import grad_max_rel_err
-from dcp_megatron.runtime.recompute import apply_recompute, current_recompute
-from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig
-from dcp_megatron.runtime.stats import RankTimes, StepStats, imbalance, predicted_busy_s
+from tests.support.reference.loss import IGNORE_INDEX, StepLoss, next_token_labels, reduce_step, token_loss_sum
+from tests.support.reference.recompute import apply_recompute, current_recompute
+from tests.support.reference.single_process import grad_max_rel_err
+from tests.support.reference.stats import RankTimes, StepStats, imbalance, predicted_busy_s
+from tests.support.reference.tiny_gpt import TinyGPT, TinyGPTConfig
 from tests.support.tool_helpers import load_tool
 
 CONFIG = TinyGPTConfig(vocab_size=32, num_layers=3, hidden_size=16, num_heads=4, num_kv_heads=2, ffn_hidden_size=24)

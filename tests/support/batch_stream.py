@@ -1,4 +1,4 @@
-"""The data stream: documents in a seeded order per epoch, cut into token-budget global batches.
+"""A data stream for tests: documents in a seeded order per epoch, cut into token-budget global batches.
 
 What a step trains on depends only on the corpus (its document lengths), the seed and the
 batching budget (tokens_per_step, max_seq_len, overlong). Nothing here knows the world size,
@@ -7,7 +7,7 @@ losses are comparable.
 
 - Order: epoch e visits every document once, in `epoch_order(num_documents, seed, e)`.
 - Batches: `GlobalBatcher` (planner/batcher.py) cuts each epoch's stream of planned lengths
-  (tokens - 1, see documents.py) greedily by the token budget. Epochs are not mixed: an
+  (tokens - 1, see dcp_megatron/data/documents.py) greedily by the token budget. Epochs are not mixed: an
   epoch's last batch may be partial, and the next epoch starts a fresh batch, so every
   training position of every document is in exactly one batch per epoch.
 - Ids: `GlobalBatch.step` counts steps since the start of training and `seq_id`s run on

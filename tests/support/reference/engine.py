@@ -1,7 +1,7 @@
-"""The planned-step loop's third engine: the runtime's reference GPT (TinyGPT) on the loop's micro-batch dicts.
+"""The planned-step loop's test engine: the reference GPT (TinyGPT, tiny_gpt.py) on the loop's micro-batch dicts.
 
 Gradient parity (tests/integration/test_runtime_parity.py, tools/check_parity.py) and runtime speed (tools/bench_runtime.py)
-run the loop users run (core/step_loop.py: reading, planning ahead, plan agreement, the document exchange, the
+run the loop users run (dcp_megatron/core/step_loop.py: reading, planning ahead, plan agreement, the document exchange, the
 micro-batch dicts of `rank_batches`) with this engine where Megatron's schedule or DeepSpeed's engine would be:
 
     loop = PlannedStepLoop(config=..., pool=pool, cost=cost, device="cpu", is_logging_rank=False,
@@ -11,10 +11,10 @@ micro-batch dicts of `rank_batches`) with this engine where Megatron's schedule 
 
 Rank r reads the documents r, r + D, r + 2D, ... of each global batch (tokens from `tokens_of`, labels the next
 token, the last token of a document out of the loss); the loop sends them where the plan runs them. Per
-micro-batch the engine switches the model's recompute, runs forward on the dict's local rows with the runtime's
+micro-batch the engine switches the model's recompute (recompute.py), runs forward on the dict's local rows with the runtime's
 CP attention over the dict's group, and backpropagates the unscaled token-loss sum; gradients accumulate and are
 reduced once over the domain after the rank's last micro-batch, scaled by 1 / the global token count
-(runtime/loss.py: exactly one device's gradient on the whole batch). Before a wave's first micro-batch the group's
+(loss.py: exactly one device's gradient on the whole batch). Before a wave's first micro-batch the group's
 members exchange one 1-element all-reduce: where a rank waits for slower new partners, measured, and where a
 dead peer is named (CollectiveFailed with the rank, wave and group).
 """
@@ -34,10 +34,10 @@ from dcp_megatron.core.step_loop import RanBatches, Share, StepRecord
 from dcp_megatron.planner.plan import NO_RECOMPUTE
 from dcp_megatron.runtime.cp_attention import cp_attention
 from dcp_megatron.runtime.group_pool import GroupPool
-from dcp_megatron.runtime.loss import CollectiveFailed, StepLoss, reduce_step, token_loss_sum
-from dcp_megatron.runtime.recompute import apply_recompute, current_recompute
 from dcp_megatron.runtime.sharding import shard_microbatch
-from dcp_megatron.runtime.stats import RankTimes, StepStats, gather_step_stats
+from tests.support.reference.loss import CollectiveFailed, StepLoss, reduce_step, token_loss_sum
+from tests.support.reference.recompute import apply_recompute, current_recompute
+from tests.support.reference.stats import RankTimes, StepStats, gather_step_stats
 
 TokensOf = Callable[[int, int], torch.Tensor]  # (sample_id, length) -> LongTensor [length]
 

@@ -1,6 +1,6 @@
-"""Exactness harness, the runtime's half: random layouts and the single-process TinyGPT reference.
+"""Exactness harness, the single-process half: random layouts and the single-device TinyGPT reference.
 
-The distributed half, TinyGPT steps through the planned-step loop users run, is dcp_megatron/core/parity.py:
+The distributed half, TinyGPT steps through the planned-step loop users run, is parity.py:
 
 - `random_plan` builds a StepPlan directly from a random layout: each wave a random partition of
   the domain into contiguous blocks (power-of-two blocks aligned, as the planner emits them),
@@ -19,9 +19,9 @@ import torch
 
 from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, StepPlan, Wave
 from dcp_megatron.runtime.cp_attention import packed_causal_attention
-from dcp_megatron.runtime.loss import next_token_labels, token_loss_sum
-from dcp_megatron.runtime.reference_model import TinyGPT
-from dcp_megatron.runtime.stats import predicted_busy_s
+from tests.support.reference.loss import next_token_labels, token_loss_sum
+from tests.support.reference.stats import predicted_busy_s
+from tests.support.reference.tiny_gpt import TinyGPT
 
 TokensOf = Callable[[int, int], torch.Tensor]  # (sample_id, length) -> LongTensor [length]
 

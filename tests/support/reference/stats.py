@@ -4,7 +4,7 @@ Each rank records where its step time went: computing its micro-batches (forward
 CP communication inside them included), waiting at the start of each wave for the other members
 of its new group (the first collective of the group, a 1-element all-reduce, blocks until the
 slowest member arrives), and the deferred gradient reduction at the end (which also absorbs the
-wait for the slowest rank of the domain). The executor all-gathers these over the domain so that
+wait for the slowest rank of the domain). The reference engine all-gathers these over the domain so that
 every rank holds the whole picture and can print it.
 
 Imbalance is (max - mean) / max of the ranks' compute times: 0 when every rank computes equally

@@ -1,7 +1,7 @@
 """Switch a plain torch model's activation recompute per micro-batch.
 
 The plan picks a Recompute per micro-batch from its memory headroom. Blocks read three switches at
-every forward (see reference_model.TinyGPT): `block.checkpoint_layer` (torch checkpoint of the
+every forward (see tiny_gpt.TinyGPT): `block.checkpoint_layer` (torch checkpoint of the
 whole block, use_reentrant=False), `block.attn.checkpoint_core_attention` (the core attention only:
 module "core_attn") and `block.checkpoint_mlp` (the MLP only: module "mlp"). Setting them right before a micro-batch's forward is enough: recomputation
 during backward replays exactly the flags that were active in that micro-batch's forward, since

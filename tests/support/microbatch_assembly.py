@@ -1,9 +1,8 @@
-"""Micro-batch assembly: the tokens and labels of one plan micro-batch, read from the corpus.
+"""Micro-batch assembly for tests: the tokens and labels of one plan micro-batch, read from a `DocumentSource`.
 
-A rank calls this for the micro-batches of its own groups only, so it reads only the
-documents those need. Sequences are concatenated in micro-batch order (the packed THD
-layout the runtime shards); a piece (document_id, o, L) contributes inputs doc[o:o+L] and
-labels doc[o+1:o+L+1] (documents.py), so no label ever crosses into another document.
+Only the documents the micro-batch needs are read. Sequences are concatenated in micro-batch order (the packed
+THD layout the runtime shards); a piece (document_id, o, L) contributes inputs doc[o:o+L] and labels
+doc[o+1:o+L+1] (dcp_megatron/data/documents.py), so no label ever crosses into another document.
 """
 from __future__ import annotations
 
@@ -43,14 +42,6 @@ def microbatch_arrays(source: DocumentSource, batch: GlobalBatch,
         empty = np.empty(0, dtype=np.int64)
         return empty, empty.copy()
     return np.concatenate(inputs), np.concatenate(labels)
-
-
-def document_rows(source: DocumentSource, batch: GlobalBatch, seq_id: int, length: int) -> torch.Tensor:
-    """int64 [length, 3]: one sequence of `batch` as (token, label, loss mask = 1) rows, the row layout the
-    micro-batch builders shard (dcp_megatron/core/microbatches.py)."""
-    inputs, labels = microbatch_arrays(source, batch, [(seq_id, length)])
-    return torch.stack([torch.from_numpy(inputs), torch.from_numpy(labels),
-                        torch.ones(len(inputs), dtype=torch.int64)], dim=1)
 
 
 def assemble_microbatch(source: DocumentSource, batch: GlobalBatch,

@@ -1,9 +1,9 @@
 """Exactness and speed harness on the loop users run: TinyGPT steps through `PlannedStepLoop` and the
-`ReferenceEngine`, next to the single-process reference (runtime/parity.py).
+`ReferenceEngine` (engine.py), next to the single-process reference (single_process.py).
 
 Shared by tests/integration/test_runtime_parity.py, tools/check_parity.py and tools/bench_runtime.py:
 - `ReferenceRun` trains a TinyGPT over a list of global batches with any plan maker (the planner's policies,
-  or `runtime.parity.random_plan` for layouts the planner would not pick), one `step()` per batch, planning
+  or `single_process.random_plan` for layouts the planner would not pick), one `step()` per batch, planning
   one step ahead as a training run does;
 - `parity_case` runs one random layout on this rank and the single-process reference (every rank computes
   both) and compares every parameter's gradient.
@@ -17,14 +17,14 @@ from typing import Callable, Sequence
 import torch
 
 from dcp_megatron.config import DcpConfig
-from dcp_megatron.core.reference_engine import ReferenceEngine, StepResult, TokensOf
 from dcp_megatron.core.step_loop import PlannedStepLoop
 from dcp_megatron.planner.cluster import cpu_cluster
 from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.runtime.group_pool import GroupPool
-from dcp_megatron.runtime.parity import grad_max_rel_err, random_plan, reference_train_step, seeded_tokens
-from dcp_megatron.runtime.reference_model import TinyGPT, TinyGPTConfig
+from tests.support.reference.engine import ReferenceEngine, StepResult, TokensOf
+from tests.support.reference.single_process import grad_max_rel_err, random_plan, reference_train_step, seeded_tokens
+from tests.support.reference.tiny_gpt import TinyGPT, TinyGPTConfig
 
 PlanFunction = Callable[[list, CostModel], object]   # (loop's (id, length) sequences, cost model) -> StepPlan
 

@@ -1,8 +1,11 @@
 """CPU compatibility for megatron-core: all CPU shims, in one place, active only without a GPU.
 
-The shims themselves live in patches/ (one file per upstream module, each entry saying why);
-this module only collects them into one `PatchRegistry`. The caller owns the registry: apply
-it once before building the model and keep it (or use it as a context manager in tests).
+Most shims change one thing in an upstream module that hard-codes CUDA: its global `torch`, bound to the
+CPU view (cpu_torch.py), seen by that module only. Where that is all we change in a module, the shim is a
+row of `CPU_SHIM_TABLE`. A module we change in other ways too keeps its shims beside those changes, in
+its own file: `CPU_PATCHES`, or `cpu_patches()` where they wrap upstream functions at apply time. This
+module collects both into one `PatchRegistry`. The caller owns the registry: apply it once before
+building the model and keep it (or use it as a context manager in tests).
 """
 from __future__ import annotations
 
@@ -10,52 +13,80 @@ import importlib
 
 import torch
 
+from patches import MEGATRON_CORE_VERSIONS
+from patches.cpu_torch import cpu_torch_patch
 from patches.registry import Patch, PatchRegistry
 
-# patches/ modules (one per upstream megatron-core module) whose CPU_PATCHES make up the shims.
-_CPU_PATCH_MODULES = (
-    "core_utils",
-    "distributed_param_and_grad_buffer",
-    "models_rotary_pos_embedding",
-    "optimizer_clip_grads",
-    "optimizer_optimizer",
-    "pipeline_parallel_p2p_communication",
-    "pipeline_parallel_schedules",
-    "tensor_parallel_layers",
-    "tensor_parallel_mappings",
-    "tensor_parallel_random",
-    "transformer_utils",
-    "training_training",
-    "torch_cuda_methods",
-    "core_timers",
-    "training_models_dist_utils",
-    "core_rerun_state_machine",
-    "models_backends",
-    "training_utils_common_utils",
-    "training_utils_utils",
-    "training_checkpointing",
-    "tensor_parallel_data",
-    "core_dist_checkpointing_filesystem_async",
-    "core_dist_checkpointing_state_dict_saver",
-    "core_dist_checkpointing_exchange_utils",
-    "core_dist_checkpointing_fully_parallel",
-    "core_dist_checkpointing_async_utils",
-    "core_datasets_data_schedule",
-    "pipeline_parallel_hybrid_cp_schedule",
-    "training_arguments",
-    "models_rope_utils",
-    "transformer_moe_token_dispatcher",
-    "transformer_moe_router",
-    "transformer_moe_moe_layer",
-    "transformer_moe_moe_utils",
-    "transformer_moe_experts",
+# (upstream module, what is replaced, the upstream versions it was run on, why). "torch": the module's
+# global `torch` becomes the CPU view.
+CPU_SHIM_TABLE = (
+    ("megatron.core.datasets.data_schedule", "torch", MEGATRON_CORE_VERSIONS,
+     "Megatron's hybrid-CP data wrapper exchanges samples through buffers on torch.cuda.current_device()."),
+    ("megatron.core.dist_checkpointing.exchange_utils", "torch", MEGATRON_CORE_VERSIONS,
+     "checkpoint shard exchange allocates its receive buffers with device='cuda'."),
+    ("megatron.core.dist_checkpointing.strategies.async_utils", "torch", MEGATRON_CORE_VERSIONS,
+     "async checkpoint workers check liveness with tensors on torch.cuda.current_device() and synchronize CUDA."),
+    ("megatron.core.dist_checkpointing.strategies.fully_parallel", "torch", MEGATRON_CORE_VERSIONS,
+     "the fully parallel save/load wrapper calls torch.cuda.synchronize()."),
+    ("megatron.core.dist_checkpointing.strategies.state_dict_saver", "torch", MEGATRON_CORE_VERSIONS,
+     "the torch_dist save finalisation all-reduces its status on torch.cuda.current_device()."),
+    ("megatron.core.distributed.param_and_grad_buffer", "torch", MEGATRON_CORE_VERSIONS,
+     "DDP's contiguous grad (and param) buffers are allocated on torch.cuda.current_device()."),
+    ("megatron.core.models.common.embeddings.rope_utils", "torch", MEGATRON_CORE_VERSIONS,
+     "get_pos_emb_on_this_cp_rank (context parallelism) builds its chunk indices on the CUDA device."),
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "torch", MEGATRON_CORE_VERSIONS,
+     "RotaryEmbedding moves inv_freq to torch.cuda.current_device() on its first forward."),
+    ("megatron.core.optimizer.optimizer", "torch", MEGATRON_CORE_VERSIONS,
+     "FP32Optimizer and the chained optimizer create their loss-scale tensors with device='cuda'."),
+    ("megatron.core.pipeline_parallel.hybrid_cp_schedule", "torch", MEGATRON_CORE_VERSIONS,
+     "Megatron's hybrid-CP schedule counts samples per group in tensors on CUDA."),
+    ("megatron.core.pipeline_parallel.p2p_communication", "torch", MEGATRON_CORE_VERSIONS,
+     "p2p receive buffers live on torch.cuda.current_device() and batch_isend_irecv is followed by "
+     "torch.cuda.synchronize()."),
+    ("megatron.core.pipeline_parallel.schedules", "torch", MEGATRON_CORE_VERSIONS,
+     "the schedules create total_num_tokens with device='cuda'."),
+    ("megatron.core.rerun_state_machine", "torch", MEGATRON_CORE_VERSIONS,
+     "saves and restores torch.cuda RNG state around every step (the CPU generator on a CPU run)."),
+    ("megatron.core.tensor_parallel.data", "torch", MEGATRON_CORE_VERSIONS,
+     "broadcast_data (tensor-parallel batch broadcast) allocates its buffers on torch.cuda.current_device()."),
+    ("megatron.core.tensor_parallel.mappings", "torch", MEGATRON_CORE_VERSIONS,
+     "sequence-parallel all-gather / reduce-scatter outputs are allocated on torch.cuda.current_device()."),
+    ("megatron.core.timers", "torch", MEGATRON_CORE_VERSIONS,
+     "Timers allocate their all-gather buffers on torch.cuda.current_device() and synchronize CUDA."),
+    ("megatron.core.transformer.moe.experts", "torch", MEGATRON_CORE_VERSIONS,
+     "expert MLPs place weights and token-count tensors on `torch.cuda.current_device()`."),
+    ("megatron.core.transformer.moe.moe_layer", "torch", MEGATRON_CORE_VERSIONS,
+     "the MoE layer's optional streams and events (`torch.cuda.Stream`, `torch.cuda.current_stream`) for "
+     "overlapped shared experts and delayed weight gradients."),
+    ("megatron.core.transformer.moe.token_dispatcher", "torch", MEGATRON_CORE_VERSIONS,
+     "the alltoall dispatcher creates a `torch.cuda.Stream()` at construction and moves token counts with "
+     "`.to(torch.device('cuda'))`/`.cuda()`; MoE on CPU fails at model build."),
+    ("megatron.core.transformer.utils", "torch", MEGATRON_CORE_VERSIONS,
+     "the default causal attention mask is built with device='cuda'."),
+    ("megatron.training.models.dist_utils", "torch", MEGATRON_CORE_VERSIONS,
+     "places the model with module.cuda(torch.cuda.current_device()) and wraps DDP set-up in a side CUDA stream."),
+    ("megatron.training.utils.common_utils", "torch", MEGATRON_CORE_VERSIONS,
+     "model-parallel reductions of the update flag, loss and grad-norm helpers allocate on "
+     "torch.cuda.current_device()."),
+    ("megatron.training.utils.utils", "torch", MEGATRON_CORE_VERSIONS,
+     "reporting helpers (memory, loss averaging across data-parallel ranks) allocate on CUDA."),
 )
 
-
-def needs_cpu_compat() -> bool:
-    """True when megatron-core has to run without CUDA."""
-    return not torch.cuda.is_available()
-
+# patches/ modules (one per upstream module) whose CPU_PATCHES sit beside their other changes.
+_CPU_PATCH_MODULES = (
+    "core_utils",
+    "optimizer_clip_grads",
+    "tensor_parallel_layers",
+    "tensor_parallel_random",
+    "training_training",
+    "torch_cuda_methods",
+    "models_backends",
+    "training_checkpointing",
+    "core_dist_checkpointing_filesystem_async",
+    "training_arguments",
+    "transformer_moe_router",
+    "transformer_moe_moe_utils",
+)
 
 # patches/ modules whose shims are built at apply time (`cpu_patches()`: they wrap upstream functions).
 _CPU_PATCH_BUILDERS = (
@@ -65,12 +96,23 @@ _CPU_PATCH_BUILDERS = (
 )
 
 
+def needs_cpu_compat() -> bool:
+    """True when megatron-core has to run without CUDA."""
+    return not torch.cuda.is_available()
+
+
+def _table_patch(module: str, replaced: str, versions: str, reason: str) -> Patch:
+    assert replaced == "torch", f"{module}: the table binds the CPU view as `torch`, not {replaced!r}"
+    return cpu_torch_patch(module, reason, versions)
+
+
 def cpu_compat_patches() -> tuple[Patch, ...]:
+    table = tuple(_table_patch(*row) for row in CPU_SHIM_TABLE)
     static = tuple(patch for name in _CPU_PATCH_MODULES
                    for patch in importlib.import_module(f"patches.{name}").CPU_PATCHES)
     built = tuple(patch for name in _CPU_PATCH_BUILDERS
                   for patch in importlib.import_module(f"patches.{name}").cpu_patches())
-    return static + built
+    return table + static + built
 
 
 def cpu_compat_registry(*, installed_version: str | None = None) -> PatchRegistry:

@@ -1,6 +1,6 @@
 """The patches a DeepSpeed run of a megatron-core model needs (no megatron.training ones).
 
-- CPU shims (patches/ CPU_PATCHES via compat), only on a machine without a GPU (they include our
+- CPU shims (compat.py: its table and the modules' CPU_PATCHES), only on a machine without a GPU (they include our
   `PackedCoreAttention` as the local spec's core attention);
 - transformer attention: RoPE of a packed micro-batch uses the micro-batch's CP group;
 - activation checkpoints: a checkpointed MLP's bias Parameter comes back as a copy (its replay recursed until

@@ -1,6 +1,6 @@
 """Every patch the launcher applies to megatron-core / megatron.training, as one registry.
 
-- CPU shims (patches/ CPU_PATCHES, via compat), only on a machine without a GPU;
+- CPU shims (compat.py: its table and the modules' CPU_PATCHES), only on a machine without a GPU;
 - arguments: the --dcp* flags in Megatron's parser and their start-up checks;
 - training loop: under --dcp, the planned schedule (`get_forward_backward_func`);
 - checkpointing: under --dcp, a checksum manifest after each save (checked at start-up before a resume); every

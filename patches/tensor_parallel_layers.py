@@ -8,7 +8,7 @@ parallelism (`--expert-model-parallel-size 1`, the local spec's SequentialMLP) t
 `reduce_from_tensor_model_parallel_region`, whose autograd Function returns its input as-is on a group of one;
 its output is then a view that autograd forbids modifying in place, and the expert MLP adds its bias in place
 (`output += output_bias * per_token_scale`, transformer/mlp.py), so any MoE model with biases crashes at step 1
-(issue 30: the alltoall dispatcher at EP 1). Upstream's expert path (`explicit_expert_comm`: no reduction, the
+(e.g. the alltoall dispatcher at EP 1). Upstream's expert path (`explicit_expert_comm`: no reduction, the
 matmul's own output, as at EP > 1 or TP > 1) is the same computation there — a group of one has nothing to
 reduce, and its backward is the identity too — so such layers take it.
 """

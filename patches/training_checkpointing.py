@@ -5,7 +5,7 @@ through torch.cuda.
 
 DCP: under `--dcp`, after `save_checkpoint` returns (a persistent, synchronous save) every rank hashes
 its share of the iteration directory and rank 0 writes a checksum manifest beside Megatron's files
-(dcp_megatron.training.checkpoints.py): torch_dist checkpoints carry no checksums, so a flipped byte
+(dcp_megatron/training/checkpoints.py): torch_dist checkpoints carry no checksums, so a flipped byte
 would load silently. Megatron's files, tracker and loading stay as they are. Async and non-persistent
 saves are left unrecorded (their files are finished later or elsewhere).
 

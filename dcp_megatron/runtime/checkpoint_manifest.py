@@ -8,7 +8,7 @@ beside them (atomically: a reader sees the whole manifest or none). It also reco
 that must match on resume (the learning-rate schedule), so a changed flag is found at start-up.
 
 Before loading, each rank checks sizes of every file and the hash of its own share, and names the
-first bad file. A checkpoint without a manifest (written without `--dcp`, or before this) is loaded
+first bad file. A checkpoint without a manifest (written without `--dcp`, or by a release without manifests) is loaded
 as the framework would, with a note that it was not verified.
 """
 from __future__ import annotations

@@ -12,8 +12,8 @@ domain — with every rank of the world calling `new_group` (torch requires it u
 
 Other blocks (sizes 3, 5, 6, ... at any offset, which non-power-of-two domains need) are created
 on first use: `ensure_groups(blocks)` creates the missing ones for every domain, in sorted order,
-with every rank of the world calling it with the same blocks. The executor calls it at the start
-of each step with the blocks of that step's plan; every rank computes the same plan, so all ranks
+with every rank of the world calling it with the same blocks. The step loop (core/step_loop.py) calls it at the
+start of each step with the blocks of that step's plan; every rank computes the same plan, so all ranks
 agree without communicating, and a step whose blocks all exist costs nothing. At most `max_odd_blocks`
 of them are kept (each is an NCCL communicator with its own device buffers on GPU): past that, the
 least recently used ones the step does not need are destroyed, in the same order on every rank, so the

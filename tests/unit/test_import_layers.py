@@ -9,17 +9,24 @@ def test_no_circle_and_no_arrow_up():
     assert layers.violations() == []
 
 
-def test_the_checker_sees_a_lazy_arrow_up_and_a_circle(tmp_path, monkeypatch):
-    # a planner module importing the runtime inside a function, and two runtime modules importing each other
-    root = tmp_path
-    for package in ("dcp_megatron", "dcp_megatron/planner", "dcp_megatron/runtime", "patches"):
+def _violations_of_tree(root, monkeypatch, packages, modules: dict[str, str]) -> list[str]:
+    """What the checker finds in a tree of `packages` holding `modules` (path -> source)."""
+    for package in packages:
         (root / package).mkdir(parents=True, exist_ok=True)
         (root / package / "__init__.py").write_text("")
-    (root / "dcp_megatron/planner/bad.py").write_text("def f():\n    from dcp_megatron.runtime import a\n")
-    (root / "dcp_megatron/runtime/a.py").write_text("from dcp_megatron.runtime import b\n")
-    (root / "dcp_megatron/runtime/b.py").write_text("import dcp_megatron.runtime.a\n")
+    for path, source in modules.items():
+        (root / path).write_text(source)
     monkeypatch.setattr(layers, "ROOT", root)
-    found = layers.violations()
+    return layers.violations()
+
+
+def test_the_checker_sees_a_lazy_arrow_up_and_a_circle(tmp_path, monkeypatch):
+    # a planner module importing the runtime inside a function, and two runtime modules importing each other
+    packages = ("dcp_megatron", "dcp_megatron/planner", "dcp_megatron/runtime", "patches")
+    found = _violations_of_tree(tmp_path, monkeypatch, packages,
+                                {"dcp_megatron/planner/bad.py": "def f():\n    from dcp_megatron.runtime import a\n",
+                                 "dcp_megatron/runtime/a.py": "from dcp_megatron.runtime import b\n",
+                                 "dcp_megatron/runtime/b.py": "import dcp_megatron.runtime.a\n"})
     assert any(v.startswith("dcp_megatron.planner.bad -> dcp_megatron.runtime") for v in found), found
     assert "circle: dcp_megatron.runtime.a -> dcp_megatron.runtime.b" in found, found
 
@@ -30,14 +37,10 @@ def test_deepspeed_adapter_stays_apart_from_the_training_adapter():
 
 def test_the_product_never_imports_the_test_harness(tmp_path, monkeypatch):
     # a core module reaching into tests/support/ is an arrow up; the harness importing the core is not
-    root = tmp_path
-    for package in ("dcp_megatron", "dcp_megatron/core", "patches", "tests/support"):
-        (root / package).mkdir(parents=True, exist_ok=True)
-        (root / package / "__init__.py").write_text("")
-    (root / "dcp_megatron/core/loop.py").write_text("from tests.support.engine import Engine\n")
-    (root / "tests/support/engine.py").write_text("from dcp_megatron.core import loop\n")
-    monkeypatch.setattr(layers, "ROOT", root)
-    found = layers.violations()
+    packages = ("dcp_megatron", "dcp_megatron/core", "patches", "tests/support")
+    found = _violations_of_tree(tmp_path, monkeypatch, packages,
+                                {"dcp_megatron/core/loop.py": "from tests.support.engine import Engine\n",
+                                 "tests/support/engine.py": "from dcp_megatron.core import loop\n"})
     assert any(v.startswith("dcp_megatron.core.loop -> tests.support.engine") for v in found), found
     assert not any(v.startswith("tests.support.engine ->") for v in found), found
     assert layers.package_of("tests.support.reference.engine") == "tests.support"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import sys
 from datetime import timedelta
 
 from patches.cpu_torch import cpu_torch_patch
@@ -69,39 +68,30 @@ def _with_timeout_report(original):
         import torch
 
         from dcp_megatron.config import DcpUsageError
+        from dcp_megatron.core.collective_watch import CollectiveWatch
         from dcp_megatron.flags.refusal import exit_refused
-        from dcp_megatron.runtime.heartbeat import Heartbeat, connect_store, is_collective_timeout, timeout_message
 
         if getattr(run_args, "dcp_profile_out", None):
             _profile_instead(run_args, forward_step_func=args[0] if args else kwargs["forward_step_func"],
                              model=args[1] if len(args) > 1 else kwargs["model"])
-        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        store = connect_store()
         # The loop sets args.curr_iteration to the number of finished steps when each step starts.
-        heartbeat = None if store is None else Heartbeat(
-            store, rank=rank, world_size=world_size,
-            step_of=lambda: getattr(run_args, "curr_iteration", 0) + 1).start()
-        try:
-            return original(*args, **kwargs)
-        except SystemExit as err:
-            if err.code in (0, None):   # the loop's collective exit (signal, duration, interval), after a barrier
-                _say_signal_exit(run_args, is_logging_rank=rank == 0)
-            raise
-        except DcpUsageError as err:
-            # A check that needs the built tokenizer (the first step's plannability) refuses on every rank
-            # alike: one line and exit 2, as at start-up, not a traceback per rank under plain torchrun.
-            exit_refused(err)
-        except RuntimeError as err:
-            if not is_collective_timeout(err):
+        with CollectiveWatch(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
+                             step_of=lambda: getattr(run_args, "curr_iteration", 0) + 1,
+                             timeout_minutes=run_args.distributed_timeout_minutes) as watch:
+            try:
+                return original(*args, **kwargs)
+            except SystemExit as err:
+                if err.code in (0, None):   # the loop's collective exit (signal, duration, interval), after a barrier
+                    _say_signal_exit(run_args, is_logging_rank=watch.rank == 0)
                 raise
-            where = f"iteration {getattr(run_args, 'curr_iteration', 0) + 1}"
-            message = timeout_message(heartbeat, rank=rank, where=where,
-                                      timeout_minutes=run_args.distributed_timeout_minutes)
-            print(f"dcp: error: {message} ({str(err).splitlines()[0][:200]})", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
-        finally:
-            if heartbeat is not None:
-                heartbeat.close()
+            except DcpUsageError as err:
+                # A check that needs the built tokenizer (the first step's plannability) refuses on every rank
+                # alike: one line and exit 2, as at start-up, not a traceback per rank under plain torchrun.
+                exit_refused(err)
+            except RuntimeError as err:
+                watch.stop_on_timeout(err, where=f"iteration {getattr(run_args, 'curr_iteration', 0) + 1}",
+                                      prefix="dcp: error: ")
+                raise
 
     train.dcp_original = original
     return train

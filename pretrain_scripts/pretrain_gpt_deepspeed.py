@@ -67,9 +67,9 @@ def forward_loss(engine, batch: dict):
 
 def main(argv=None) -> int:
     """The script as a command: 0 when trained, 2 (one line on stderr, nothing trained) for a usage error."""
-    from dcp_megatron.deepspeed.trainer import run
+    import dcp_megatron
 
-    return run(argv, model_provider=build_model, forward_loss=forward_loss)
+    return dcp_megatron.train_deepspeed(argv, model_provider=build_model, forward_loss=forward_loss)
 
 
 if __name__ == "__main__":

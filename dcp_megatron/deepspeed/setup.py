@@ -56,11 +56,9 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
     config = dcp_config(user_config, cli=cli, seq_length=args.seq_length, train_iters=args.train_iters,
                         log_interval=args.log_interval, dcp_flag=args.dcp,
                         default_cp_attention=("allgather",) if has_gpu else DEFAULT_CP_ATTENTION,
-                        domain_size=int(os.environ.get("WORLD_SIZE", 1)), stage=zero_stage(ds_config))
-    if config is not None and has_gpu and "ulysses" in config.cp_attention:
-        raise DcpUsageError("Ulysses CP attention (--dcp-cp-attention / \"cp_attention\") is not wired to Transformer "
-                            "Engine's attention yet; on GPU use the all-gather flavour")
-    if config is not None and config.dump_plans:  # also when set in the "dcp" block
+                        domain_size=int(os.environ.get("WORLD_SIZE", 1)), stage=zero_stage(ds_config),
+                        timeout_minutes=args.distributed_timeout_minutes, has_gpu=has_gpu)
+    if config is not None and config.dump_plans and not args.dcp_dump_plans:   # (the flag: checkpoint paths)
         check_writable_dir(config.dump_plans, '"dcp" dump_plans')
     if args.load:
         from dcp_megatron.deepspeed.checkpoint import check_resume
@@ -103,10 +101,11 @@ class Training:
         self.registry.remove()
 
 
-def setup_training(args: argparse.Namespace, *, model_provider, forward_loss) -> Training:
+def setup_training(args: argparse.Namespace, *, model_provider, forward_loss, patches) -> Training:
     """Configs (checked before anything heavy is imported), distributed init, data, model, engine, cost model
     and planned steps, in that order. `model_provider(args, has_gpu=, bf16=)`: the user's (model, its
-    TransformerConfig); `forward_loss(engine, batch)`: the user's (token-loss sum, token count)."""
+    TransformerConfig); `forward_loss(engine, batch)`: the user's (token-loss sum, token count);
+    `patches(timeout=)`: the DeepSpeed patch set, not applied (dcp_megatron.deepspeed_patches)."""
     has_gpu = torch.cuda.is_available()
     ds_config, config = deepspeed_setup(args, has_gpu=has_gpu)
     from dcp_megatron.deepspeed.lr_schedule import megatron_schedule
@@ -135,13 +134,12 @@ def setup_training(args: argparse.Namespace, *, model_provider, forward_loss) ->
     import deepspeed
     from megatron.core import parallel_state
 
-    from patches.sets import patch_set
     from dcp_megatron.runtime.group_pool import GroupPool
 
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if has_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    registry = patch_set("deepspeed", timeout=timeout).apply()   # before init: it skips the shm op's build
+    registry = patches(timeout=timeout).apply()   # before init: it skips the shm op's build
     try:
         deepspeed.init_distributed(dist_backend=args.distributed_backend, timeout=timeout)
         if torch.distributed.get_world_size() != world_size:

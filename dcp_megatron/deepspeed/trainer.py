@@ -1,6 +1,7 @@
 """The DeepSpeed trainer: Megatron's loop for a DeepSpeed engine, with or without `--dcp`.
 
-`run(argv, model_provider=..., forward_loss=...)` is a DeepSpeed script's `main`: Megatron's flags (arguments.py),
+`run(argv, model_provider=..., forward_loss=..., patches=...)` is a DeepSpeed script's `main`
+(`dcp_megatron.train_deepspeed`, which supplies the patch set): Megatron's flags (arguments.py),
 set-up (setup.py), an optional resume (checkpoint.py: the data position travels in DeepSpeed's client state), then
 `--train-iters` planned steps (steps.py), each logged as Megatron logs it plus the ` dcp iteration` line both
 engines print (core/plan_log.py), the evaluation after every `--eval-interval` steps and at the end
@@ -72,11 +73,11 @@ def save(training, args: argparse.Namespace, *, iteration: int, consumed: int) -
                     data_state={"samples": training.steps.state_dict(), "consumed_tokens": consumed, **valid})
 
 
-def train(args: argparse.Namespace, *, model_provider, forward_loss) -> None:
+def train(args: argparse.Namespace, *, model_provider, forward_loss, patches) -> None:
     from dcp_megatron.core.collective_watch import CollectiveWatch
     from dcp_megatron.deepspeed.setup import setup_training
 
-    training = setup_training(args, model_provider=model_provider, forward_loss=forward_loss)
+    training = setup_training(args, model_provider=model_provider, forward_loss=forward_loss, patches=patches)
     engine, steps, rank = training.engine, training.steps, training.rank
     iteration, consumed = resume(training, args)
     started = time.perf_counter()
@@ -111,12 +112,13 @@ def train(args: argparse.Namespace, *, model_provider, forward_loss) -> None:
     training.close()
 
 
-def run(argv=None, *, model_provider, forward_loss) -> int:
-    """A DeepSpeed script's `main`: 0 when trained, 2 (one line on stderr, nothing trained) for a usage error."""
+def run(argv=None, *, model_provider, forward_loss, patches) -> int:
+    """A DeepSpeed script's `main` (through dcp_megatron.train_deepspeed, which hands it the patch set): 0 when
+    trained, 2 (one line on stderr, nothing trained) for a usage error."""
     from dcp_megatron.deepspeed.arguments import parse_args
 
     try:
-        train(parse_args(argv), model_provider=model_provider, forward_loss=forward_loss)
+        train(parse_args(argv), model_provider=model_provider, forward_loss=forward_loss, patches=patches)
     except DcpUsageError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2

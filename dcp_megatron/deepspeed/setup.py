@@ -29,11 +29,10 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
                                                check_schedule_length, dcp_config,
                                                load_deepspeed_config, prepare_deepspeed_config, torch_adam_params,
                                                zero_stage)
-    from dcp_megatron.config import DcpConfig, parse_comma_list
-    from dcp_megatron.flags.dcp_flags import policy_setting_from_flag
-    from dcp_megatron.flags.run_paths import check_writable_dir
-
+    from dcp_megatron.config import DcpConfig
+    from dcp_megatron.flags.dcp_flags import dcp_flag_settings
     from dcp_megatron.deepspeed.megatron_flags import apply_megatron_flags
+    from dcp_megatron.flags.run_paths import check_writable_dir
 
     # Megatron's optimizer, clipping and precision flags and the JSON: one setting (megatron_flags.py)
     user_config = apply_megatron_flags(load_deepspeed_config(args.deepspeed_config),
@@ -45,16 +44,10 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
         raise DcpUsageError(f'--deepspeed-config {args.deepspeed_config}: add an "optimizer" block (e.g. '
                             '{"type": "AdamW", "params": {"lr": 3e-4}}); the script builds no optimizer of its own')
     torch_adam_params(ds_config["optimizer"], has_gpu=has_gpu)   # no JIT-compiled Adam op (config.py)
-    cli = {"policy": args.dcp_policy, "max_cp_size": args.dcp_max_cp_size, "memory_budget_gb": args.dcp_memory_budget_gb,
-           "recompute": parse_comma_list(args.dcp_recompute), "profile": args.dcp_profile, "dump_plans": args.dcp_dump_plans,
-           "check_plans": True if args.dcp_check_plans else None, "gpus_per_node": args.dcp_gpus_per_node,
-           "plan_ahead": False if args.dcp_sync_planning else None, "refine": False if args.dcp_no_refine else None,
-           "cp_attention": parse_comma_list(args.dcp_cp_attention),
-           "policy_setting": policy_setting_from_flag(args.dcp_policy_setting, args.dcp_policy)}
     # Transformer Engine's attention (GPU) runs its own CP comm type; the per-micro-batch Ulysses flavour is
     # our torch attention's (the local spec), so on GPU plans use the all-gather flavour.
-    config = dcp_config(user_config, cli=cli, seq_length=args.seq_length, train_iters=args.train_iters,
-                        log_interval=args.log_interval, dcp_flag=args.dcp,
+    config = dcp_config(user_config, cli=dcp_flag_settings(args), seq_length=args.seq_length,
+                        train_iters=args.train_iters, log_interval=args.log_interval, dcp_flag=args.dcp,
                         default_cp_attention=("allgather",) if has_gpu else DEFAULT_CP_ATTENTION,
                         domain_size=int(os.environ.get("WORLD_SIZE", 1)), stage=zero_stage(ds_config),
                         timeout_minutes=args.distributed_timeout_minutes, has_gpu=has_gpu)

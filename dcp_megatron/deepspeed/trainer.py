@@ -94,7 +94,8 @@ def train(args: argparse.Namespace, *, model_provider, forward_loss, patches) ->
                     log_step(training, outcome, iteration=iteration, train_iters=args.train_iters, consumed=consumed)
                 if training.evaluation is not None and iteration % args.eval_interval == 0:
                     where = f"evaluating at iteration {iteration}"
-                    log_validation(training, f"iteration {iteration} on validation set")   # before the save, as Megatron
+                    # before the save, as Megatron
+                    log_validation(training, f"iteration {iteration} on validation set")
                 if args.save and args.save_interval and (iteration % args.save_interval == 0
                                                          or iteration == args.train_iters):
                     where = f"saving iteration {iteration}"

@@ -40,7 +40,8 @@ MEGATRON = Wording(
     ulysses_runs_on_cpu=False)
 DEEPSPEED = Wording(
     enable='--dcp (or "dcp": {"enabled": true})', profile="dcp profile",
-    gpus_per_node='--dcp-gpus-per-node (or "dcp" gpus_per_node)', max_cp_size='--dcp-max-cp-size (or "dcp" max_cp_size)',
+    gpus_per_node='--dcp-gpus-per-node (or "dcp" gpus_per_node)',
+    max_cp_size='--dcp-max-cp-size (or "dcp" max_cp_size)',
     domain="(the world size); give at most {size}",
     ulysses_refusal=("Ulysses CP attention (--dcp-cp-attention / \"cp_attention\") is not wired to Transformer "
                      "Engine's attention yet; on GPU use the all-gather flavour"),

@@ -12,7 +12,7 @@ domain — with every rank of the world calling `new_group` (torch requires it u
 
 Other blocks (sizes 3, 5, 6, ... at any offset, which non-power-of-two domains need) are created
 on first use: `ensure_groups(blocks)` creates the missing ones for every domain, in sorted order,
-with every rank of the world calling it with the same blocks. The executor calls it at the start
+with every rank of the world calling it with the same blocks. The step loop calls it at the start
 of each step with the blocks of that step's plan; every rank computes the same plan, so all ranks
 agree without communicating, and a step whose blocks all exist costs nothing. At most `max_odd_blocks`
 of them are kept (each is an NCCL communicator with its own device buffers on GPU): past that, the

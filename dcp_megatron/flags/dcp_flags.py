@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from dcp_megatron.config import (DCP_POLICIES, DEFAULT_RECOMPUTE, RECOMPUTE_CHOICES, DcpConfig, local_world_size, parse_comma_list,
-                                 recompute_choices)
+from dcp_megatron.config import (DCP_POLICIES, DEFAULT_RECOMPUTE, RECOMPUTE_CHOICES, DcpConfig, local_world_size,
+                                 parse_comma_list)
 from dcp_megatron.flags.fp8_checks import fp8_row_multiple
 
 # What a patch that wraps an upstream function leaves on the wrapper: the function it wraps (patches/registry.py).
@@ -112,7 +112,7 @@ def dcp_flag_settings(args: argparse.Namespace) -> dict:
     return {"policy": args.dcp_policy,
             "policy_setting": policy_setting_from_flag(getattr(args, "dcp_policy_setting", None), args.dcp_policy),
             "max_cp_size": args.dcp_max_cp_size, "memory_budget_gb": args.dcp_memory_budget_gb,
-            "recompute": recompute_choices(args.dcp_recompute), "profile": args.dcp_profile,
+            "recompute": parse_comma_list(args.dcp_recompute), "profile": args.dcp_profile,   # (DcpConfig checks it)
             "dump_plans": args.dcp_dump_plans,
             "check_plans": False if no_check_plans else (True if getattr(args, "dcp_check_plans", False) else None),
             "gpus_per_node": args.dcp_gpus_per_node,

@@ -1,6 +1,8 @@
 """dcp-megatron: Data-Centric Parallel training for Megatron-core and DeepSpeed.
 
-Two ways to use it with a script built on `megatron.training.pretrain`:
+A DeepSpeed script hands its model provider and forward/loss to `dcp_megatron.train_deepspeed` (the trainer:
+dcp_megatron/deepspeed/trainer.py; pretrain_scripts/pretrain_gpt_deepspeed.py). Two ways to use it with a
+script built on `megatron.training.pretrain`:
 - unchanged, through the launcher: `torchrun ... -m dcp_megatron.launch pretrain_gpt.py ... --dcp`;
 - with two added lines before `pretrain(...)` runs (before the script's own Megatron imports is
   best, so the script's `from megatron.core.utils import ...` names bind the patched functions):
@@ -24,3 +26,19 @@ def enable():
 
         _REGISTRY = patch_set("megatron").apply()
     return _REGISTRY
+
+
+def deepspeed_patches(*, timeout):
+    """The patch set a DeepSpeed run applies before `deepspeed.init_distributed`, not applied (the DeepSpeed
+    trainer applies it and removes it when the run closes); `timeout`: the job's collective timeout."""
+    from patches.sets import patch_set
+
+    return patch_set("deepspeed", timeout=timeout)
+
+
+def train_deepspeed(argv=None, *, model_provider, forward_loss) -> int:
+    """A DeepSpeed script's `main`: Megatron's flags in `argv`, the user's `model_provider(args, has_gpu=, bf16=)`
+    and `forward_loss(engine, batch)`; 0 when trained, 2 (one line on stderr) for a usage error."""
+    from dcp_megatron.deepspeed.trainer import run
+
+    return run(argv, model_provider=model_provider, forward_loss=forward_loss, patches=deepspeed_patches)

@@ -1,6 +1,7 @@
-"""What a `--dcp` run is configured with (`DcpConfig`) and the one error its checks raise (`DcpUsageError`).
+"""What a `--dcp` run is configured with (`DcpConfig`, inside the run's `RunSpec`) and the one error its checks
+raise (`DcpUsageError`).
 
-Both engines' adapters build a `DcpConfig` once from the run's flags and hand callees only that (never
+Both engines' adapters build a run's spec once from its flags and hand callees only their part (never
 Megatron's whole `args`); every check that refuses a flag raises `DcpUsageError` with what to change.
 This module imports nothing of the project, so every layer can use it.
 """
@@ -91,6 +92,36 @@ class DcpConfig:
                                     f"{' / '.join(takes)}, not of --dcp-policy {self.policy}"
                                     + (" (dcp plans every step itself: it takes no setting)"
                                        if self.policy == "dcp" else ""))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """A run's settings as its engine built and checked them once at start-up, by topic; each callee gets its
+    part: the planner and the step loop `dcp`, the process groups and the collective watch `timeout_minutes`,
+    a `dcp-profile` run its `profile`."""
+
+    dcp: DcpConfig                   # plan, reliefs, output (plan dumps, log interval) and the domain's shape
+    # --distributed-timeout-minutes (checked positive at start: flags/start_checks.py): every collective of the run
+    timeout_minutes: float | None = None
+    # output of a `dcp-profile` run (training/profiler.py's ProfileConfig; typed loosely, as policy_setting), else None
+    profile: object | None = None
+
+
+class RunSpecSlot:
+    """The spec a megatron.training start built (`args`: the run's, which Megatron hands its later seams), for the
+    seams it calls after start-up (its schedule, the profiler): one per applied patch set (patches/megatron_set.py),
+    so no module holds a run's state. (Not on `args`: Megatron pickles args into every checkpoint.)"""
+
+    def __init__(self) -> None:
+        self._held: tuple[object, RunSpec] | None = None
+
+    def hold(self, args: object, spec: RunSpec) -> None:
+        self._held = (args, spec)
+
+    def spec_of(self, args: object) -> RunSpec:
+        assert self._held is not None and self._held[0] is args, \
+            "the patched validate_args builds a --dcp run's spec before train() asks for it"
+        return self._held[1]
 
 
 def refuse_bad_recompute(kinds: tuple[str, ...]) -> None:

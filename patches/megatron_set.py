@@ -28,8 +28,11 @@ from patches.registry import PatchRegistry
 
 
 def megatron_patch_registry(*, installed_version: str | None = None) -> PatchRegistry:
+    from dcp_megatron.config import RunSpecSlot
+
+    specs = RunSpecSlot()   # the run spec validate_args builds, for the loop's patches
     patches = cpu_compat_patches() if needs_cpu_compat() else ()
-    patches += (training_arguments.dcp_patches() + training_training.dcp_patches() + core_utils.dcp_patches()
+    patches += (training_arguments.dcp_patches(specs) + training_training.dcp_patches(specs) + core_utils.dcp_patches()
                 + transformer_attention.dcp_patches() + extensions_transformer_engine.dcp_patches()
                 + training_checkpointing.dcp_patches() + core_dist_checkpointing_filesystem_async.dcp_patches()
                 + transformer_transformer_layer.dcp_patches() + transformer_moe_router.dcp_patches()

@@ -9,9 +9,9 @@
   user gave them (dcp_megatron/flags/cpu_defaults.py: Megatron's GPU defaults die at init on CPU), and
   the evaluation flags 0.19.2 fails on or ignores (dcp_megatron/flags/eval_flags.py);
   then flag conflicts (`refuse_conflicting_flags`, so e.g. `--context-parallel-size 2` is refused
-  before Megatron sets CP up), the rest after
-  (`validate_dcp_args`): a flag DCP cannot honour stops the run at start-up with the reason, before
-  any model is built; `check_run_paths` (dcp_megatron/training/checks/run_paths.py) does the same for a
+  before Megatron sets CP up), the rest after (`start_megatron_run`, which also builds the run's spec once and
+  hands it to the loop's patches through the set's `RunSpecSlot`): a flag DCP cannot honour stops the run at
+  start-up with the reason, before any model is built; `check_run_paths` (dcp_megatron/training/checks/run_paths.py) does the same for a
   `--save`/`--tensorboard-dir`/`--dcp-dump-plans` that cannot be written and a `--load` with nothing to
   resume from, which upstream finds only when it first saves, or only warns about; a second run on one
   `--save` (a lock); before Megatron's checks, mistakes it meets with bare assertions, named by flag
@@ -43,13 +43,14 @@ def _with_dcp_arguments(original):
     return add_megatron_arguments
 
 
-def _with_dcp_validation(original):
+def _with_dcp_validation(original, specs=None):
+    """`specs`: the RunSpecSlot that hands the spec this start builds to the loop's patches (training_training.py)."""
     @functools.wraps(original)
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's own signature
         from dcp_megatron.flags.data_files import check_data_files
         from dcp_megatron.flags.eval_flags import settle_evaluation_flags
         from dcp_megatron.config import DcpUsageError
-        from dcp_megatron.training.arguments import check_plannable, refuse_conflicting_flags, validate_dcp_args
+        from dcp_megatron.training.arguments import refuse_conflicting_flags, start_megatron_run
         from dcp_megatron.flags.flag_checks import check_megatron_flags
         from dcp_megatron.training.checks.moe_checks import check_moe_dispatcher
         from dcp_megatron.flags.refusal import exit_refused
@@ -62,10 +63,11 @@ def _with_dcp_validation(original):
             check_megatron_flags(args)      # mistakes Megatron meets with bare assertions, named by flag
             check_moe_dispatcher(args)      # a token dispatcher this machine cannot run (moe_checks.py)
             result = original(args, defaults)
-            validate_dcp_args(args)
-            check_plannable(args)   # the profile and the longest document, before any model is built
+            spec = start_megatron_run(args)   # the rest, each once; the run spec, built once (None without --dcp)
             check_data_files(args)  # blend weights, every .bin against its .idx (upstream never compares them)
             check_run_paths(args)  # every run: Megatron would find a bad --save only when it first saves
+            if spec is not None and specs is not None:
+                specs.hold(args, spec)
         except DcpUsageError as err:
             exit_refused(err)   # one line, exit 2, also under plain torchrun (no launcher frame to catch it)
         return result
@@ -104,7 +106,8 @@ CPU_PATCHES = (
 )
 
 
-def dcp_patches() -> tuple[Patch, ...]:
+def dcp_patches(specs) -> tuple[Patch, ...]:
+    """`specs`: the patch set's RunSpecSlot (training/arguments.py), shared with training_training.py's patches."""
     module = importlib.import_module(_MODULE)
     return (
         Patch(target=f"{_MODULE}:add_megatron_arguments",
@@ -113,7 +116,7 @@ def dcp_patches() -> tuple[Patch, ...]:
                      "--distributed-timeout-minutes and --exit-duration-in-mins take fractions of a minute.",
               versions=MEGATRON_CORE_VERSIONS),
         Patch(target=f"{_MODULE}:validate_args",
-              replacement=_with_dcp_validation(unwrapped(module.validate_args)),
+              replacement=_with_dcp_validation(unwrapped(module.validate_args), specs),
               reason="no GPU: the CPU flags unless given; refuses flags --dcp cannot honour, unwritable output "
                      "paths and a --load with nothing to resume, at start-up; --dcp implies a per-token loss.",
               versions=MEGATRON_CORE_VERSIONS),

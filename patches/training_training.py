@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import sys
 from datetime import timedelta
 
 from patches.cpu_torch import cpu_torch_patch
@@ -32,7 +31,7 @@ CPU_PATCHES = (cpu_torch_patch(_MODULE, "tensors created with device='cuda' and 
                                MEGATRON_CORE_VERSIONS),)
 
 
-def _with_dcp_schedule(original):
+def _with_dcp_schedule(original, specs):
     @functools.wraps(original)
     def get_forward_backward_func(*args, **kwargs):
         inner = original(*args, **kwargs)
@@ -43,14 +42,14 @@ def _with_dcp_schedule(original):
             return inner
         import torch
 
-        from dcp_megatron.flags.dcp_flags import dcp_config_from_args
         from dcp_megatron.training.checks.moe_checks import needs_equal_rows
         from dcp_megatron.core.planning import model_shape_from_args
         from dcp_megatron.training.schedule import DcpForwardBackward
 
+        spec = specs.spec_of(run_args)
         return DcpForwardBackward(
-            inner, config=dcp_config_from_args(run_args), model_shape=model_shape_from_args(run_args),
-            timeout=timedelta(minutes=run_args.distributed_timeout_minutes),
+            inner, config=spec.dcp, model_shape=model_shape_from_args(run_args),
+            timeout=timedelta(minutes=spec.timeout_minutes),
             is_logging_rank=torch.distributed.get_rank() == 0, has_gpu=torch.cuda.is_available(),
             sequence_parallel=bool(run_args.sequence_parallel), equal_rows_per_wave=needs_equal_rows(run_args))
 
@@ -58,7 +57,7 @@ def _with_dcp_schedule(original):
     return get_forward_backward_func
 
 
-def _with_timeout_report(original):
+def _with_timeout_report(original, specs=None):
     @functools.wraps(original)
     def train(*args, **kwargs):
         from megatron.training import get_args
@@ -69,39 +68,31 @@ def _with_timeout_report(original):
         import torch
 
         from dcp_megatron.config import DcpUsageError
+        from dcp_megatron.core.collective_watch import CollectiveWatch
         from dcp_megatron.flags.refusal import exit_refused
-        from dcp_megatron.runtime.heartbeat import Heartbeat, connect_store, is_collective_timeout, timeout_message
 
         if getattr(run_args, "dcp_profile_out", None):
-            _profile_instead(run_args, forward_step_func=args[0] if args else kwargs["forward_step_func"],
+            _profile_instead(run_args, specs.spec_of(run_args),
+                             forward_step_func=args[0] if args else kwargs["forward_step_func"],
                              model=args[1] if len(args) > 1 else kwargs["model"])
-        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        store = connect_store()
         # The loop sets args.curr_iteration to the number of finished steps when each step starts.
-        heartbeat = None if store is None else Heartbeat(
-            store, rank=rank, world_size=world_size,
-            step_of=lambda: getattr(run_args, "curr_iteration", 0) + 1).start()
-        try:
-            return original(*args, **kwargs)
-        except SystemExit as err:
-            if err.code in (0, None):   # the loop's collective exit (signal, duration, interval), after a barrier
-                _say_signal_exit(run_args, is_logging_rank=rank == 0)
-            raise
-        except DcpUsageError as err:
-            # A check that needs the built tokenizer (the first step's plannability) refuses on every rank
-            # alike: one line and exit 2, as at start-up, not a traceback per rank under plain torchrun.
-            exit_refused(err)
-        except RuntimeError as err:
-            if not is_collective_timeout(err):
+        with CollectiveWatch(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
+                             step_of=lambda: getattr(run_args, "curr_iteration", 0) + 1,
+                             timeout_minutes=run_args.distributed_timeout_minutes) as watch:
+            try:
+                return original(*args, **kwargs)
+            except SystemExit as err:
+                if err.code in (0, None):   # the loop's collective exit (signal, duration, interval), after a barrier
+                    _say_signal_exit(run_args, is_logging_rank=watch.rank == 0)
                 raise
-            where = f"iteration {getattr(run_args, 'curr_iteration', 0) + 1}"
-            message = timeout_message(heartbeat, rank=rank, where=where,
-                                      timeout_minutes=run_args.distributed_timeout_minutes)
-            print(f"dcp: error: {message} ({str(err).splitlines()[0][:200]})", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
-        finally:
-            if heartbeat is not None:
-                heartbeat.close()
+            except DcpUsageError as err:
+                # A check that needs the built tokenizer (the first step's plannability) refuses on every rank
+                # alike: one line and exit 2, as at start-up, not a traceback per rank under plain torchrun.
+                exit_refused(err)
+            except RuntimeError as err:
+                watch.stop_on_timeout(err, where=f"iteration {getattr(run_args, 'curr_iteration', 0) + 1}",
+                                      prefix="dcp: error: ")
+                raise
 
     train.dcp_original = original
     return train
@@ -127,31 +118,30 @@ def _say_signal_exit(run_args, *, is_logging_rank: bool) -> None:
               flush=True)
 
 
-def _profile_instead(run_args, *, forward_step_func, model) -> None:
+def _profile_instead(run_args, spec, *, forward_step_func, model) -> None:
     """The profiler's run in place of the training loop; ends the process when the profile is written (run_profile
     returns on every rank after rank 0 wrote it)."""
-    from dcp_megatron.flags.dcp_flags import dcp_config_from_args
-    from dcp_megatron.training.arguments import profile_config_from_args
     from dcp_megatron.core.planning import model_shape_from_args
     from dcp_megatron.training.profiler import run_profile
 
     run_profile(forward_step_func, model if isinstance(model, list) else [model],
-                profile=profile_config_from_args(run_args), dcp=dcp_config_from_args(run_args),
+                profile=spec.profile, dcp=spec.dcp,
                 shape=model_shape_from_args(run_args), sequence_parallel=bool(run_args.sequence_parallel),
-                timeout=timedelta(minutes=run_args.distributed_timeout_minutes))
+                timeout=timedelta(minutes=spec.timeout_minutes))
     raise SystemExit(0)
 
 
-def dcp_patches() -> tuple[Patch, ...]:
+def dcp_patches(specs) -> tuple[Patch, ...]:
+    """`specs`: the patch set's RunSpecSlot, which the patched validate_args fills (training_arguments.py)."""
     module = importlib.import_module(_MODULE)
     original = getattr(module.get_forward_backward_func, "dcp_original", module.get_forward_backward_func)
     original_train = getattr(module.train, "dcp_original", module.train)
     return (
-        Patch(target=f"{_MODULE}:train", replacement=_with_timeout_report(original_train),
+        Patch(target=f"{_MODULE}:train", replacement=_with_timeout_report(original_train, specs),
               reason="under --dcp, a collective timeout ends the run with one line naming the iteration and the "
                      "rank that stopped answering (a heartbeat in the rendezvous store).",
               versions=MEGATRON_CORE_VERSIONS, rebind_aliases=False),
-        Patch(target=f"{_MODULE}:get_forward_backward_func", replacement=_with_dcp_schedule(original),
+        Patch(target=f"{_MODULE}:get_forward_backward_func", replacement=_with_dcp_schedule(original, specs),
               reason="under --dcp, train() runs each step's planned micro-batches (a count per rank) through "
                      "Megatron's own schedule.",
               versions=MEGATRON_CORE_VERSIONS, rebind_aliases=False),

@@ -95,3 +95,17 @@ def attach_facts(packed_seq_params, facts: MicroBatchFacts):
                            "PackedSeqParams per micro-batch (its recompute replays read its facts)")
     setattr(packed_seq_params, MICROBATCH_KEY, facts)
     return packed_seq_params
+
+
+def packed_seq_params(batch: dict):
+    """megatron-core's PackedSeqParams for a DCP micro-batch dict (packed THD, its CP size and group), with the
+    micro-batch's facts attached: what a forward step hands the model (the DeepSpeed trainer's forward_loss)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = batch["cu_seqlens_padded"].view(-1)
+    max_seqlen = int(batch["max_seqlen"].max())
+    facts = batch[MICROBATCH_KEY]
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=bounds,
+                             cu_seqlens_kv_padded=bounds, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+                             local_cp_size=facts.cp_size, cp_group=facts.group)
+    return attach_facts(params, facts)   # what attention reads of the micro-batch: its shard and CP flavour

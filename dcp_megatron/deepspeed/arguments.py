@@ -118,8 +118,6 @@ def check_before_megatron(args: argparse.Namespace) -> None:
 
     if args.train_iters is None or args.train_iters < 1:
         raise DcpUsageError("give --train-iters N (N >= 1): the DeepSpeed script counts its run in steps")
-    if not (args.distributed_timeout_minutes > 0):
-        raise DcpUsageError(f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
     if args.global_batch_size is not None and args.global_batch_size % (args.micro_batch_size * args.world_size):
         raise DcpUsageError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
                             f"{args.micro_batch_size} x {args.world_size} data-parallel ranks")

@@ -28,7 +28,8 @@ import copy
 import json
 import os
 
-from dcp_megatron.config import RECOMPUTE_CHOICES, DcpConfig, DcpUsageError, check_gpus_per_node, local_world_size
+from dcp_megatron.config import RECOMPUTE_CHOICES, DcpConfig, DcpUsageError, local_world_size
+from dcp_megatron.flags.start_checks import DEEPSPEED, DcpStart, check_dcp_start
 
 STAGE3_REFUSED = ("offload",)   # reliefs ZeRO-3 does not run (stage3_recompute)
 
@@ -205,35 +206,28 @@ def check_schedule_length(ds_config: dict, *, train_iters: int) -> None:
 
 def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int, log_interval: int,
                dcp_flag: bool, default_cp_attention: tuple[str, ...] = DEFAULT_CP_ATTENTION,
-               domain_size: int | None = None, stage: int = 0) -> DcpConfig | None:
+               domain_size: int | None = None, stage: int = 0, timeout_minutes: float | None = None,
+               has_gpu: bool = False) -> DcpConfig | None:
     """The run's DcpConfig from the `"dcp"` block and the flags given on the command line (`cli`: DcpConfig
-    keyword arguments, None where a flag was not given), or None when DCP is off; `domain_size` (the world
-    size) bounds max_cp_size, as on the Megatron path (the cost model would clamp it silently); `stage`: the
-    ZeRO stage (3 refuses what it cannot run, stage3_recompute)."""
+    keyword arguments, None where a flag was not given), or None when DCP is off, after the start checks both
+    engines share (flags/start_checks.py: `domain_size`, the world size, bounds max_cp_size; `timeout_minutes`,
+    the collective timeout); `stage`: the ZeRO stage (3 refuses what it cannot run, stage3_recompute)."""
     settings = dcp_block_settings(ds_config.get("dcp"))
     enabled = bool(dcp_flag or settings.pop("enabled", False))
     settings.pop("enabled", None)
     given = {key: value for key, value in cli.items() if value is not None}
-    if not enabled:
-        if given or settings:
-            names = sorted(given) + sorted(f'"dcp" block key {key}' for key in settings)
-            raise DcpUsageError(f"{', '.join(names)} only take effect with --dcp (or \"dcp\": {{\"enabled\": true}})")
-        return None
+    names = tuple(sorted(given) + sorted(f'"dcp" block key {key}' for key in settings))
     settings.update(given)
+    check_dcp_start(DcpStart(wording=DEEPSPEED, enabled=enabled, given=names, settings=settings,
+                             domain_size=domain_size, timeout_minutes=timeout_minutes, has_gpu=has_gpu))
+    if not enabled:
+        return None
     if stage == 3 and settings.get("recompute") is not None:
         settings["recompute"] = stage3_recompute(settings["recompute"])
     if settings.get("cp_attention") is None:
         settings["cp_attention"] = default_cp_attention
     if settings.get("gpus_per_node") is None:
         settings["gpus_per_node"] = local_world_size()
-    check_gpus_per_node(settings["gpus_per_node"], flag="--dcp-gpus-per-node (or \"dcp\" gpus_per_node)")
-    if settings.get("profile") and not os.path.isfile(settings["profile"]):
-        kind = "is a directory; give the profile JSON file" if os.path.isdir(settings["profile"]) else "no such file"
-        raise DcpUsageError(f"dcp profile {settings['profile']}: {kind}")
-    max_cp_size = settings.get("max_cp_size")
-    if domain_size is not None and max_cp_size is not None and max_cp_size > domain_size:
-        raise DcpUsageError(f"--dcp-max-cp-size (or \"dcp\" max_cp_size) {max_cp_size} exceeds the DCP domain of "
-                            f"{domain_size} ranks (the world size); give at most {domain_size}")
     return DcpConfig(seq_length=seq_length, train_iters=train_iters, log_interval=log_interval, **settings)
 
 

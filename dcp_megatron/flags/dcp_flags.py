@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from dcp_megatron.config import (DCP_POLICIES, DEFAULT_RECOMPUTE, RECOMPUTE_CHOICES, DcpConfig, local_world_size, parse_comma_list,
-                                 recompute_choices)
+from dcp_megatron.config import (DCP_POLICIES, DEFAULT_RECOMPUTE, RECOMPUTE_CHOICES, DcpConfig, local_world_size,
+                                 parse_comma_list)
 from dcp_megatron.flags.fp8_checks import fp8_row_multiple
 
 # What a patch that wraps an upstream function leaves on the wrapper: the function it wraps (patches/registry.py).
@@ -105,22 +105,32 @@ def policy_setting_from_flag(text: str | None, policy: str | None):
         raise DcpUsageError(f"--dcp-policy-setting {text}: {err}") from None
 
 
+def dcp_flag_settings(args: argparse.Namespace) -> dict:
+    """The --dcp* flags as DcpConfig keyword arguments, None where a flag was not given: the one mapping of both
+    engines (megatron.training: `dcp_config_from_args`; DeepSpeed: over the JSON's "dcp" block, deepspeed/config.py)."""
+    no_check_plans = getattr(args, "dcp_no_check_plans", False)
+    return {"policy": args.dcp_policy,
+            "policy_setting": policy_setting_from_flag(getattr(args, "dcp_policy_setting", None), args.dcp_policy),
+            "max_cp_size": args.dcp_max_cp_size, "memory_budget_gb": args.dcp_memory_budget_gb,
+            "recompute": parse_comma_list(args.dcp_recompute), "profile": args.dcp_profile,   # (DcpConfig checks it)
+            "dump_plans": args.dcp_dump_plans,
+            "check_plans": False if no_check_plans else (True if getattr(args, "dcp_check_plans", False) else None),
+            "gpus_per_node": args.dcp_gpus_per_node,
+            "plan_ahead": False if getattr(args, "dcp_sync_planning", False) else None,
+            "refine": False if getattr(args, "dcp_no_refine", False) else None,
+            "cp_attention": parse_comma_list(getattr(args, "dcp_cp_attention", None))}
+
+
 def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:
-    recompute = recompute_choices(args.dcp_recompute) or DEFAULT_RECOMPUTE
-    return DcpConfig(policy=args.dcp_policy or "dcp",
-                     policy_setting=policy_setting_from_flag(getattr(args, "dcp_policy_setting", None),
-                                                             args.dcp_policy),
-                     max_cp_size=args.dcp_max_cp_size,
-                     memory_budget_gb=args.dcp_memory_budget_gb, recompute=recompute, profile=args.dcp_profile,
-                     dump_plans=args.dcp_dump_plans, check_plans=not getattr(args, "dcp_no_check_plans", False),
-                     gpus_per_node=(local_world_size() if args.dcp_gpus_per_node is None
-                                    else args.dcp_gpus_per_node),
+    """A megatron.training run's DcpConfig: its --dcp* flags, the defaults where not given, and what Megatron's
+    own flags say of the run (sequence length, steps, FP8, attention implementation, activation offload)."""
+    given = {key: value for key, value in dcp_flag_settings(args).items() if value is not None}
+    defaults = {"policy": "dcp", "recompute": DEFAULT_RECOMPUTE, "gpus_per_node": local_world_size(),
+                "cp_attention": ("allgather",)}
+    return DcpConfig(**{**defaults, **given},
                      seq_length=args.seq_length, log_interval=args.log_interval,
-                     plan_ahead=not getattr(args, "dcp_sync_planning", False),
                      train_iters=getattr(args, "train_iters", None),
                      iterations_to_skip=frozenset(getattr(args, "iterations_to_skip", None) or ()),
-                     refine=not getattr(args, "dcp_no_refine", False),
-                     cp_attention=parse_comma_list(getattr(args, "dcp_cp_attention", None)) or ("allgather",),
                      row_multiple=fp8_row_multiple(args), fp8=getattr(args, "fp8", None) is not None,
                      te_attention=getattr(args, "transformer_impl", None) == "transformer_engine",
                      # set where the layers are built with it (training/checks/offload_checks.py, GPU only)

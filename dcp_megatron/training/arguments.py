@@ -1,30 +1,31 @@
-"""The checks of a megatron.training run's `--dcp*` flags against the rest of Megatron's.
+"""The front door of a megatron.training run: its `--dcp*` flags checked against Megatron's, and its run spec.
 
-The flags themselves are dcp_megatron/flags/dcp_flags.py (both engines parse them). `validate_dcp_args(args)` runs after
-Megatron's own `validate_args`: it refuses combinations DCP cannot honour, with the reason and the flag to
-change, before any model is built. Everything downstream gets only `DcpConfig`, never Megatron's whole `args`.
+The flags themselves are dcp_megatron/flags/dcp_flags.py (both engines parse them). The patched `validate_args`
+(patches/training_arguments.py) runs `refuse_conflicting_flags` before Megatron's own checks (flags Megatron's
+checks may fail on) and `start_megatron_run` after them (the data-parallel size is known then): the GPU path,
+activation offload, the checks both engines share (flags/start_checks.py), the run's `RunSpec` built once, and
+whether a --seq-length document can be planned. Every check runs once per start, with the reason and the flag to
+change, before any model is built. Everything downstream gets only its part of the spec, never Megatron's `args`.
 """
 from __future__ import annotations
 
 import argparse
 import os
 
-from dcp_megatron.config import DcpUsageError, check_gpus_per_node
+from dcp_megatron.config import DcpUsageError, RunSpec, parse_comma_list
 from dcp_megatron.flags.dcp_flags import dcp_config_from_args
 from dcp_megatron.flags.fp8_checks import DeviceFacts
+from dcp_megatron.flags.start_checks import MEGATRON, DcpStart, check_dcp_start
 from dcp_megatron.training.checks.gpu_checks import check_gpu_path
+from dcp_megatron.training.checks.layout_checks import check_dcp_layout
 from dcp_megatron.training.checks.offload_checks import check_offload
 from dcp_megatron.training.checks.recompute_checks import check_megatron_recompute
 
 
 def refuse_conflicting_flags(args: argparse.Namespace) -> None:
-    """Before Megatron's own validation: --dcp* flags without --dcp, and flags --dcp cannot honour."""
-    given = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
-             if name.startswith("dcp_") and value not in (None, False)]
+    """Before Megatron's own validation, under --dcp: flags --dcp cannot honour (and --dcp's per-token loss)."""
     if not getattr(args, "dcp", False):
-        if given:
-            raise DcpUsageError(f"{', '.join(given)} only take effect with --dcp")
-        return
+        return   # (--dcp* flags without --dcp: the shared start checks, after Megatron's)
     refusals = (
         (args.context_parallel_size > 1,
          f"--context-parallel-size {args.context_parallel_size} conflicts with --dcp: DCP chooses the CP size of "
@@ -44,7 +45,6 @@ def refuse_conflicting_flags(args: argparse.Namespace) -> None:
     if getattr(args, "dcp_check_plans", False) and getattr(args, "dcp_no_check_plans", False):
         raise DcpUsageError("--dcp-check-plans and --dcp-no-check-plans contradict each other: give one (the check "
                             "is on by default)")
-    from dcp_megatron.training.checks.layout_checks import check_dcp_layout
     check_dcp_layout(args)   # pipeline depth, virtual stages, MoE
     if not args.calculate_per_token_loss:
         # Ranks run different numbers of micro-batches: only a per-token loss (global sum / global
@@ -55,31 +55,44 @@ def refuse_conflicting_flags(args: argparse.Namespace) -> None:
                   "the loss is the global batch's token mean)", flush=True)
 
 
-def validate_dcp_args(args: argparse.Namespace) -> None:
-    """After Megatron's validation (data-parallel size known): every check, and --dcp's per-token loss."""
-    refuse_conflicting_flags(args)
+def dcp_start_of(args: argparse.Namespace, *, has_gpu: bool) -> DcpStart:
+    """What the shared start checks read of a megatron.training run's flags."""
+    dcp = bool(getattr(args, "dcp", False))
+    given = tuple(f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+                  if name.startswith("dcp_") and value not in (None, False))
+    settings = {"profile": args.dcp_profile, "gpus_per_node": args.dcp_gpus_per_node,
+                "cp_attention": parse_comma_list(args.dcp_cp_attention), "max_cp_size": args.dcp_max_cp_size}
+    # without --dcp Megatron's own timeout handling stands
+    timeout_minutes = getattr(args, "distributed_timeout_minutes", None) if dcp else None
+    return DcpStart(wording=MEGATRON, enabled=dcp, given=given, settings=settings,
+                    domain_size=getattr(args, "data_parallel_size", None), timeout_minutes=timeout_minutes,
+                    has_gpu=has_gpu)
+
+
+def start_megatron_run(args: argparse.Namespace) -> RunSpec | None:
+    """After Megatron's validation: the remaining start-up checks, each once, and the run's spec (None without
+    --dcp), built once from the checked flags."""
     device = DeviceFacts.of_this_machine()
     check_gpu_path(args, device)   # FP8 recipes, apex's fusion kernel, the row alignment (gpu_checks.py)
+    if getattr(args, "dcp", False):
+        check_offload(args, device)   # GPU: builds the layers with activation offload; else refused (offload_checks.py)
+    check_dcp_start(dcp_start_of(args, has_gpu=device.has_gpu))
     if not getattr(args, "dcp", False):
-        return
-    check_offload(args, device)   # GPU: builds the layers with activation offload; else refused (offload_checks.py)
-    if args.dcp_profile is not None and not os.path.isfile(args.dcp_profile):
-        raise DcpUsageError(f"--dcp-profile {args.dcp_profile}: "
-                            f"{'is a directory; give the profile JSON file' if os.path.isdir(args.dcp_profile) else 'no such file'}")
-    check_gpus_per_node(args.dcp_gpus_per_node)
-    if args.dcp_cp_attention is not None and "ulysses" in args.dcp_cp_attention:
-        raise DcpUsageError("--dcp-cp-attention ulysses: the Ulysses CP flavour runs under DeepSpeed "
-                            "(pretrain_scripts/pretrain_gpt_deepspeed.py) only; Megatron-LM's get_batch hands "
-                            "attention a CP group per micro-batch but no flavour")
-    if args.dcp_max_cp_size is not None and args.dcp_max_cp_size > args.data_parallel_size:
-        raise DcpUsageError(f"--dcp-max-cp-size {args.dcp_max_cp_size} exceeds the DCP domain of "
-                         f"{args.data_parallel_size} ranks (world size / (TP x PP))")
-    timeout_minutes = getattr(args, "distributed_timeout_minutes", None)
-    if timeout_minutes is not None and not timeout_minutes > 0:
-        raise DcpUsageError(f"--distributed-timeout-minutes must be positive, got {timeout_minutes}")
-    dcp_config_from_args(args)  # the remaining value checks live in DcpConfig
+        return None
+    profile = None
     if args.dcp_profile_out is not None or args.dcp_profile_report is not None:
-        profile_config_from_args(args)
+        profile = profile_config_from_args(args)
+    spec = RunSpec(dcp=dcp_config_from_args(args),   # DcpConfig holds the value checks
+                   timeout_minutes=getattr(args, "distributed_timeout_minutes", None), profile=profile)
+    check_plannable(args, spec)
+    return spec
+
+
+def validate_dcp_args(args: argparse.Namespace) -> RunSpec | None:
+    """Every --dcp start-up check of a megatron.training run in the order a start runs them (the patched
+    validate_args runs the two halves around Megatron's own checks), and the run spec."""
+    refuse_conflicting_flags(args)
+    return start_megatron_run(args)
 
 
 def profile_config_from_args(args: argparse.Namespace):
@@ -108,10 +121,10 @@ def profile_config_from_args(args: argparse.Namespace):
         raise DcpUsageError(str(err)) from None
 
 
-def check_plannable(args: argparse.Namespace) -> None:
-    """After validate_dcp_args, before any process group: the --dcp-profile reads as a profile, and a
-    --seq-length document fits the domain under the memory budget (else the flags to change are named)."""
-    if not getattr(args, "dcp", False) or getattr(args, "dcp_profile_out", None):
+def check_plannable(args: argparse.Namespace, spec: RunSpec) -> None:
+    """Before any process group: the --dcp-profile reads as a profile, and a --seq-length document fits the
+    domain under the memory budget (else the flags to change are named)."""
+    if getattr(args, "dcp_profile_out", None):
         return   # (a profiling run plans nothing: the training run's budget does not bind it)
     import torch
 
@@ -123,5 +136,5 @@ def check_plannable(args: argparse.Namespace) -> None:
         vocab_size = -(-args.vocab_size // multiple) * multiple
     if vocab_size is None:
         return   # a tokenizer's vocabulary is known once Megatron builds it; the first step checks then
-    checked_cost_model(dcp_config_from_args(args), model_shape_from_args(args, vocab_size=vocab_size),
+    checked_cost_model(spec.dcp, model_shape_from_args(args, vocab_size=vocab_size),
                        domain_size=args.data_parallel_size, has_gpu=torch.cuda.is_available())

@@ -36,7 +36,7 @@ import torch
 from dcp_megatron.config import DcpConfig
 from dcp_megatron.core.global_batch import Documents, broadcast_documents, split_samples
 from dcp_megatron.core.microbatches import with_fillers_to_multiple
-from dcp_megatron.core.plan_log import plan_summary
+from dcp_megatron.core.plan_log import dcp_iteration_line
 from dcp_megatron.core.planning import build_cost_model
 from dcp_megatron.core.offload import offload_built, own_warmup_every_step
 from dcp_megatron.core.recompute import restore_recompute, snapshot_recompute
@@ -202,18 +202,5 @@ class _MegatronStep:
                        exposed_planning_s=planned.exposed_s, base_cost=loop.base_cost, refining=loop.refining,
                        pad_multiple=loop.pad_multiple)
         if owner.is_logging_rank and record.iteration % owner.config.log_interval == 0:
-            errors = record.step_time_errors
-            print(f" dcp iteration {record.iteration:8d} | {plan_summary(plan)} | predicted (ms): "
-                  f"{plan.est_step_time_s * 1000:.1f} | forward-backward (ms): {record.measured_s * 1000:.1f} "
-                  f"(before the schedule {record.before_run_s * 1000:.1f}) | planning (ms): {planned.plan_s * 1000:.1f} "
-                  f"{'ahead' if planned.ahead else 'at step start'}, exposed {planned.exposed_s * 1000:.1f} | "
-                  f"step-time error {errors[-1]:.0%} (last {len(errors)}: mean "
-                  f"{sum(errors) / len(errors):.0%}){_factors_text(loop.corrections)} | rank {loop.pool.domain_rank} "
-                  f"ran {record.num_batches} micro-batches, cp sizes {list(record.cp_sizes)} |", flush=True)
-
-
-def _factors_text(factors: dict) -> str:
-    if not factors:
-        return ""
-    shown = ", ".join(f"cp{cp}/{kind} x{factor:.2f}" for (cp, kind), factor in sorted(factors.items()))
-    return f", measured corrections {shown}"
+            print(dcp_iteration_line(record, forward_backward_s=record.measured_s, domain_rank=loop.pool.domain_rank,
+                                     corrections=loop.corrections), flush=True)

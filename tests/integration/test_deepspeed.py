@@ -114,7 +114,10 @@ def _parity_worker(rank, world_size, directory):
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))  # what torchrun sets
+    from dcp_megatron import deepspeed_patches
+    from dcp_megatron.deepspeed.arguments import parse_args
     from dcp_megatron.deepspeed.samples import SampleShares
+    from dcp_megatron.deepspeed.setup import setup_training
 
     script = load_ds_script()
     results = []
@@ -142,8 +145,9 @@ def _parity_worker(rank, world_size, directory):
         flags += ["--dcp-cp-attention", "ulysses"] if policy == "ulysses" else []
         flags += (["--dcp-cp-attention", "allgather", "--dcp-dump-plans", os.path.join(directory, "plans_z3_relief")]
                   if (stage, policy) == (3, "dcp") else [])
-        args = script.parse_args(flags)
-        training = script.setup_training(args)
+        args = parse_args(flags)
+        training = setup_training(args, model_provider=script.build_model, forward_loss=script.forward_loss,
+                                  patches=deepspeed_patches)
         engine = training.engine
         # The whole global batch, as one data-parallel rank would read it: every rank's share, in order.
         references = SampleShares(training.steps.shares.dataset, global_batch_size=args.global_batch_size,
@@ -180,9 +184,10 @@ def _parity_worker(rank, world_size, directory):
                     "others_s": sorted({s for name, s in group_timeouts_s().items() if name != default})})
     # A step whose loss is not finite (a weight turned NaN, as a diverged run's would) stops before the
     # optimizer applies it.
-    args = script.parse_args(TINY_MODEL + ["--deepspeed-config", os.path.join(directory, "sgd_z2_dcp.json"),
-                                           "--train-iters", "2", "--dcp", *BUDGET])
-    training = script.setup_training(args)
+    args = parse_args(TINY_MODEL + ["--deepspeed-config", os.path.join(directory, "sgd_z2_dcp.json"),
+                                    "--train-iters", "2", "--dcp", *BUDGET])
+    training = setup_training(args, model_provider=script.build_model, forward_loss=script.forward_loss,
+                              patches=deepspeed_patches)
     training.steps.train_step(training.engine)
     with torch.no_grad():
         next(training.engine.module.parameters()).view(-1)[0] = float("nan")

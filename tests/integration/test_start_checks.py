@@ -253,7 +253,9 @@ def test_deepspeed_train_batch_size_is_the_global_batch(tmp_path, monkeypatch, c
 def test_deepspeed_megatron_optimizer_flags_reach_the_engines_json(tmp_path, monkeypatch):
     """--lr, --adam-beta2, --clip-grad and --optimizer sgd through the script's own parse and set-up: written into
     the JSON the engine gets (the disagreeing pair is the fault matrix's megatron_lr_flag case)."""
-    script = load_ds_script()
+    from dcp_megatron.deepspeed.arguments import parse_args
+    from dcp_megatron.deepspeed.setup import deepspeed_setup
+
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     config = dict(ds_config(stage=1, total_steps=LONG_RUN))
@@ -261,11 +263,11 @@ def test_deepspeed_megatron_optimizer_flags_reach_the_engines_json(tmp_path, mon
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
     flags = [*TINY_MODEL, "--deepspeed-config", str(path), "--train-iters", "9"]
-    args = script.parse_args([*flags, "--lr", "2e-4", "--adam-beta2", "0.95", "--clip-grad", "0.5"])
-    ds, _ = script.deepspeed_setup(args, has_gpu=False)
+    args = parse_args([*flags, "--lr", "2e-4", "--adam-beta2", "0.95", "--clip-grad", "0.5"])
+    ds, _ = deepspeed_setup(args, has_gpu=False)
     assert ds["optimizer"]["type"] == "AdamW" and ds["gradient_clipping"] == 0.5
     assert {k: ds["optimizer"]["params"][k] for k in ("lr", "betas")} == {"lr": 2e-4, "betas": [0.9, 0.95]}
-    ds, _ = script.deepspeed_setup(script.parse_args([*flags, "--optimizer", "sgd", "--lr", "0.1"]), has_gpu=False)
+    ds, _ = deepspeed_setup(parse_args([*flags, "--optimizer", "sgd", "--lr", "0.1"]), has_gpu=False)
     assert ds["optimizer"] == {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}   # Megatron's SGD momentum
 
 

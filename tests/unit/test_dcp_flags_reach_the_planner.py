@@ -39,7 +39,9 @@ def test_megatrons_dcp_flags_reach_the_cost_model():
 
 @pytest.mark.parametrize("where", ["flags", "json"])
 def test_the_deepspeed_scripts_dcp_flags_and_json_block_reach_the_cost_model(where, tmp_path, monkeypatch):
-    from tests.support.deepspeed_runs import TINY_MODEL, ds_config, load_ds_script
+    from dcp_megatron.deepspeed.arguments import parse_args
+    from dcp_megatron.deepspeed.setup import deepspeed_setup
+    from tests.support.deepspeed_runs import TINY_MODEL, ds_config
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -52,7 +54,6 @@ def test_the_deepspeed_scripts_dcp_flags_and_json_block_reach_the_cost_model(whe
         flags = []
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
-    script = load_ds_script()
-    args = script.parse_args([*TINY_MODEL, "--deepspeed-config", str(path), "--train-iters", "9", *flags])
-    _, dcp = script.deepspeed_setup(args, has_gpu=False)
+    args = parse_args([*TINY_MODEL, "--deepspeed-config", str(path), "--train-iters", "9", *flags])
+    _, dcp = deepspeed_setup(args, has_gpu=False)
     _assert_reached(dcp)

@@ -89,10 +89,10 @@ def one_rank():
 
 
 def _engine(schedule, *, weight_decay=None):
-    """The script's engine (its initialize_engine) over a tiny linear model, ZeRO-1."""
+    """The trainer's engine (its initialize_engine) over a tiny linear model, ZeRO-1."""
     import torch
 
-    from tests.support.deepspeed_runs import load_ds_script
+    from dcp_megatron.deepspeed.setup import initialize_engine
 
     torch.manual_seed(0)
     params = {"lr": PEAK, **({} if weight_decay is None else {"weight_decay": weight_decay})}
@@ -100,7 +100,7 @@ def _engine(schedule, *, weight_decay=None):
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
               "optimizer": {"type": "SGD", "params": params}, "zero_optimization": {"stage": 1},
               "zero_allow_untested_optimizer": True}
-    return load_ds_script().initialize_engine(torch.nn.Linear(4, 4), config, schedule)
+    return initialize_engine(torch.nn.Linear(4, 4), config, schedule)
 
 
 def _train(engine, updates: int) -> list[float]:

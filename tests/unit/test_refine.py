@@ -12,7 +12,7 @@ from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Group, MicroBatch, Recompute, StepPlan, Wave
 from dcp_megatron.planner.policies import make_plan
 from dcp_megatron.planner.refine import MeasuredMicroBatch, TimeCorrection, plan_buckets, relative_error
-from dcp_megatron.training.schedule import _factors_text
+from dcp_megatron.core.plan_log import _factors_text
 
 COST = CostModel(model_preset("llama3-8b"), cluster_preset("h200", domain_size=8))
 

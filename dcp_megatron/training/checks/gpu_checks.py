@@ -1,7 +1,8 @@
 """Start-up checks for the GPU path of a --dcp run: FP8 recipes, apex's fusion kernel, the row alignment.
 
-Called once from `validate_dcp_args` (after Megatron's own validation, before any model is built); without
---dcp it only warns that --fp8-format does nothing on a machine without Transformer Engine on a GPU:
+Called once per start from training/arguments.py's `start_megatron_run` (after Megatron's own validation, before
+any model is built); without --dcp it only warns that --fp8-format does nothing on a machine without Transformer
+Engine on a GPU:
 - FP8 settings --dcp cannot run are refused with one line (fp8_checks.py says why each is unsafe);
 - Megatron's default gradient-accumulation fusion needs apex's `fused_weight_gradient_mlp_cuda` in its
   own output layer (`ColumnParallelLinear` raises at model build without it, tensor_parallel/layers.py);

@@ -1,7 +1,7 @@
 """What `--dcp` cannot yet do in a model-parallel layout (Mixture-of-Experts, FSDP; deep and virtual pipelines run).
 
-Called from dcp_args.refuse_conflicting_flags (one line) under `--dcp`, before Megatron builds anything: every
-refusal names the flag to change and says why. The layout facts behind each:
+Called once per start from training/arguments.py's `refuse_conflicting_flags` under `--dcp`, before Megatron's own
+checks and before anything is built: every refusal is one line naming the flag to change and saying why. The layout facts behind each:
 - PP > 2 and virtual stages: with --dataloader-inter-document-masking Megatron-LM's get_batch reads a batch on
   every stage and model chunk, so middle stages get each micro-batch's cu_seqlens (DCP hands every chunk its
   micro-batches; the CP size and group it leaves out there are filled in by patches/models_gpt_gpt_model.py);

@@ -4,7 +4,7 @@
   Under --dcp at EP > 1 the plan pairs the peers' micro-batches (lockstep, layout_checks.py).
 - allgather: all-gathers hidden states, probabilities and routing map over the TP x EP group, which needs equal
   rows on every peer (at EP 1, TP peers route shares of the same micro-batch). Under --dcp at EP > 1 the EP
-  peers' micro-batches differ (issue 30: gloo aborts, NCCL would hang or corrupt), so each lockstep wave's
+  peers' micro-batches differ (unequal rows: gloo aborts, NCCL would hang or corrupt), so each lockstep wave's
   micro-batches are padded to the wave's most rows with masked filler documents (`needs_equal_rows`,
   microbatches.rank_batches).
 - flex: DeepEP, HybridEP or NCCL EP kernels, CUDA only: refused without a GPU (model build would stop on a

@@ -4,8 +4,9 @@ attention runs a micro-batch on its own CP group, with its rotary part per docum
 megatron-core 0.19.2's `MultiLatentAttention.forward` does not go through `Attention.forward` (whose patch,
 patches/transformer_attention.py, hands RoPE the micro-batch's group), and it differs in three places:
 - `get_query_key_value_tensors` asserts `packed_seq_params.local_cp_size is None` (it takes a set value for
-  Megatron dev's hybrid CP, which it does not support). A DCP micro-batch's params name their CP size there; the
-  call gets a copy without it, carrying the same group and facts (our core attention reads the size from the group);
+  Megatron dev's hybrid CP, which it does not support). A DCP micro-batch's params name their CP size there; that
+  call alone gets a copy without it, carrying the same group and facts. Core attention keeps the size (TE's reads
+  `local_cp_size=1` without a group as "turn CP off": a CP-1 micro-batch after a CP-2 one);
 - RoPE of the rotary part reads `pg_collection.cp` (the static group, size 1 under DCP): swapped for the
   micro-batch's group for the call, as the Attention patch does;
 - with packed rows and `config.context_parallel_size == 1` it cuts the rotary table to this rank's row count, which
@@ -37,8 +38,8 @@ def _with_microbatch_cp_group(original_forward):
         facts = facts_of(params)
         if facts is None:
             return original_forward(self, hidden_states, *args, **kwargs)
-        kwargs["packed_seq_params"] = attach_facts(dataclasses.replace(params, local_cp_size=None), facts)
         static_groups, static_config, module_selective = self.pg_collection, self.config, self.checkpoint_core_attention
+        self.get_query_key_value_tensors = _without_cp_size(self.get_query_key_value_tensors, facts, attach_facts)
         if facts.cp_size > 1:
             microbatch_groups = copy.copy(static_groups)
             microbatch_groups.cp = facts.group
@@ -49,11 +50,22 @@ def _with_microbatch_cp_group(original_forward):
         try:
             return original_forward(self, hidden_states, *args, **kwargs)
         finally:
+            del self.get_query_key_value_tensors   # the instance's wrapper; the class's method shows again
             self.pg_collection, self.config, self.checkpoint_core_attention = (static_groups, static_config,
                                                                                module_selective)
 
     forward.dcp_original = original_forward
     return forward
+
+
+def _without_cp_size(get_query_key_value_tensors, facts, attach_facts):
+    """The method, handed a copy of the params without `local_cp_size` (same group and facts)."""
+    def call(hidden_states, key_value_states=None, position_ids=None, packed_seq_params=None, **kwargs):
+        if packed_seq_params is not None:
+            packed_seq_params = attach_facts(dataclasses.replace(packed_seq_params, local_cp_size=None), facts)
+        return get_query_key_value_tensors(hidden_states, key_value_states, position_ids, packed_seq_params, **kwargs)
+
+    return call
 
 
 def dcp_patches() -> tuple[Patch, ...]:

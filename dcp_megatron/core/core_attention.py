@@ -130,9 +130,7 @@ class PackedCoreAttention(MegatronModule):
 
 def _checked_shard(facts: MicroBatchFacts, params: PackedSeqParams) -> Optional[LocalShard]:
     """A DCP micro-batch's shard, once its params name the group its facts do (the script builds the params)."""
-    # MLA's forward runs with local_cp_size cleared (patches/transformer_multi_latent_attention.py); the group stays.
-    group = params.cp_group
-    cp_size = int(params.local_cp_size or (1 if group is None else group.size()))
+    cp_size, group = int(params.local_cp_size or 1), params.cp_group
     if cp_size != facts.cp_size or (facts.cp_size > 1 and group is None):
         raise ValueError(f"PackedSeqParams: local_cp_size={params.local_cp_size}, cp_group={group} but the DCP "
                          f"micro-batch runs on a CP group of {facts.cp_size}")

@@ -19,14 +19,16 @@ from datetime import timedelta
 
 from patches.compat import cpu_compat_patches, needs_cpu_compat
 from patches import (deepspeed_comm_torch, deepspeed_runtime_engine, extensions_transformer_engine,
-                     tensor_parallel_random, transformer_attention)
+                     tensor_parallel_random, transformer_attention,
+                     transformer_multi_latent_attention)
 from patches.registry import PatchRegistry
 
 
 def deepspeed_patch_registry(*, timeout: timedelta, installed_version: str | None = None) -> PatchRegistry:
     """`timeout`: the job's collective timeout (what `deepspeed.init_distributed` was given)."""
     patches = cpu_compat_patches() if needs_cpu_compat() else ()
-    patches += (transformer_attention.dcp_patches() + extensions_transformer_engine.dcp_patches()
+    patches += (transformer_attention.dcp_patches() + transformer_multi_latent_attention.dcp_patches()
+                + extensions_transformer_engine.dcp_patches()
                 + tensor_parallel_random.dcp_patches())
     patches += deepspeed_comm_torch.dcp_patches(timeout=timeout) + deepspeed_comm_torch.shm_comm_patches()
     patches += deepspeed_runtime_engine.dcp_patches()

@@ -39,7 +39,7 @@ def _with_microbatch_cp_group(original_forward):
     def forward(self, hidden_states, *args, **kwargs):
         packed_seq_params = kwargs.get("packed_seq_params")
         group = getattr(packed_seq_params, "cp_group", None)
-        selective = _microbatch_selective_recompute(packed_seq_params)
+        selective = microbatch_selective_recompute(packed_seq_params)
         if group is None and selective is None:
             return original_forward(self, hidden_states, *args, **kwargs)
         static_groups, module_selective = self.pg_collection, self.checkpoint_core_attention
@@ -58,7 +58,7 @@ def _with_microbatch_cp_group(original_forward):
     return forward
 
 
-def _microbatch_selective_recompute(packed_seq_params):
+def microbatch_selective_recompute(packed_seq_params):
     """Whether the DCP micro-batch these params belong to recomputes core attention (None: not a DCP
     micro-batch's params), from the facts they carry, at its forward and at every replay alike."""
     from dcp_megatron.core.microbatch_facts import facts_of

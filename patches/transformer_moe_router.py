@@ -12,6 +12,12 @@ losses keep upstream's per-token gradient weighting (attached with `MoEAuxLossAu
 step's tokens in finalize_model_grads) and are recorded for Megatron's MoE logger as each rank's share, reduced
 over the whole TP x DP x CP domain, so the printed values are token-weighted means over the step. Everything else
 passes through.
+
+Every run: `TopKRouter._apply_expert_bias` (`--moe-router-enable-expert-bias`) masks the routing map [T, E] with the
+flattened padding mask [T], which does not broadcast; DCP passes the padding mask of every micro-batch (padding and
+filler rows must not count), so the mask gets its expert dimension. The counts themselves stay upstream's: summed
+over all of the step's micro-batches on each rank, all-reduced over the TP x DP x CP group (the DCP domain) once
+per step in finalize_model_grads, so the bias update sees the whole global batch's counts as the plain run does.
 """
 from __future__ import annotations
 
@@ -84,6 +90,17 @@ def _per_token_z_loss(original):
     return apply_z_loss
 
 
+def _with_broadcast_padding_mask(original):
+    @functools.wraps(original)
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if padding_mask is not None and padding_mask.dim() == routing_map.dim() - 1:
+            padding_mask = padding_mask.unsqueeze(-1)
+        return original(self, routing_map, padding_mask=padding_mask)
+
+    _apply_expert_bias.dcp_original = original
+    return _apply_expert_bias
+
+
 def dcp_patches() -> tuple[Patch, ...]:
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -102,4 +119,9 @@ def dcp_patches() -> tuple[Patch, ...]:
         Patch(target=f"{_MODULE}:TopKRouter.apply_z_loss", replacement=_per_token_z_loss(unwrapped("apply_z_loss")),
               reason="the z-loss is scaled by the static TP x CP group and logged per micro-batch; a DCP micro-batch "
                      "has its own CP group and filler rows.",
+              versions=MEGATRON_CORE_VERSIONS),
+        Patch(target=f"{_MODULE}:TopKRouter._apply_expert_bias",
+              replacement=_with_broadcast_padding_mask(unwrapped("_apply_expert_bias")),
+              reason="the expert-bias token count masks the [T, E] routing map with a [T] padding mask, which does "
+                     "not broadcast (a crash whenever a padding mask is given, as under --dcp).",
               versions=MEGATRON_CORE_VERSIONS),)

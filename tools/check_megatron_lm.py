@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Train Megatron-LM's own, unmodified `pretrain_gpt.py` with and without `--dcp` through our launcher.
 
-  .venv/bin/python tools/check_megatron_lm.py DIR [--iters 4] [--layout dp|tp2sp|pp2|mixtral|mixtral-samples|pp4vpp2]
+  .venv/bin/python tools/check_megatron_lm.py DIR [--iters 4] [--layout dp|tp2sp|pp2|mixtral|mixtral-samples|pp4vpp2|
+                                                              deepseek|deepseek-ep2]
 
 DIR holds Megatron-LM's top-level `pretrain_gpt.py`, `gpt_builders.py` and `model_provider.py` (tag
 core_v0.19.0; public, not shipped here) and no `megatron/` package, so the installed megatron-core 0.19.2
@@ -13,7 +14,11 @@ under --dcp the aux loss is per document, Megatron's per sample, and with --data
 sample holds several documents: the traces may differ by the aux term's share), `mixtral-samples` (the same
 without inter-document masking: a document is a sample, and the traces agree), `pp4vpp2` (PP 4 with two virtual
 stages per rank: plain on 4 ranks, --dcp on 8, a 2-rank domain per stage; the plain run is our script's, see
-_PLAIN_WITH_OUR_SCRIPT).
+_PLAIN_WITH_OUR_SCRIPT), `deepseek` (DeepSeek-V3's layers at tiny size, tests/support/megatron_runs.DEEPSEEK_FLAGS:
+MLA, a dense first layer, 4 experts with sigmoid scores, expert bias, group-limited top-k and a shared expert; EP 1
+on 2 ranks, both runs) and `deepseek-ep2` (the same at EP 2 on 4 ranks, a 4-rank domain under --dcp). Their
+seq_aux_loss is per document under --dcp and per sample in the plain run (coefficient 1e-4: below the printed
+loss digits).
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.support.megatron_runs import LLAMA_TINY, OUR_SCRIPT, run_training  # noqa: E402
+from tests.support.megatron_runs import (DEEPSEEK_FLAGS, DEEPSEEK_TINY, LLAMA_TINY, OUR_SCRIPT,  # noqa: E402
+                                         run_training)
 
 # Layouts whose plain run uses our pretrain_scripts/pretrain_gpt.py (the same model from the same flags): at
 # core_v0.19.0 Megatron-LM's own script cannot run them without --dcp. Its `is_dataset_built_on_rank` builds no
@@ -48,6 +54,7 @@ _PP4_VPP2 = ("--pipeline-model-parallel-size 4 --num-layers 8 --num-layers-per-v
 _SAMPLES = tuple(flag for flag in LLAMA_TINY if flag != "--dataloader-inter-document-masking")
 # layouts trained on whole samples (no --dataloader-inter-document-masking)
 _ON_SAMPLES = {"mixtral-samples"}
+_DEEPSEEK = [*DEEPSEEK_FLAGS, "--moe-token-dispatcher-type", "alltoall"]
 
 # layout: (flags of both runs, --dcp budget flags, ranks of the --dcp run, ranks of the plain run)
 _LAYOUTS = {
@@ -58,6 +65,8 @@ _LAYOUTS = {
     "mixtral": (_MIXTRAL, ["--dcp-memory-budget-gb", "0.006"], 2, 2),
     "mixtral-samples": (_MIXTRAL, ["--dcp-memory-budget-gb", "0.02"], 2, 2),
     "pp4vpp2": (_PP4_VPP2, ["--dcp-memory-budget-gb", "0.009", "--dcp-recompute", "selective,full"], 8, 4),
+    "deepseek": (_DEEPSEEK, ["--dcp-memory-budget-gb", "0.005"], 2, 2),
+    "deepseek-ep2": ([*_DEEPSEEK, "--expert-model-parallel-size", "2"], ["--dcp-memory-budget-gb", "0.005"], 4, 4),
 }
 
 
@@ -81,7 +90,8 @@ def main(argv=None) -> int:
     plain_script = OUR_SCRIPT if args.layout in _PLAIN_WITH_OUR_SCRIPT else script
     for label, run_script, extra, nproc in (("plain", plain_script, layout, plain_ranks),
                                             ("dcp", script, [*layout, "--dcp", *budget], dcp_ranks)):
-        base = _SAMPLES if args.layout in _ON_SAMPLES else LLAMA_TINY
+        base = _SAMPLES if args.layout in _ON_SAMPLES else DEEPSEEK_TINY if args.layout.startswith("deepseek") \
+            else LLAMA_TINY
         runs[label] = run = run_training(run_script, extra, nproc=nproc, iters=args.iters, base=base,
                                          timeout_s=1200).check()
         print(f"{label:5s} loss trace: {run.loss_trace()}")

@@ -6,8 +6,10 @@ the layer spec puts this module in its place. It takes exactly the arguments Meg
 of the packed micro-batch (documents never attend to each other), with grouped-query heads.
 
 Input shapes under THD (Megatron squeezes the batch dimension): query [T, heads, head_dim],
-key/value [T, kv_heads, head_dim]; `packed_seq_params.cu_seqlens_q` gives document bounds.
-The output is [T, heads * head_dim], what `Attention` feeds its output projection.
+key [T, kv_heads, head_dim], value [T, kv_heads, value_dim]; `packed_seq_params.cu_seqlens_q` gives document
+bounds. The output is [T, heads * value_dim], what `Attention` feeds its output projection. Multi-latent
+attention builds it with `k_channels`/`v_channels` (value_dim differs from head_dim) and pads THD values to the
+query's head dim: the padding columns are dropped before attending and restored as zeros after.
 
 When the params name a CP group (`cp_group` with `local_cp_size > 1`, as Megatron-LM's
 `forward_step` builds them from a batch's `cu_seqlens_padded`/`local_cp_size`), the rows are this
@@ -58,14 +60,18 @@ class PackedCoreAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ) -> None:
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"PackedCoreAttention supports causal masks only, got {attn_mask_type}")
         self.layer_number = layer_number
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        # Multi-latent attention passes its query/key head dim (with the rotary part) and its value head dim.
+        key_dim = k_channels if k_channels is not None else config.kv_channels
+        self.value_dim = v_channels if v_channels is not None else config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(key_dim)
         # Megatron's own (static) CP group; a DCP micro-batch brings its own group in its params.
         static_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         self.static_cp_group = static_group if static_group is not None and static_group.size() > 1 else None
@@ -83,6 +89,18 @@ class PackedCoreAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("PackedCoreAttention does not support attention_bias")
         dropout_p = self.dropout_p if self.training else 0.0
+        padded_value_dim = value.shape[-1]
+        if padded_value_dim > self.value_dim:
+            # MLA pads THD values with zero columns to the query's head dim and cuts the output back: attend with
+            # the real columns (less to send over the CP group) and hand back zeros in the padded ones.
+            value = value[..., :self.value_dim]
+        out = self._attend(query, key, value, packed_seq_params, dropout_p)
+        if padded_value_dim == self.value_dim:
+            return out
+        out = out.reshape(*out.shape[:-1], -1, self.value_dim)
+        return F.pad(out, (0, padded_value_dim - self.value_dim)).flatten(-2)
+
+    def _attend(self, query, key, value, packed_seq_params, dropout_p: float) -> torch.Tensor:
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             if self.static_cp_group is not None:
                 if self.dropout_p > 0 and self.training:

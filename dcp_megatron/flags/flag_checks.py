@@ -85,7 +85,18 @@ def check_unrunnable_flags(args: argparse.Namespace, *, has_gpu: bool) -> None:
                             "moves its tables to the current CUDA device in every forward; on CPU use "
                             "--position-embedding-type rope")
     if not has_gpu:
+        check_mla_rope(args)
         check_gpu_only_flags(args)
+
+
+def check_mla_rope(args: argparse.Namespace) -> None:
+    """Without a GPU: multi-latent attention's YaRN rope (its default) moves its tables to CUDA in every forward."""
+    rope_type = getattr(args, "rope_type", None)
+    if getattr(args, "multi_latent_attention", False) and rope_type in (None, "yarn"):
+        given = "--rope-type yarn" if rope_type else "--multi-latent-attention (its default --rope-type yarn)"
+        raise DcpUsageError(f"{given} needs a GPU: megatron-core's YaRN rotary embedding (--rotary-scaling-factor, "
+                            "--mscale) moves its tables to the current CUDA device in every forward; on CPU give "
+                            "--rope-type rope")
 
 
 def check_gpu_only_flags(args: argparse.Namespace) -> None:

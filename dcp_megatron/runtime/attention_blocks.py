@@ -16,7 +16,8 @@ and return the LSE) — blocked, vectorised, no [heads, Tq, Tk] score/probabilit
 per tile, ~5-7x faster than the plain version on one core; elsewhere (GPU, or a torch without the
 op) plain torch matmul/softmax. Both agree to fp32 rounding.
 
-Shapes: q [Tq, H, D]; k, v [Tk, Hkv, D]; query head h reads KV head h // (H // Hkv) (GQA).
+Shapes: q [Tq, H, D]; k [Tk, Hkv, D]; v [Tk, Hkv, Dv]; query head h reads KV head h // (H // Hkv) (GQA). The
+value head dim Dv may differ from the query/key head dim D (multi-latent attention); the output has Dv.
 """
 from __future__ import annotations
 
@@ -119,17 +120,21 @@ def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _fused_forward(q, k, v, mask, scale):
-    num_heads = q.shape[1]
+    num_heads, value_dim = q.shape[1], v.shape[-1]
+    q, k, v = _equal_head_dims(q, k, v)
     out, lse = _FLASH_CPU(_heads_first(q, num_heads), _heads_first(k, num_heads), _heads_first(v, num_heads),
                           attn_mask=_additive_mask(mask, q.dtype), scale=scale)
     lse = lse[0].transpose(0, 1)                                     # [Tq, H]
     # The kernel reports LSE 0 (and output 0) for a row with no allowed key; the merge needs -inf.
     lse = lse.masked_fill(~mask.any(-1, keepdim=True), float("-inf"))
-    return out[0].transpose(0, 1), lse
+    return out[0].transpose(0, 1)[..., :value_dim], lse
 
 
 def _fused_backward(q, k, v, mask, scale, grad_out, out, lse):
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    key_dim, value_dim = k.shape[-1], v.shape[-1]
+    q, k, v = _equal_head_dims(q, k, v)
+    grad_out, out = _zero_padded(grad_out, v.shape[-1]), _zero_padded(out, v.shape[-1])
     dq, dk, dv = _FLASH_CPU_BACKWARD(
         _heads_first(grad_out, num_heads).contiguous(), _heads_first(q, num_heads), _heads_first(k, num_heads),
         _heads_first(v, num_heads), _heads_first(out, num_heads).contiguous(),
@@ -139,7 +144,18 @@ def _fused_backward(q, k, v, mask, scale, grad_out, out, lse):
     group = num_heads // num_kv_heads
     dk = dk[0].reshape(num_kv_heads, group, tk, d).sum(1).transpose(0, 1)  # [Tk, Hkv, D]
     dv = dv[0].reshape(num_kv_heads, group, tk, d).sum(1).transpose(0, 1)
-    return dq[0].transpose(0, 1), dk, dv
+    return dq[0].transpose(0, 1)[..., :key_dim], dk[..., :key_dim], dv[..., :value_dim]
+
+
+def _equal_head_dims(q, k, v):
+    """The fused kernel needs one head dim: zero columns appended to q/k (scores unchanged) or to v (output
+    columns that are cut off again) give the exact result of unequal dims."""
+    dim = max(k.shape[-1], v.shape[-1])
+    return _zero_padded(q, dim), _zero_padded(k, dim), _zero_padded(v, dim)
+
+
+def _zero_padded(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x if x.shape[-1] == dim else torch.nn.functional.pad(x, (0, dim - x.shape[-1]))
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -152,7 +168,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) 
 
 def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one tile: out [Tq, H, D] and LSE [Tq, H] (-inf for rows with no allowed key)."""
+    """Attention of one tile: out [Tq, H, Dv] and LSE [Tq, H] (-inf for rows with no allowed key)."""
     if _use_fused(q):
         return _fused_forward(q, k, v, mask, scale)
     scores = _scores(q, k, mask, scale)
@@ -165,9 +181,9 @@ def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                   grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one tile given the rows' final output O [Tq, H, D], LSE and delta = rowsum(dO * O) [Tq, H].
+    """Gradients of one tile given the rows' final output O [Tq, H, Dv], LSE and delta = rowsum(dO * O) [Tq, H].
 
-    Returns dq [Tq, H, D] (this tile's share) and dk, dv [Tk, Hkv, D].
+    Returns dq [Tq, H, D] (this tile's share), dk [Tk, Hkv, D] and dv [Tk, Hkv, Dv].
     """
     if _use_fused(q):
         return _fused_backward(q, k, v, mask, scale, grad_out, out, lse)

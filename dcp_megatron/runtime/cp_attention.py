@@ -46,7 +46,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: LocalShard,
                  group: "dist.ProcessGroup | None", *, impl: str = "allgather",
                  softmax_scale: float | None = None) -> torch.Tensor:
-    """Causal per-document attention of local rows q [T, H, D] over the group's k, v [T, H_kv, D]."""
+    """Causal per-document attention of local rows q [T, H, D] over the group's k [T, H_kv, D], v [T, H_kv, Dv]:
+    out [T, H, Dv] (Dv may differ from D, as in multi-latent attention)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     group = _checked_group(group, shard)
@@ -62,8 +63,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Local
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
                             softmax_scale: float | None = None) -> torch.Tensor:
     """Single-process reference: causal attention inside each segment of cu_seqlens, autograd only."""
-    if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"expected q [T, H, D], k = v [T, H_kv, D] with H % H_kv == 0, got "
+    if q.dim() != 3 or k.shape[:2] != v.shape[:2] or k.shape[0] != q.shape[0] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"expected q [T, H, D], k [T, H_kv, D], v [T, H_kv, Dv] with H % H_kv == 0, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     bounds = [int(x) for x in cu_seqlens.tolist()]
     if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b > e for b, e in zip(bounds, bounds[1:])):
@@ -91,7 +92,7 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, shard: LocalShard, group, scale: float):
         ct = compute_dtype(q.dtype)
-        kv_local = torch.stack([k, v], dim=1).contiguous()  # [T, 2, Hkv, D]: one collective for both
+        kv_local = torch.cat([k, v], dim=-1).contiguous()  # [T, Hkv, D + Dv]: one collective for both
         if group is not None:
             kv_gathered = kv_local.new_empty((shard.cp_size * kv_local.shape[0], *kv_local.shape[1:]))
             _all_gather(kv_gathered, kv_local, group=group)
@@ -103,25 +104,26 @@ class AllGatherAttention(torch.autograd.Function):
         q_meta, k_meta = RowMeta.of(shard, q.device), _natural_meta(shard, q.device)
         tiles = list(_allgather_tiles(shard))
         qc = q.to(ct)
-        out = torch.zeros(q.shape, dtype=ct, device=q.device)
+        key_dim = k.shape[-1]
+        out = torch.zeros((*q.shape[:2], v.shape[-1]), dtype=ct, device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=ct, device=q.device)
         for q0, q1, k0, k1 in tiles:
             mask = tile_mask(q_meta.rows(q0, q1), k_meta.rows(k0, k1))
             if not bool(mask.any()):
                 continue
-            tile_out, tile_lse = tile_forward(qc[q0:q1], kv_natural[k0:k1, 0].to(ct), kv_natural[k0:k1, 1].to(ct),
-                                              mask, scale)
+            tile_out, tile_lse = tile_forward(qc[q0:q1], kv_natural[k0:k1, :, :key_dim].to(ct),
+                                              kv_natural[k0:k1, :, key_dim:].to(ct), mask, scale)
             merge_into(out[q0:q1], lse[q0:q1], tile_out, tile_lse)
         out.masked_fill_(~q_meta.valid_mask[:, None, None], 0.0)
         ctx.save_for_backward(qc, kv_natural, natural_index, out, lse)
-        ctx.shard, ctx.group, ctx.scale, ctx.tiles = shard, group, scale, tiles
+        ctx.shard, ctx.group, ctx.scale, ctx.tiles, ctx.key_dim = shard, group, scale, tiles, key_dim
         ctx.input_dtypes = (q.dtype, k.dtype, v.dtype)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         qc, kv_natural, natural_index, out, lse = ctx.saved_tensors
-        shard, group, scale = ctx.shard, ctx.group, ctx.scale
+        shard, group, scale, key_dim = ctx.shard, ctx.group, ctx.scale, ctx.key_dim
         q_meta, k_meta = RowMeta.of(shard, qc.device), _natural_meta(shard, qc.device)
         dout = grad_out.to(qc.dtype).masked_fill(~q_meta.valid_mask[:, None, None], 0.0)
         delta = (dout * out).sum(-1)
@@ -131,12 +133,12 @@ class AllGatherAttention(torch.autograd.Function):
             mask = tile_mask(q_meta.rows(q0, q1), k_meta.rows(k0, k1))
             if not bool(mask.any()):
                 continue
-            tile_dq, tile_dk, tile_dv = tile_backward(qc[q0:q1], kv_natural[k0:k1, 0].to(qc.dtype),
-                                                      kv_natural[k0:k1, 1].to(qc.dtype), mask, scale,
+            tile_dq, tile_dk, tile_dv = tile_backward(qc[q0:q1], kv_natural[k0:k1, :, :key_dim].to(qc.dtype),
+                                                      kv_natural[k0:k1, :, key_dim:].to(qc.dtype), mask, scale,
                                                       dout[q0:q1], out[q0:q1], lse[q0:q1], delta[q0:q1])
             dq[q0:q1] += tile_dq
-            dkv_natural[k0:k1, 0] += tile_dk
-            dkv_natural[k0:k1, 1] += tile_dv
+            dkv_natural[k0:k1, :, :key_dim] += tile_dk
+            dkv_natural[k0:k1, :, key_dim:] += tile_dv
         dkv_gathered = dkv_natural[natural_index]
         if group is not None:
             dkv_local = dkv_gathered.new_empty((dkv_gathered.shape[0] // shard.cp_size, *dkv_gathered.shape[1:]))
@@ -144,7 +146,8 @@ class AllGatherAttention(torch.autograd.Function):
         else:
             dkv_local = dkv_gathered
         q_dtype, k_dtype, v_dtype = ctx.input_dtypes
-        return dq.to(q_dtype), dkv_local[:, 0].to(k_dtype), dkv_local[:, 1].to(v_dtype), None, None, None
+        return (dq.to(q_dtype), dkv_local[..., :key_dim].to(k_dtype), dkv_local[..., key_dim:].to(v_dtype), None, None,
+                None)
 
 
 def _natural_index(shard: LocalShard) -> torch.Tensor:
@@ -185,9 +188,9 @@ def _allgather_tiles(shard: LocalShard) -> Iterator[tuple[int, int, int, int]]:
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: LocalShard) -> None:
-    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
-        raise ValueError(f"expected q [T, H, D] and k = v [T, H_kv, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"expected q [T, H, D], k [T, H_kv, D] and v [T, H_kv, Dv], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[0] != shard.num_local_tokens or k.shape[0] != shard.num_local_tokens:
         raise ValueError(f"q/k/v have {q.shape[0]}/{k.shape[0]} rows, the shard has {shard.num_local_tokens}")
     if q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:

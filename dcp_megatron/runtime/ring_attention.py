@@ -24,14 +24,16 @@ class RingAttention(torch.autograd.Function):
         ct = compute_dtype(q.dtype)
         q_meta = RowMeta.of(shard, q.device)
         qc = q.to(ct)
-        out = torch.zeros(q.shape, dtype=ct, device=q.device)
+        key_dim = k.shape[-1]
+        out = torch.zeros((*q.shape[:2], v.shape[-1]), dtype=ct, device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=ct, device=q.device)
-        kv = torch.stack([k, v], dim=1).contiguous()  # [T, 2, Hkv, D]: one message per hop
+        kv = torch.cat([k, v], dim=-1).contiguous()  # [T, Hkv, D + Dv]: one message per hop
         kv_next = torch.empty_like(kv)
         for step in range(shard.cp_size):
             sends = _pass_on(kv, kv_next, group) if step < shard.cp_size - 1 else []
             for q0, q1, k0, k1, mask in _tiles(shard, q_meta, _source_rank(shard, step), q.device):
-                tile_out, tile_lse = tile_forward(qc[q0:q1], kv[k0:k1, 0].to(ct), kv[k0:k1, 1].to(ct), mask, scale)
+                tile_out, tile_lse = tile_forward(qc[q0:q1], kv[k0:k1, :, :key_dim].to(ct),
+                                                  kv[k0:k1, :, key_dim:].to(ct), mask, scale)
                 merge_into(out[q0:q1], lse[q0:q1], tile_out, tile_lse)
             _wait(sends)
             kv, kv_next = kv_next, kv
@@ -50,25 +52,26 @@ class RingAttention(torch.autograd.Function):
         dout = grad_out.to(ct).masked_fill(~q_meta.valid_mask[:, None, None], 0.0)
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(qc)
-        kv = torch.stack([k, v], dim=1).contiguous()
+        key_dim = k.shape[-1]
+        kv = torch.cat([k, v], dim=-1).contiguous()
         kv_next = torch.empty_like(kv)
         dkv = torch.zeros(kv.shape, dtype=ct, device=kv.device)  # gradient of the block currently held
         dkv_next = torch.empty_like(dkv)
         for step in range(shard.cp_size):
             sends = _pass_on(kv, kv_next, group) if step < shard.cp_size - 1 else []
             for q0, q1, k0, k1, mask in _tiles(shard, q_meta, _source_rank(shard, step), q.device):
-                tile_dq, tile_dk, tile_dv = tile_backward(qc[q0:q1], kv[k0:k1, 0].to(ct), kv[k0:k1, 1].to(ct), mask,
-                                                          scale, dout[q0:q1], out[q0:q1], lse[q0:q1],
-                                                          delta[q0:q1])
+                tile_dq, tile_dk, tile_dv = tile_backward(qc[q0:q1], kv[k0:k1, :, :key_dim].to(ct),
+                                                          kv[k0:k1, :, key_dim:].to(ct), mask, scale, dout[q0:q1],
+                                                          out[q0:q1], lse[q0:q1], delta[q0:q1])
                 dq[q0:q1] += tile_dq
-                dkv[k0:k1, 0] += tile_dk
-                dkv[k0:k1, 1] += tile_dv
+                dkv[k0:k1, :, :key_dim] += tile_dk
+                dkv[k0:k1, :, key_dim:] += tile_dv
             _wait(sends)
             # The accumulator follows its block; after the last step this hop brings each rank its own.
             _wait(_pass_on(dkv, dkv_next, group))
             kv, kv_next = kv_next, kv
             dkv, dkv_next = dkv_next, dkv
-        return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[..., :key_dim].to(k.dtype), dkv[..., key_dim:].to(v.dtype), None, None, None
 
 
 def _source_rank(shard: LocalShard, step: int) -> int:

@@ -87,7 +87,8 @@ def _document_order(shard: LocalShard) -> tuple[torch.Tensor, list[int]]:
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: LocalShard, group, *,
                       softmax_scale: float | None = None) -> torch.Tensor:
-    """Causal per-document attention of local rows q [T, H, D], k/v [T, H_kv, D] over the group (Ulysses)."""
+    """Causal per-document attention of local rows q [T, H, D], k [T, H_kv, D], v [T, H_kv, Dv] over the group
+    (Ulysses): out [T, H, Dv]."""
     c = shard.cp_size
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if group is None or c == 1:
@@ -97,7 +98,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: 
     if not ulysses_supported(num_heads, num_kv_heads, c):
         raise ValueError(f"Ulysses over {c} ranks needs the {num_heads} query heads to split evenly (and be a "
                          f"multiple of the {num_kv_heads} key/value heads); use the all-gather CP attention")
-    if q.shape[0] != shard.num_local_tokens or k.shape != v.shape or k.shape[0] != q.shape[0]:
+    if q.shape[0] != shard.num_local_tokens or k.shape[:2] != v.shape[:2] or k.shape[0] != q.shape[0]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match the shard's "
                          f"{shard.num_local_tokens} local rows")
     if kv_heads_exchanged(num_heads, num_kv_heads, c) != num_kv_heads:

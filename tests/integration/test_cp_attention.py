@@ -18,7 +18,9 @@ from tests.support.dist_utils import max_rel_err, run_distributed
 
 FP32_TOL = 3e-6  # measured worst 1.5e-6: fp32 rounding of the reference and of the tiled sums
 FP64_TOL = 1e-12
-HEAD_SHAPES = ((4, 4, 8), (4, 2, 8), (6, 1, 4))  # (heads, kv heads, head dim)
+# (heads, kv heads, query/key head dim, value head dim): value dims below and above the query's (multi-latent
+# attention's up-projected values are narrower than its queries with their rotary part)
+HEAD_SHAPES = ((4, 4, 8, 8), (4, 2, 8, 6), (6, 1, 4, 4), (4, 4, 6, 10))
 
 
 def _lengths(kind: str, cp_size: int, gen: torch.Generator) -> list[int]:
@@ -36,14 +38,14 @@ def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0] + lengths).cumsum(0)
 
 
-def _check_case(lengths, cp_size, cp_rank, group, impl, heads, kv_heads, head_dim, dtype, seed) -> float:
+def _check_case(lengths, cp_size, cp_rank, group, impl, heads, kv_heads, head_dim, value_dim, dtype, seed) -> float:
     """Runs one case on this rank; returns the worst relative error seen (asserts it is within tolerance)."""
     gen = torch.Generator().manual_seed(seed)
     total = sum(lengths)
     q = torch.randn(total, heads, head_dim, generator=gen, dtype=dtype, requires_grad=True)
     k = torch.randn(total, kv_heads, head_dim, generator=gen, dtype=dtype, requires_grad=True)
-    v = torch.randn(total, kv_heads, head_dim, generator=gen, dtype=dtype, requires_grad=True)
-    weight = torch.randn(total, heads, head_dim, generator=gen, dtype=dtype)
+    v = torch.randn(total, kv_heads, value_dim, generator=gen, dtype=dtype, requires_grad=True)
+    weight = torch.randn(total, heads, value_dim, generator=gen, dtype=dtype)
     ref = packed_causal_attention(q, k, v, _cu_seqlens(lengths))
     ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
 
@@ -62,7 +64,8 @@ def _check_case(lengths, cp_size, cp_rank, group, impl, heads, kv_heads, head_di
 
     worst = 0.0
     tol = FP32_TOL if dtype == torch.float32 else FP64_TOL
-    label = f"{impl} c={cp_size} rank={cp_rank} heads={heads}/{kv_heads} {dtype} lengths={lengths}"
+    label = f"{impl} c={cp_size} rank={cp_rank} heads={heads}/{kv_heads} dims={head_dim}/{value_dim} {dtype} " \
+            f"lengths={lengths}"
     for name, actual, expected in [("out", out, ref)] + list(zip(("dq", "dk", "dv"), grads, ref_grads)):
         expected_local = shard.take(expected)
         err = max_rel_err(actual[shard.valid_mask], expected_local[shard.valid_mask])
@@ -89,7 +92,7 @@ def _all_cases(rank: int, world_size: int) -> dict:
                         continue  # fp64 adds nothing the short cases don't show, at 2x the cost
                     if impl == "ulysses" and kind == "long":
                         continue  # Ulysses runs whole documents through SDPA: no tiles to cross
-                    heads, kv_heads, head_dim = HEAD_SHAPES[case % len(HEAD_SHAPES)]
+                    heads, kv_heads, head_dim, value_dim = HEAD_SHAPES[case % len(HEAD_SHAPES)]
                     if impl == "ulysses" and heads % cp_size:  # Ulysses splits the query heads over the group
                         heads, kv_heads = 12, (2 if case % 2 else 12)   # kv heads replicated (c = 3, 4) or split
                     if cp_size == 1:
@@ -108,10 +111,11 @@ def _all_cases(rank: int, world_size: int) -> dict:
                     small = kind == "mixed"
                     with mock.patch.multiple(attention_blocks, QUERY_TILE_ROWS=4 if small else 512,
                                              KEY_TILE_ROWS=8 if small else 2048):
-                        err = _check_case(lengths, cp_size, cp_rank, group, impl, heads, kv_heads, head_dim, dtype,
-                                          seed)
-                    key = f"{impl} c={cp_size} {str(dtype)[6:]}"
-                    worst[key] = max(worst.get(key, 0.0), err)
+                        err = _check_case(lengths, cp_size, cp_rank, group, impl, heads, kv_heads, head_dim, value_dim,
+                                          dtype, seed)
+                    dims = "" if value_dim == head_dim else " dv!=d"
+                    for key in (f"{impl} c={cp_size} {str(dtype)[6:]}", f"{impl}{dims}"):
+                        worst[key] = max(worst.get(key, 0.0), err)
     # A shard built for another rank or group size is a user mistake, caught before communicating.
     wrong = shard_microbatch([5, 9], 4, (rank + 1) % 4)
     t = wrong.num_local_tokens
@@ -128,6 +132,7 @@ def test_cp_attention_matches_reference_on_4_ranks():
             merged[key] = max(merged.get(key, 0.0), err)
     print("\nworst relative error per variant:", {k: f"{v:.2e}" for k, v in sorted(merged.items())})
     assert {f"{impl} c={c} float32" for impl in ("allgather", "ring", "ulysses") for c in (1, 2, 3, 4)} <= set(merged)
+    assert {f"{impl} dv!=d" for impl in ("allgather", "ring", "ulysses")} <= set(merged)
 
 
 # ---- single-process checks ----------------------------------------------------------------------------

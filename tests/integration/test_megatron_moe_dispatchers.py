@@ -1,7 +1,8 @@
 """MoE token dispatchers x expert-parallel size on DCP micro-batches (issue 30), one MoE layer on 2 gloo ranks.
 
 One spawn runs every case: alltoall and allgather at EP 1 and EP 2, with expert biases (the EP 1 crash of
-patches/tensor_parallel_layers.py) and a lockstep plan whose ranks hold micro-batches of different rows (the
+patches/tensor_parallel_layers.py), sigmoid scores with the router's expert bias (its token counts over the step's
+micro-batches are the whole step's real tokens) and a lockstep plan whose ranks hold micro-batches of different rows (the
 allgather dispatcher's all-gather needs equal rows: microbatches.rank_batches(equal_rows=True) pads each wave).
 Each case's output and parameter gradients on real rows equal the alltoall dispatcher's on the unpadded
 micro-batches with the same weights: the filler rows change nothing (loss, router statistics). The full runs
@@ -118,6 +119,20 @@ def _dispatch_worker(rank: int, world_size: int) -> dict:
             grads = {name: p.grad.clone() for name, p in layer.named_parameters() if p.grad is not None}
             return outputs, grads
 
+        def expert_bias_counts(layer, batches):
+            """The token counts the expert-bias update sees after the rank's micro-batches (summed over the domain,
+            as finalize_model_grads does), and the counts of routing every real token of the step at once."""
+            router = layer.mlp.router
+            router.local_tokens_per_expert.zero_()
+            run(layer, batches)
+            counts = router.local_tokens_per_expert.clone()
+            dist.all_reduce(counts)
+            router.local_tokens_per_expert.zero_()
+            router(layer.pre_mlp_layernorm(table[1:].unsqueeze(1)))   # every real token (rows 1..), no padding
+            expected = router.local_tokens_per_expert.clone()
+            router.local_tokens_per_expert.zero_()
+            return float((counts - expected).abs().max()), float(expected.sum())
+
         for ep in (1, 2):
             parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
             model_parallel_cuda_manual_seed(1)
@@ -128,7 +143,8 @@ def _dispatch_worker(rank: int, world_size: int) -> dict:
                                            add_bias_linear=True, num_moe_experts=4, moe_router_topk=2,
                                            moe_aux_loss_coeff=0.5, moe_router_load_balancing_type="seq_aux_loss",
                                            moe_z_loss_coeff=0.1, moe_token_dispatcher_type=dispatcher,
-                                           expert_model_parallel_size=ep, calculate_per_token_loss=True)
+                                           expert_model_parallel_size=ep, calculate_per_token_loss=True,
+                                           moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
                 layers[dispatcher] = TransformerLayer(config, get_gpt_layer_local_spec(num_experts=4).submodules,
                                                       layer_number=1)
             layers["allgather"].load_state_dict(layers["alltoall"].state_dict())
@@ -144,7 +160,8 @@ def _dispatch_worker(rank: int, world_size: int) -> dict:
                     "grad": max(float((grads[n] - reference_grads[n]).abs().max()
                                       / reference_grads[n].abs().max().clamp(min=1e-30)) for n in grads),
                     "rows": [int(b["tokens"].shape[1]) for b in padded],
-                    "router_grad": float(grads["mlp.router.weight"].abs().max())}
+                    "router_grad": float(grads["mlp.router.weight"].abs().max()),
+                    "bias_counts": expert_bias_counts(layers[dispatcher], padded)}
             parallel_state.destroy_model_parallel()
         global_vars._GLOBAL_ARGS = None
         destroy_num_microbatches_calculator()
@@ -153,7 +170,9 @@ def _dispatch_worker(rank: int, world_size: int) -> dict:
 
 def test_every_dispatcher_at_ep1_and_ep2_runs_padded_dcp_microbatches_and_matches_unpadded_alltoall():
     """Fails without the EP 1 bias fix (RuntimeError: a view modified in place, at EP 1 for both dispatchers) and
-    without equal rows per wave (gloo aborts the allgather at EP 2), or if filler rows reach loss or router."""
+    without equal rows per wave (gloo aborts the allgather at EP 2), or if filler rows reach loss or router; and
+    if the expert-bias counts of a step are not every micro-batch's real rows on every rank (one micro-batch's,
+    or with padding), or the router's padding mask crashes the count (upstream's [T, E] & [T])."""
     results = run_distributed(_dispatch_worker, 2)
     for rank, result in enumerate(results):
         assert sorted(result) == sorted(CASES)
@@ -161,6 +180,8 @@ def test_every_dispatcher_at_ep1_and_ep2_runs_padded_dcp_microbatches_and_matche
             assert got["rows"] == [18, 6], (rank, case, got)
             assert got["router_grad"] > 0, (rank, case)   # the balancing and z losses reach the router
             assert got["output"] < 1e-5 and got["grad"] < 1e-5, (rank, case, got)
+            # the expert bias's counts: every micro-batch's real rows of the step, none of a filler or padding row
+            assert got["bias_counts"] == (0.0, 2.0 * sum(LENGTHS.values())), (rank, case, got["bias_counts"])
 
 
 def test_flex_dispatcher_is_refused_without_a_gpu_and_gathering_dispatchers_under_ep_get_equal_rows():

@@ -191,6 +191,8 @@ def test_gpu_only_and_missing_module_flags_refuse_in_one_line(dcp, user_script, 
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     launch_refused_in_one_line(monkeypatch, capsys, [*base, "--position-embedding-type", "yarn"],
                                ["--position-embedding-type yarn needs a GPU", "rope"])
+    launch_refused_in_one_line(monkeypatch, capsys, [*base, "--multi-latent-attention"],
+                               ["--multi-latent-attention (its default --rope-type yarn) needs a GPU", "--rope-type rope"])
     # issue 36: megatron.training's bare AssertionError (offload) and "Found no NVIDIA driver" (grouped GEMM)
     launch_refused_in_one_line(monkeypatch, capsys, [*base, "--fine-grained-activation-offloading", "--offload-modules",
                                                      "core_attn"],

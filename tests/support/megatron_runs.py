@@ -33,6 +33,20 @@ LLAMA_TINY = (
     "--dataloader-inter-document-masking --attention-dropout 0 --hidden-dropout 0 --log-interval 1 --seed 1234"
 ).split()
 
+# DeepSeek-V3's recipe (Megatron-LM's examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh, core_v0.19.0) at tiny size
+# on LLAMA_TINY's run (without GQA, which MLA excludes): multi-latent attention (--rope-type rope: YaRN needs a GPU),
+# a dense first layer then MoE (4 experts top-2, sigmoid scores, expert bias, group-limited top-k, top-k scaling,
+# a shared expert, seq_aux_loss at DeepSeek's tiny coefficient).
+DEEPSEEK_TINY = tuple(" ".join(LLAMA_TINY).replace("--group-query-attention --num-query-groups 2 ", "").split())
+DEEPSEEK_FLAGS = (
+    "--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+    "--v-head-dim 12 --qk-layernorm --rope-type rope "
+    "--num-experts 4 --moe-ffn-hidden-size 32 --moe-router-topk 2 --moe-router-score-function sigmoid "
+    "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-4 --moe-router-num-groups 2 "
+    "--moe-router-group-topk 1 --moe-router-topk-scaling-factor 2.5 --moe-shared-expert-intermediate-size 64 "
+    "--moe-layer-freq [0,1] --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4"
+).split()
+
 CPU_FLAGS = (
     "--transformer-impl local --use-cpu-initialization --distributed-backend gloo --no-gradient-accumulation-fusion "
     "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "

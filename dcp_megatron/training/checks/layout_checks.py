@@ -21,7 +21,8 @@ checks and before anything is built: every refusal is one line naming the flag t
   `torch.cuda.Stream`s, megatron_fsdp.py; the FSDP2 wrapper builds a "cuda" DeviceMesh,
   torch_fully_sharded_data_parallel.py), so their exactness under --dcp is not verified: refused.
 - `global_aux_loss` reduces per micro-batch over the whole TP x DP x CP group, which ranks running different
-  micro-batch counts cannot join; `quantile_balancing` gathers router logits per micro-batch and is untested
+  micro-batch counts cannot join, and balances each micro-batch against the running mean of the micro-batches so
+  far: a function of the plan's packing and order, so not exact even in lockstep; `quantile_balancing` gathers router logits per micro-batch and is untested
   with per-micro-batch groups.
 """
 from __future__ import annotations
@@ -30,8 +31,6 @@ import argparse
 import os
 
 from dcp_megatron.config import DcpUsageError, recompute_choices
-
-_NO_PER_MICROBATCH_BALANCING = ("global_aux_loss", "quantile_balancing")
 
 
 def check_dcp_layout(args: argparse.Namespace) -> None:
@@ -59,12 +58,17 @@ def check_dcp_layout(args: argparse.Namespace) -> None:
     if num_experts:
         balancing = args.moe_router_load_balancing_type
         balancing = balancing if isinstance(balancing, list) else [balancing]
-        unsupported = [kind for kind in balancing if kind in _NO_PER_MICROBATCH_BALANCING]
         refusals += (
-            (bool(unsupported),
-             f"--moe-router-load-balancing-type {' '.join(unsupported)} is not supported with --dcp: it reduces "
-             "over the whole domain per micro-batch, which ranks running different micro-batch counts cannot "
-             "join; use aux_loss, seq_aux_loss, sinkhorn or none"),
+            ("global_aux_loss" in balancing,
+             "--moe-router-load-balancing-type global_aux_loss cannot be exact under --dcp: it all-reduces token "
+             "counts over the whole domain at every micro-batch (ranks running different micro-batch counts cannot "
+             "join) and balances each micro-batch against the running mean of the micro-batches so far, which "
+             "depends on how the plan packs and orders documents; use aux_loss, seq_aux_loss (per document under "
+             "--dcp), sinkhorn, none, or --moe-router-enable-expert-bias (counts of the whole global batch)"),
+            ("quantile_balancing" in balancing,
+             "--moe-router-load-balancing-type quantile_balancing is not supported with --dcp: it reduces over the "
+             "whole domain per micro-batch, which ranks running different micro-batch counts cannot join; use "
+             "aux_loss, seq_aux_loss, sinkhorn or none"),
         )
     refusals += (
         (bool(getattr(args, "mtp_num_layers", None)),

@@ -1,0 +1,88 @@
+"""`--dcp` with DeepSeek-V3-style layers inside megatron.training (tests/support/megatron_runs.DEEPSEEK_FLAGS: MLA
+with a value head dim unlike the query's, a dense first layer, then MoE with sigmoid scores, the expert bias,
+group-limited top-k, top-k scaling and a shared expert; CPU, gloo, fp32).
+
+2-rank domains at EP 1 and EP 2 (plans mixing CP 1 and CP 2) against one rank training the same global batch with
+`--dcp` (CP 1, its own packing), all from one set of initial weights (a 1-rank checkpoint): the loss and balancing
+loss traces, every parameter's gradient at every step (experts by global index), and the expert bias after every
+step's update (megatron-core's counts, summed over all of a step's micro-batches on each rank and all-reduced over
+the domain; on this tiny model the same group of experts is overloaded at every step, so the bias's signs alone
+would not tell one micro-batch's counts from the step's: tests/integration/test_megatron_moe_dispatchers.py checks
+the counts themselves).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.test_megatron_moe import _assert_same_gradients
+from tests.support.megatron_runs import DEEPSEEK_FLAGS, DEEPSEEK_TINY, OUR_SCRIPT, LazyRuns, read_plan_dumps, run_training
+
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
+
+ITERS = 3
+TOLERANCE = 1e-5
+EP1 = [*DEEPSEEK_FLAGS, "--moe-token-dispatcher-type", "alltoall"]
+EP2 = [*EP1, "--expert-model-parallel-size", "2"]
+BUDGET = ["--dcp-memory-budget-gb", "0.005"]
+
+
+def _saves(root, name) -> list[str]:
+    return ["--save", str(root / name), "--save-interval", "1", "--save-wgrads-interval", "1", "--no-save-optim",
+            "--no-save-rng"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    runs = LazyRuns(tmp_path_factory.mktemp("megatron_deepseek"))
+    root, after = runs.root, runs.after
+    from_init = ["--load", str(root / "init"), "--finetune", "--no-load-optim", "--no-load-rng"]
+    runs.specs = specs = {
+        "init": lambda: run_training(OUR_SCRIPT, [*EP1, "--lr", "0", "--min-lr", "0", "--lr-warmup-iters", "0",
+                                                  "--save", str(root / "init"), "--save-interval", "1"],
+                                     nproc=1, launcher=False, iters=1, base=DEEPSEEK_TINY),
+        "one_rank": lambda: after("init", lambda: run_training(
+            OUR_SCRIPT, [*EP1, *from_init, *_saves(root, "one_rank"), "--dcp"], nproc=1, iters=ITERS,
+            base=DEEPSEEK_TINY)),
+    }
+    for name, layout in (("ep1", EP1), ("ep2", EP2)):
+        specs[name] = (lambda name=name, layout=layout: after("init", lambda: run_training(
+            OUR_SCRIPT, [*layout, *from_init, *_saves(root, name), "--dcp", *BUDGET, "--dcp-dump-plans",
+                         str(root / f"{name}_plans"), "--dcp-check-plans"], nproc=2, iters=ITERS,
+            base=DEEPSEEK_TINY)))
+    return runs
+
+
+def expert_biases(directory, step: int) -> dict[str, torch.Tensor]:
+    """Every router's expert bias in a torch_dist checkpoint of a step (converted to one torch file first)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    converted = directory / f"expert_bias_{step}.pt"
+    dcp_to_torch_save(str(directory / f"iter_{step:07d}"), str(converted))
+    state = torch.load(converted, map_location="cpu", weights_only=False)
+    biases = {key: value for key, value in state.items() if key.endswith("router.expert_bias")}
+    assert biases, sorted(state)[:20]
+    return biases
+
+
+@pytest.mark.parametrize("layout", ["ep1", "ep2"])
+def test_deepseek_layers_under_dcp_train_one_ranks_step_and_expert_bias(runs, layout):
+    dcp, one_rank = runs(layout), runs("one_rank")
+    assert sorted(dcp.losses) == sorted(one_rank.losses) == list(range(1, ITERS + 1))
+    for step, loss in one_rank.losses.items():
+        assert dcp.losses[step] == pytest.approx(loss, rel=TOLERANCE), ("lm loss", step)
+        logged = one_rank.moe_metrics["seq_load_balancing_loss"][step]
+        assert dcp.moe_metrics["seq_load_balancing_loss"][step] == pytest.approx(logged, rel=TOLERANCE), step
+    _assert_same_gradients(runs.root, layout, "one_rank", steps=list(range(1, ITERS + 1)))
+    biases = []
+    for step in range(1, ITERS + 1):
+        got, expected = expert_biases(runs.root / layout, step), expert_biases(runs.root / "one_rank", step)
+        assert got.keys() == expected.keys()
+        for key in got:
+            assert torch.equal(got[key], expected[key]), (layout, step, key, got[key], expected[key])
+        biases.append(torch.cat([got[key] for key in sorted(got)]))
+    # the bias moved at every step (by +-rate per expert: no expert ever had exactly the mean count)
+    assert all(not torch.equal(before, after) for before, after in zip(biases, biases[1:])), biases
+    plans = read_plan_dumps(runs.root / f"{layout}_plans", count=ITERS)
+    assert any({g.size for wave in plan.waves for g in wave.groups} == {1, 2} for plan in plans), \
+        [plan.extra for plan in plans]

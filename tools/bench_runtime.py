@@ -53,7 +53,7 @@ from dcp_megatron.planner.cost import CostModel, load_profile  # noqa: E402
 from dcp_megatron.planner.distributions import builtin_lengths  # noqa: E402
 from dcp_megatron.planner.model import model_preset  # noqa: E402
 from dcp_megatron.planner.policies import make_plan  # noqa: E402
-from dcp_megatron.planner.policies.static import static_layout  # noqa: E402
+from dcp_megatron.planner.baselines.static import static_layout  # noqa: E402
 from dcp_megatron.runtime.group_pool import GroupPool  # noqa: E402
 from dcp_megatron.core.parity import ReferenceRun  # noqa: E402
 from dcp_megatron.runtime.parity import seeded_tokens  # noqa: E402

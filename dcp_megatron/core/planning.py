@@ -105,7 +105,7 @@ def check_longest_fits(config: DcpConfig, cost: CostModel) -> None:
     import numpy as np
 
     from dcp_megatron.config import DcpUsageError
-    from dcp_megatron.planner.policies.common import candidate_sizes, check_static_memory, min_fitting_size
+    from dcp_megatron.planner.layout import candidate_sizes, check_static_memory, min_fitting_size
 
     try:
         check_static_memory(cost)   # its line names the flags (budget, optimizer sharding, TP/PP): kept whole

@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from dcp_megatron.planner.plan import Recompute
-from dcp_megatron.planner.policies.common import candidate_sizes, check_batch, check_static_memory, divisor_sizes
+from dcp_megatron.planner.layout import candidate_sizes, check_batch, check_static_memory, divisor_sizes
 
 # a bound must never exceed a real plan: judge "fits" with a hair of slack against float rounding
 FIT_SLACK = 1.0 + 1e-9

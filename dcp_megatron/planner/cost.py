@@ -334,7 +334,7 @@ class CostModel:
 
     def _cp_comm_seconds(self, allgather_exposed, local_tokens, passes, cp_sizes, bw):
         """The exposed CP communication of the flavour the plan will use: the all-gather's, or Ulysses' where
-        it is allowed and faster (everywhere it can run with `prefer_ulysses`); see policies/cp_flavour.py."""
+        it is allowed and faster (everywhere it can run with `prefer_ulysses`); see cp_flavour.py."""
         if "ulysses" not in self.cp_attention:
             return allgather_exposed
         ulysses = self._ulysses_comm_seconds(local_tokens, passes, cp_sizes, bw)

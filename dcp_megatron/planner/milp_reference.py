@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcp_megatron.planner.policies.common import candidate_sizes
+from dcp_megatron.planner.layout import candidate_sizes
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ import math
 import numpy as np
 
 from dcp_megatron.planner.plan import Group, MicroBatch, StepPlan, Wave
-from dcp_megatron.planner.policies.common import (candidate_sizes, divisor_sizes, lpt_bins, microbatch_from_sums,
-                                                  min_fitting_size)
-from dcp_megatron.planner.policies.sized_sequences import SizedSequences
-from dcp_megatron.planner.policies.dcp_waves import plan_mixed_waves
-from dcp_megatron.planner.policies.relief_pass import with_wave_reliefs
+from dcp_megatron.planner.layout import candidate_sizes, divisor_sizes, microbatch_from_sums, min_fitting_size
+from dcp_megatron.planner.list_scheduling import lpt_bins
+from dcp_megatron.planner.dcp.sized_sequences import SizedSequences
+from dcp_megatron.planner.dcp.waves import plan_mixed_waves
+from dcp_megatron.planner.dcp.relief_pass import with_wave_reliefs
 from dcp_megatron.planner.timeline import plan_makespan
 
 

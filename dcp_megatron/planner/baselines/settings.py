@@ -1,7 +1,7 @@
 """Run-wide settings of the baselines: what a user sets once for a whole run.
 
 A Megatron run cannot change these per step, so a baseline plans every batch of a run with one
-setting. `planner/baseline_sweep.py` picks the setting with the lowest mean step over a run's batches
+setting. `planner/baselines/sweep.py` picks the setting with the lowest mean step over a run's batches
 (a tuned user); the defaults here are what a user gets without that sweep.
 
 - `StaticSetting`: the static layout's CP size and recompute (Megatron's `--context-parallel-size`,

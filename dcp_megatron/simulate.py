@@ -175,7 +175,8 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
     Returns the result and, when `keep_step` is given, each policy's (re-scored) plan of
     that step (for drawing)."""
     from dcp_megatron.planner.bounds import lower_bound
-    from dcp_megatron.planner.cost import CostModel, load_profile
+    from dcp_megatron.planner.cost import CostModel
+    from dcp_megatron.planner.cost_profile import load_profile
     from dcp_megatron.planner.policies import POLICIES, make_plan
     from dcp_megatron.planner.rescore import rescored
     from dcp_megatron.planner.timeline import plan_makespan

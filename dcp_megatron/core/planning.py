@@ -11,7 +11,8 @@ import hashlib
 
 from dcp_megatron.config import DcpConfig
 from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel, load_profile
+from dcp_megatron.planner.cost import CostModel
+from dcp_megatron.planner.cost_profile import load_profile
 from dcp_megatron.planner.gpu_costs import GpuCosts
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import StepPlan

@@ -63,12 +63,6 @@ def divisor_sizes(cluster: ClusterSpec) -> list[int]:
     return [c for c in range(1, limit + 1) if D % c == 0]
 
 
-def local_tokens(lengths: np.ndarray, size: int) -> np.ndarray:
-    """Padded tokens per rank of each document at CP size `size`."""
-    step = 2 * size
-    return (-(-lengths // step) * step) // size
-
-
 def check_static_memory(cost) -> None:
     if cost.static_bytes >= cost.cluster.mem_budget_bytes:
         raise ValueError(f"the model's static state alone ({cost.static_bytes / 2**30:.4g} GiB per rank: weights, "
@@ -83,7 +77,7 @@ def min_fitting_size(lengths: np.ndarray, ids: np.ndarray, sizes: list[int], cos
     (with the strongest allowed recompute); ValueError naming a sequence that fits none."""
     check_static_memory(cost)
     cap = cost.max_local_tokens(cost.strongest_recompute)
-    # local_tokens(L, s) = 2·ceil(L / 2s) <= cap  <=>  L <= 2s·(cap // 2): one threshold per size
+    # padding.local_tokens(L, s) = 2·ceil(L / 2s) <= cap  <=>  L <= 2s·(cap // 2): one threshold per size
     thresholds = np.asarray(sizes, dtype=np.int64) * (2 * (cap // 2))
     idx = np.searchsorted(thresholds, lengths, side="left")
     bad = np.flatnonzero(idx == len(sizes))

@@ -7,7 +7,8 @@ import pytest
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute, StepPlan
 from dcp_megatron.planner.policies import make_plan
-from dcp_megatron.planner.layout import assemble_waves, candidate_sizes, check_batch, local_tokens, min_fitting_size
+from dcp_megatron.planner.layout import assemble_waves, candidate_sizes, check_batch, min_fitting_size
+from dcp_megatron.planner.padding import local_tokens
 from dcp_megatron.planner.list_scheduling import lpt_assign, lpt_assign_rounds
 from dcp_megatron.planner.dcp.sized_sequences import SizedSequences
 from dcp_megatron.planner.dcp.waves import plan_mixed_waves

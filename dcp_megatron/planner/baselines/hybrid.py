@@ -23,7 +23,8 @@ import math
 import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Wave
-from dcp_megatron.planner.layout import local_tokens, microbatch_from_sums, pow2_sizes
+from dcp_megatron.planner.layout import microbatch_from_sums, pow2_sizes
+from dcp_megatron.planner.padding import local_tokens
 from dcp_megatron.planner.list_scheduling import lpt_bins
 from dcp_megatron.planner.baselines.settings import DynamicSetting, check_recompute_fits, default_dynamic_setting
 from dcp_megatron.planner.timeline import one_microbatch_makespan

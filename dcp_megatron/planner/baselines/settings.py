@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from dcp_megatron.planner.padding import local_tokens
 from dcp_megatron.planner.plan import Recompute
 
 SMALLEST_CAP = 256       # token caps 256 x 2^(k/2), rounded to CAP_ROUNDING tokens (token_caps)
@@ -115,7 +116,7 @@ def default_dynamic_setting(cost, longest: int, sizes: list[int]) -> DynamicSett
     the run's longest sequence (`longest`, its length cap) fits the largest allowed CP size (`sizes`
     ascending), smallest CP size 1; the strongest recompute's when none holds it (a batch's own sequences
     then decide whether it runs)."""
-    share = 2 * -(-int(longest) // (2 * sizes[-1]))
+    share = local_tokens(int(longest), sizes[-1])
     r = next((r for r in cost.recompute_options() if cost.max_local_tokens(r) >= share), cost.strongest_recompute)
     return DynamicSetting(token_cap=max(int(cost.max_local_tokens(r)), 1), recompute=r)
 

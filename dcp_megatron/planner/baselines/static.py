@@ -22,7 +22,8 @@ from typing import NamedTuple
 import numpy as np
 
 from dcp_megatron.planner.plan import Group, Recompute, Wave
-from dcp_megatron.planner.layout import divisor_sizes, local_tokens, microbatch_from_sums
+from dcp_megatron.planner.layout import divisor_sizes, microbatch_from_sums
+from dcp_megatron.planner.padding import local_tokens
 from dcp_megatron.planner.baselines.settings import StaticSetting, check_recompute_fits
 
 

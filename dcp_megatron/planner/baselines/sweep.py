@@ -64,14 +64,15 @@ def _recompute_candidates(cost, local_tokens: int) -> list:
     room = cost.cluster.mem_budget_bytes - cost.static_bytes
     out = [r for r in cost.recompute_options() if r.kind != "full" and cost.max_local_tokens(r) >= local_tokens]
     if "full" in cost.allowed_recompute and (not out or out[0] is not NO_RECOMPUTE):
-        k = cost._fewest_full_layers(float(local_tokens), room)
+        k = cost.relief.fewest_full_layers(float(local_tokens), room)
         if k is not None:
             out.append(cost.full_recompute_options()[k - 1])
     return out
 
 
 def static_grid(cost, max_seq_len: int) -> list[StaticSetting]:
-    from dcp_megatron.planner.layout import divisor_sizes, local_tokens
+    from dcp_megatron.planner.layout import divisor_sizes
+    from dcp_megatron.planner.padding import local_tokens
 
     grid = []
     for c in divisor_sizes(cost.cluster):

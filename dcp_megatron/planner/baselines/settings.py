@@ -122,7 +122,7 @@ def default_dynamic_setting(cost, longest: int, sizes: list[int]) -> DynamicSett
 
 
 def token_caps(cost, longest: int, top_size: int) -> list[int]:
-    """The per-rank token caps a tuned dynamic-CP run chooses from (baseline_sweep.dynamic_grid; dcp's ZeRO-3 seeds
+    """The per-rank token caps a tuned dynamic-CP run chooses from (sweep.dynamic_grid; dcp's ZeRO-3 seeds
     near their best cap, lockstep_seeds.py), ascending: those that hold the longest sequence on `top_size` ranks."""
     most = cost.max_local_tokens(cost.strongest_recompute)
     need = 2 * -(-int(longest) // (2 * top_size))

@@ -17,9 +17,9 @@
    without recompute (few micro-batches: each pays a fixed overhead); a sequence too big
    for that runs alone with the fastest recompute that fits. Groups become waves in
    execution order (`assemble_waves`), so ranks run variable micro-batch counts.
-   Then `dcp_odd`: the longest sequences may instead run first on non-power-of-two groups
+   Then odd_groups.py: the longest sequences may instead run first on non-power-of-two groups
    (fewer rank-seconds than their power of two), the rest scheduled after, if that ends sooner.
-3. PP > 1 — see `dcp_pipeline`.
+3. PP > 1 — see pipeline.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`dcp` with pipeline parallelism: every group runs exactly one micro-batch per wave.
 
 Two plans are built and the one with the shorter timeline is returned: mixed-size waves
-(`dcp_waves`, usually the better one) and uniform waves, described here.
+(waves.py, usually the better one) and uniform waves, described here.
 1F1B needs every rank to run the same micro-batch count; in uniform waves a wave of CP size
 c tiles the domain with D/c groups (c divides D), each running one micro-batch. Per size class:
 - sequences choose sizes as in the PP = 1 policy, among sizes dividing D;

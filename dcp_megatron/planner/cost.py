@@ -24,8 +24,9 @@ rank for one pipeline stage of this model at its tp; when given they replace the
 estimate: interpolated log-log in length among the rows of the largest listed cp size <= c,
 scaled by cp_row/c, extrapolated as L² beyond the table. `activation_bytes_per_hidden` (measured
 bytes saved for backward per local token per layer per hidden/tp unit, by recompute kind; "full" is a
-recomputed layer's) replaces the 34 / 32 / 2 above, `output_bytes_per_vocab` (per local token per
-vocab/tp unit, outside the layers) the output layer's 6.
+recomputed layer's) scales activations.py's counted table to its "none" and replaces its "selective" and
+"full" (cost_memory.py), `output_bytes_per_vocab` (per local token per vocab/tp unit, outside the layers) the
+output layer's 6.
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Peak bytes per rank of one micro-batch (docs/cost_model.md).
 
-memory = static state (weights, gradients, optimizer states as the ZeRO stage shards them: param_sharding.py;
-         FP8 copies and communicator buffers: gpu_costs.py)
+memory = static state (bf16 weights 2 B + fp32 grads 4 B per parameter, Adam fp32 master + two moments 12 B
+         sharded over the domain with the distributed optimizer; all /(tp·pp), an MoE's experts /(tp·pp·ep);
+         ZeRO-2 / ZeRO-3 shard gradients / weights too: param_sharding.py; FP8 copies and communicator
+         buffers: gpu_costs.py)
        + per local token: what the stage's layers keep for backward with the micro-batch's relief (activations.py,
          relief.py; full recompute of k layers keeps the layer input plus one layer's working set while it reruns)
          and the output layer at the cross-entropy peak (bf16 logits and their fp32 upcast, vocab/tp per token);

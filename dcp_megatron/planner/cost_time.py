@@ -1,10 +1,16 @@
 """Seconds of one micro-batch for one pipeline stage, from its documents' summed terms (docs/cost_model.md).
 
-time = overhead + compute + relief (recompute, offload: relief.py) + MoE all-to-alls (moe_cost.py)
-     + ZeRO-3 weight gathers the compute does not hide (param_sharding.py) + exposed CP communication
-A document's compute is a·Lp + b(Lp)·Lp² over c ranks (Lp its padded length, padding.py) plus a per-document
-overhead; the CP communication is what the attention does not hide of the K/V each rank receives (the all-gather
-flavour) or Ulysses' all-to-alls where they are allowed and faster, plus per-collective latency.
+time = overhead
+     + compute            Σ_docs (a·Lp + b(Lp)·Lp²) / c + d per document, per pipeline stage (Lp: padding.py)
+     + relief             full k of n layers: (k/n)·(1/3)·compute; recompute modules, offload: relief.py
+     + MoE all-to-alls    EP token dispatch + combine, per MoE layer and pass, not overlapped (moe_cost.py)
+     + ZeRO-3 gathers     weight all-gathers and gradient reduce-scatters, what the compute does not hide
+     + exposed CP comm    K/V bytes each rank receives ((c-1)/c of the group's K/V per layer and
+                          pass; 3 passes fwd+bwd: K/V gather, again in backward, dK/dV reduce),
+                          overlapped with attention so only the excess shows, + per-collective latency;
+                          or Ulysses' all-to-alls where they are allowed and faster
+a = linear FLOPs per token / (tp·pp·gemm rate); b(Lp) = attention FLOPs per L² / (tp·pp·attn_rate(Lp/c)):
+the attention kernel works on the rank's chunk, so short chunks run at the short-document rate.
 """
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ class DcpConfig:
     # whether this run executes megatron-core's activation offload (the megatron.training adapter sets it where it
     # built the layers with it, on GPU: training/checks/offload_checks.py); without it "offload" is refused
     offload_runs: bool = False
-    # --dcp-policy-setting: a baseline's run-wide setting (planner/policies/settings.py's StaticSetting or
+    # --dcp-policy-setting: a baseline's run-wide setting (planner/baselines/settings.py's StaticSetting or
     # DynamicSetting; typed loosely, this module imports nothing of the project); None: the policy's default
     policy_setting: object | None = None
 

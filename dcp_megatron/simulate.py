@@ -21,7 +21,7 @@ run) defaults to the longest document among those the run's `--steps` batches co
 capped at `--tokens-per-step`: the cap a user who tuned the static layout for this data
 would pick, and the most favourable one for the static baselines.
 
-Baselines are tuned as their users tune them (`dcp_megatron.planner.baseline_sweep`): before the
+Baselines are tuned as their users tune them (`dcp_megatron.planner.baselines.sweep`): before the
 run is scored, each selected baseline with run-wide knobs (static's CP size and recompute,
 megatron-dynamic's per-rank token cap, smallest CP size and recompute, megatron-hybrid's cap and
 recompute) gets the single setting with the lowest mean step over the run's batches; the winner is
@@ -175,7 +175,8 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
     Returns the result and, when `keep_step` is given, each policy's (re-scored) plan of
     that step (for drawing)."""
     from dcp_megatron.planner.bounds import lower_bound
-    from dcp_megatron.planner.cost import CostModel, load_profile
+    from dcp_megatron.planner.cost import CostModel
+    from dcp_megatron.planner.cost_profile import load_profile
     from dcp_megatron.planner.policies import POLICIES, make_plan
     from dcp_megatron.planner.rescore import rescored
     from dcp_megatron.planner.timeline import plan_makespan
@@ -197,7 +198,7 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
     runs = {name: PolicyRun(name=name, mem_bytes_per_gpu=cluster.mem_bytes_per_gpu) for name in config.policies}
     sweeps = {}
     if config.tune_baselines:
-        from dcp_megatron.planner.baseline_sweep import SWEPT_POLICIES, sweep
+        from dcp_megatron.planner.baselines.sweep import SWEPT_POLICIES, sweep
         for name in (p for p in config.policies if p in SWEPT_POLICIES):
             try:
                 sweeps[name] = sweep(name, [b.sequences for b in batches], cost, max_seq_len=max_seq_len)
@@ -262,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "every policy plans in lockstep and pays the per-micro-batch weight gathers")
     p.add_argument("--no-tune", action="store_true",
                    help="plan the baselines at their default settings instead of sweeping each one's run-wide "
-                   "setting over the run's batches (dcp_megatron/planner/baseline_sweep.py)")
+                   "setting over the run's batches (dcp_megatron/planner/baselines/sweep.py)")
     p.add_argument("--verbose", action="store_true",
                    help="print every point of each baseline's sweep, not only its winner")
     p.add_argument("--json", default=None, metavar="OUT", help="write the metrics as JSON")
@@ -296,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dcp-simulate: error: {err}", file=sys.stderr)
         return 1
     report = result.to_json()
-    from dcp_megatron.planner.baseline_sweep import format_sweep
+    from dcp_megatron.planner.baselines.sweep import format_sweep
     for sweep_result in result.sweeps.values():   # the winners; the grids (hundreds of lines) with --verbose
         print(format_sweep(sweep_result, grid=args.verbose))
     print(f"{config.lengths}: {len(result.batches)} steps of <= {config.tokens_per_step} tokens, "

@@ -8,13 +8,13 @@ On the simulator's batches (H200 preset, --tokens-per-step per step), per domain
   static       Megatron's one layout, tuned: the (CP size, recompute) with the lowest mean step over the batches
   md           megatron-dynamic untuned: recompute off, per-rank token cap = the most memory holds without it
   md-tuned     megatron-dynamic tuned: (token cap, smallest CP size, recompute) swept over the same batches
-               (planner/baseline_sweep.py; the winner is printed)
+               (planner/baselines/sweep.py; the winner is printed)
   dcp-norc     dcp planning without any recompute (CP sizes must then hold every micro-batch)
   md-old       megatron-dynamic tuned on the old menu (none, core-attention recompute, full k: no MLP recompute)
   dcp-old      dcp on the old menu: per-micro-batch relief without module recompute or offload
   dcp-runwide  dcp with md-tuned's run-wide relief as its only relief besides full layers (module relief per
                micro-batch vs run-wide)
-  dcp-pow2     dcp without non-power-of-two groups (policies/dcp_odd.py's alternative off)
+  dcp-pow2     dcp without non-power-of-two groups (dcp/odd_groups.py's alternative off)
   dcp-minsize  dcp sizing each document at the smallest CP size that holds it (the cost model's growth rules off:
                `SizedSequences.grow_cheaper`, `grow_long_sequences`)
   dcp-lockstep dcp with equal micro-batch counts on every rank (one micro-batch per group per wave, as under
@@ -33,7 +33,7 @@ from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dcp_megatron.planner.baseline_sweep import sweep  # noqa: E402
+from dcp_megatron.planner.baselines.sweep import sweep  # noqa: E402
 from dcp_megatron.planner.cluster import cluster_preset  # noqa: E402
 from dcp_megatron.planner.cost import CostModel  # noqa: E402
 from dcp_megatron.planner.relief import MENU_NAMES  # noqa: E402
@@ -49,8 +49,8 @@ def _lever_off(column: str):
     """A context with one of dcp's levers switched off (the ablation's own switch: the planner has no such
     options, each lever is always on)."""
     from dcp_megatron.planner.model import ModelShape
-    from dcp_megatron.planner.policies import dcp
-    from dcp_megatron.planner.policies.sized_sequences import SizedSequences
+    from dcp_megatron.planner.dcp import own_layout as dcp
+    from dcp_megatron.planner.dcp.sized_sequences import SizedSequences
     if column == "dcp-pow2":
         return mock.patch.object(dcp, "odd_group_alternative", lambda ids, lengths, cost, seqs, makespan, groups,
                                  list_schedule: groups)

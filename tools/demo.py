@@ -9,7 +9,7 @@ megatron-dynamic, on real text.
    document lengths are long-tailed like a pretraining corpus.
 2. Tunes megatron-dynamic (Megatron dev's dynamic CP) for the demo's own global batches: the batches
    Megatron's dataset and sampler deal for the runs' flags and the cost model the runtime builds from them,
-   swept over planner/baseline_sweep.py's grid (tools/demo_tuning.py); prints the grid and its winner.
+   swept over planner/baselines/sweep.py's grid (tools/demo_tuning.py); prints the grid and its winner.
    Then trains a small GPT (4 layers, hidden 128, GQA 4/2 heads, RoPE, SwiGLU, RMSNorm) with
    pretrain_scripts/pretrain_gpt.py through megatron.training's loop on 2 CPU ranks (gloo),
    Megatron's GPT dataset with documents separated (--dataloader-inter-document-masking), three times
@@ -116,12 +116,12 @@ def tune(prefix: str, args: argparse.Namespace, budget: list[str]) -> str:
 
     from demo_tuning import tune_megatron_dynamic
 
-    from dcp_megatron.planner.baseline_sweep import format_sweep
+    from dcp_megatron.planner.baselines.sweep import format_sweep
 
     logging.getLogger("megatron").setLevel(logging.WARNING)   # the dataset builder's INFO lines
     result, setting = tune_megatron_dynamic(training_flags(prefix, args, ["--dcp", "--dcp-policy",
                                                                           "megatron-dynamic", *budget]))
-    print(f"== tuning megatron-dynamic for these {result.num_batches} global batches (planner/baseline_sweep.py, "
+    print(f"== tuning megatron-dynamic for these {result.num_batches} global batches (planner/baselines/sweep.py, "
           f"the runs' cost model):\n{format_sweep(result)}\n  winner: --dcp-policy-setting '{setting}'", flush=True)
     return setting
 

@@ -1,6 +1,6 @@
 """The demo's tuned megatron-dynamic: its run-wide setting swept over the demo's own global batches.
 
-A tuned user of Megatron dev's dynamic CP sets its knobs once for the run, as planner/baseline_sweep.py does in
+A tuned user of Megatron dev's dynamic CP sets its knobs once for the run, as planner/baselines/sweep.py does in
 the simulator. Here the sweep sees what the runs will plan: the global batches Megatron's dataset and sampler
 deal for the demo's flags (built as the DeepSpeed script builds them, dcp_megatron/deepspeed/samples.py: the
 same GPTDataset, seed and sample order), cut into documents in domain-rank order, and the cost model the
@@ -46,7 +46,7 @@ def tune_megatron_dynamic(flags: list[str]):
 
     from dcp_megatron.core.planning import build_cost_model, model_shape_from_args
     from dcp_megatron.flags.dcp_flags import dcp_config_from_args
-    from dcp_megatron.planner.baseline_sweep import sweep
+    from dcp_megatron.planner.baselines.sweep import sweep
 
     args = run_args(flags)
     config = dcp_config_from_args(args)

@@ -13,7 +13,7 @@ Rows (each one run-wide setting for the whole run, on the simulator's batches; m
                        starting point for max_seqlen_per_dp_cp_rank: "maximum sequence length / context parallel
                        size"), with the least recompute that fits it
   cap N                the round caps a user tries, each with the least recompute that fits it
-  tuned                the sweep's winner (planner/baseline_sweep.py)
+  tuned                the sweep's winner (planner/baselines/sweep.py)
 and dcp (no settings to tune). Columns: mean step, spread over the steps (min-max), dcp's speed-up over the row.
 """
 from __future__ import annotations
@@ -26,15 +26,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from dcp_megatron.planner.baseline_sweep import sweep  # noqa: E402
+from dcp_megatron.planner.baselines.sweep import sweep  # noqa: E402
 from dcp_megatron.planner.cluster import cluster_preset  # noqa: E402
 from dcp_megatron.planner.cost import CostModel  # noqa: E402
 from dcp_megatron.planner.model import model_preset  # noqa: E402
 from dcp_megatron.planner.policies import make_plan  # noqa: E402
-from dcp_megatron.planner.policies.megatron_dynamic import dynamic_cp_sizes  # noqa: E402
-from dcp_megatron.planner.policies.settings import (DynamicSetting, default_dynamic_setting,  # noqa: E402
+from dcp_megatron.planner.baselines.megatron_dynamic import dynamic_cp_sizes  # noqa: E402
+from dcp_megatron.planner.baselines.settings import (DynamicSetting, default_dynamic_setting,  # noqa: E402
                                                     least_recompute_for)
-from dcp_megatron.planner.policies.static import static_layout  # noqa: E402
+from dcp_megatron.planner.baselines.static import static_layout  # noqa: E402
 from dcp_megatron.simulate import SimulationConfig, cut_batches  # noqa: E402
 
 USER_CAPS = (8192, 16384, 32768, 65536)

@@ -50,7 +50,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dcp_megatron.planner.cluster import cpu_cluster  # noqa: E402
-from dcp_megatron.planner.cost import CostModel, check_profile  # noqa: E402
+from dcp_megatron.planner.cost import CostModel  # noqa: E402
+from dcp_megatron.planner.cost_profile import check_profile  # noqa: E402
 from dcp_megatron.planner.model import model_preset  # noqa: E402
 from dcp_megatron.planner.plan import Recompute  # noqa: E402
 from dcp_megatron.runtime.cp_attention import cp_attention  # noqa: E402

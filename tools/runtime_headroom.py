@@ -24,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tools/: bench_runtime adds the repo root
 
 import bench_runtime  # noqa: E402
-from dcp_megatron.planner.policies.static import static_layout  # noqa: E402
+from dcp_megatron.planner.baselines.static import static_layout  # noqa: E402
 
 
 def _int_list(text: str) -> list[int]:

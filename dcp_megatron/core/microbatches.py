@@ -34,7 +34,8 @@ from dcp_megatron.core.global_batch import ROW_FIELDS
 from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY, MicroBatchFacts
 from dcp_megatron.core.moe_aux import RouterDocuments, microbatch_documents
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute, StepPlan
-from dcp_megatron.runtime.sharding import padded_length, shard_microbatch
+from dcp_megatron.planner.padding import padded_length
+from dcp_megatron.runtime.sharding import shard_microbatch
 
 def _prefix(lengths) -> torch.Tensor:
     bounds = torch.zeros(1, len(lengths) + 1, dtype=torch.int32)

@@ -11,7 +11,8 @@ import hashlib
 
 from dcp_megatron.config import DcpConfig
 from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel, load_profile
+from dcp_megatron.planner.cost import CostModel
+from dcp_megatron.planner.cost_profile import load_profile
 from dcp_megatron.planner.gpu_costs import GpuCosts
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import StepPlan
@@ -105,7 +106,7 @@ def check_longest_fits(config: DcpConfig, cost: CostModel) -> None:
     import numpy as np
 
     from dcp_megatron.config import DcpUsageError
-    from dcp_megatron.planner.policies.common import candidate_sizes, check_static_memory, min_fitting_size
+    from dcp_megatron.planner.layout import candidate_sizes, check_static_memory, min_fitting_size
 
     try:
         check_static_memory(cost)   # its line names the flags (budget, optimizer sharding, TP/PP): kept whole

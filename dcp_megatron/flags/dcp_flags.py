@@ -95,7 +95,7 @@ def policy_setting_from_flag(text: str | None, policy: str | None):
     import json
 
     from dcp_megatron.config import DcpUsageError
-    from dcp_megatron.planner.policies.settings import setting_from_json
+    from dcp_megatron.planner.baselines.settings import setting_from_json
 
     if text is None:
         return None

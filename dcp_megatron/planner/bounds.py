@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from dcp_megatron.planner.plan import Recompute
-from dcp_megatron.planner.policies.common import candidate_sizes, check_batch, check_static_memory, divisor_sizes
+from dcp_megatron.planner.layout import candidate_sizes, check_batch, check_static_memory, divisor_sizes
 
 # a bound must never exceed a real plan: judge "fits" with a hair of slack against float rounding
 FIT_SLACK = 1.0 + 1e-9
@@ -79,7 +79,7 @@ def fastest_alone_time(length: int, cost) -> float:
     sizes = np.asarray(scored_sizes(cost.cluster), dtype=np.int64)
     overhead = cost.cluster.microbatch_overhead_s
     scale = min([1.0] + list(cost.time_scale.values()))        # measured factors below 1 shorten any time
-    if cost._attn_table:
+    if cost.time._attn_table:
         rank_seconds = np.array([_exact_rank_seconds(doc, int(c), cost)[0] for c in sizes.tolist()])
     else:
         rank_seconds = _exact_rank_seconds(np.full(sizes.shape, length), sizes, cost)
@@ -124,7 +124,7 @@ def _least_over_sizes(lengths: np.ndarray, ideal_compute: np.ndarray, ideal_attn
     gap = sizes > previous + 1          # sizes strictly between previous and size: the relaxed form
     lo, hi = previous[gap] + 1, sizes[gap] - 1
     column = lengths[:, None]
-    if cost._attn_table:
+    if cost.time._attn_table:
         exact = np.column_stack([_exact_rank_seconds(lengths, int(c), cost) for c in sizes.tolist()])
     else:
         exact = _exact_rank_seconds(column, sizes[None, :], cost)
@@ -164,16 +164,16 @@ def _compute_floor(lengths: np.ndarray, lo: np.ndarray, hi: np.ndarray, ideal_co
     and that row (the largest listed cp size <= c) only grows with c: charge t(L) x the row of lo."""
     linear = ideal_compute - ideal_attn
     lengths = lengths.astype(np.float64)
-    if cost._attn_table:
-        attn = np.column_stack([c * cost._attention_seconds(lengths[:, 0], c) for c in lo.ravel().tolist()])
+    if cost.time._attn_table:
+        attn = np.column_stack([c * cost.time._attention_seconds(lengths[:, 0], c) for c in lo.ravel().tolist()])
         return linear + attn, attn
-    log_len, rates = cost._rate_log_len, cost._rate_values
+    log_len, rates = cost.time._rate_log_len, cost.time._rate_values
     shortest = np.log(np.maximum(lengths / hi, 1.0))
     longest = np.log(lengths / lo + 2.0)
     fastest = np.maximum(np.interp(shortest, log_len, rates), np.interp(longest, log_len, rates))
     for x, r in zip(log_len.tolist(), rates.tolist()):     # an interior rate point can be the fastest
         fastest = np.where((shortest <= x) & (x <= longest), np.maximum(fastest, r), fastest)
-    attn = cost._attn_flops_per_len2 * lengths ** 2 / fastest
+    attn = cost.time._attn_flops_per_len2 * lengths ** 2 / fastest
     return linear + attn, attn
 
 

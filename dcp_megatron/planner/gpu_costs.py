@@ -26,7 +26,7 @@ from dcp_megatron.planner.model import ModelShape
 
 FP8_WEIGHT_COPY_BYTES = 2.0   # per linear parameter: TE's FP8 weight (1 B) and its transpose (1 B)
 # Non-aligned blocks (odd sizes, odd offsets) the group pool keeps at once (least recently used ones beyond it
-# are destroyed); a plan uses at most a few (policies/dcp_odd.py: MAX_ODD documents on odd groups).
+# are destroyed); a plan uses at most a few (dcp/odd_groups.py: MAX_ODD documents on odd groups).
 MAX_ODD_COMMUNICATORS = 8
 
 

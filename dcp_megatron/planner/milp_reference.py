@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcp_megatron.planner.policies.common import candidate_sizes
+from dcp_megatron.planner.layout import candidate_sizes
+from dcp_megatron.planner.padding import padded_length
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def split_long(lengths: np.ndarray, cost) -> tuple[np.ndarray, np.ndarray]:
     """(long, filler) lengths: long ones exceed what one rank holds alone without recompute."""
     lengths = np.asarray(lengths, dtype=np.int64)
     room = cost.max_local_tokens(cost.base_recompute)
-    long = cost.padded(lengths, 1) > room
+    long = padded_length(lengths, 1) > room
     return lengths[long], lengths[~long]
 
 

@@ -1,4 +1,4 @@
-"""What Mixture-of-Experts layers add to the cost model (cost.py): EP all-to-alls, expert activations.
+"""What Mixture-of-Experts layers add to the cost model's time (cost_time.py): the EP all-to-alls.
 
 - Token dispatch and combine (Megatron's alltoall token dispatcher): per MoE layer and micro-batch, forward
   dispatch + combine and backward the two gradients' all-to-alls, MOE_A2A_PASSES = 4. Each rank sends every
@@ -11,9 +11,8 @@
   --overlap-moe-expert-parallel-comm); each all-to-all also pays the cluster's collective latency.
 - Recompute: full recompute of k layers replays their forward, so 2 more passes per recomputed layer;
   selective recompute reruns core attention only (no all-to-all).
-- Activations: Korthikanti et al.'s 34·h bytes per token and layer hold 19·h in the MLP; an MoE layer's MLP
-  works on topk copies of each token at the experts' width, so that share scales by
-  topk · moe_ffn_hidden_size / ffn_hidden_size (a measured profile's activation factors replace it).
+- Activations: an MoE layer's tensors (topk copies of each token at the experts' width) are counted with the
+  dense ones in activations.py.
 Weights and FLOPs of the experts are the model's (model.ModelShape: params_per_rank, linear_flops_per_token).
 """
 from __future__ import annotations
@@ -27,7 +26,6 @@ from dcp_megatron.planner.model import ModelShape
 
 MOE_A2A_PASSES = 4            # dispatch + combine forward, their gradients backward
 RECOMPUTE_A2A_PASSES = 2      # a recomputed layer replays its forward dispatch + combine
-MLP_ACT_BYTES_PER_TOKEN_LAYER = 19   # × hidden: the MLP's share of ACT_BYTES_PER_TOKEN_LAYER (34)
 BYTES_PER_VALUE = 2           # bf16 hidden states
 
 
@@ -65,13 +63,3 @@ class MoeComm:
         local = np.asarray(local_tokens, dtype=np.float64)
         t = self.layer_passes(full_layers) * (self.seconds_per_local_token * local + self.latency_s)
         return np.where(local > 0, t, 0.0) if np.ndim(t) else (float(t) if local > 0 else 0.0)
-
-
-def moe_activation_factors(model: ModelShape, factors: dict[str, float]) -> dict[str, float]:
-    """The cost model's activation bytes per token and layer per hidden/tp unit, by recompute kind, with an MoE
-    layer's MLP share scaled by topk x expert width / ffn width ("full" keeps the layer input only)."""
-    if not model.is_moe:
-        return dict(factors)
-    width = model.moe_ffn_hidden_size or model.ffn_hidden_size
-    extra = MLP_ACT_BYTES_PER_TOKEN_LAYER * (model.moe_topk * width / model.ffn_hidden_size - 1.0)
-    return {kind: value + extra if kind in ("none", "selective") else value for kind, value in factors.items()}

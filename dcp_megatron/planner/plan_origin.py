@@ -1,7 +1,7 @@
 """Where a `dcp` plan's layout came from, and its one-token label for logs and reports.
 
-`make_plan("dcp", ...)` (policies/__init__.py) returns one of three kinds of plan, all with policy "dcp":
-- own: dcp's own layout (policies/dcp.py);
+`make_plan("dcp", ...)` (policies.py) returns one of three kinds of plan, all with policy "dcp":
+- own: dcp's own layout (dcp/own_layout.py);
 - seeded: a baseline's layout with dcp's per-micro-batch (or, under ZeRO-3, per-wave) reliefs, `extra["seeded_from"]`
   naming the baseline's layout (`megatron-dynamic`, `megatron-hybrid@tuned`, `megatron-dynamic@cap11520`);
 - fallback: a baseline's plan as is, no relief changed, `extra["fallback"]` naming it.

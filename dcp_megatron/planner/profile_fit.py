@@ -38,7 +38,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcp_megatron.planner.cluster import ClusterSpec
-from dcp_megatron.planner.cost import CP_PASSES, CostModel, check_profile
+from dcp_megatron.planner.cost import CostModel
+from dcp_megatron.planner.cost_profile import check_profile
+from dcp_megatron.planner.cost_time import CP_PASSES
+from dcp_megatron.planner.padding import padded_length
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute
 
@@ -73,7 +76,7 @@ class Measurement:
 
 def local_tokens(lengths, cp_size: int) -> float:
     """Padded tokens per rank (each document padded to a multiple of 2c, as the runtime shards)."""
-    return float(CostModel.padded(np.asarray(lengths, dtype=np.int64), cp_size).sum()) / cp_size
+    return float(padded_length(np.asarray(lengths, dtype=np.int64), cp_size).sum()) / cp_size
 
 
 def _fit_linear(points: list[Measurement]) -> tuple[float, float, float]:
@@ -101,7 +104,7 @@ def _attention_fit(points: list[Measurement]) -> tuple[list[list[float]], dict[i
     for cp in sorted({m.cp_size for m in points}):
         uniform = []
         for m in points:
-            padded = CostModel.padded(np.asarray(m.lengths, dtype=np.int64), cp)
+            padded = padded_length(np.asarray(m.lengths, dtype=np.int64), cp)
             if m.cp_size == cp and len(set(padded.tolist())) == 1:
                 uniform.append((int(padded[0]), len(m.lengths), m.attention_seconds))
         lengths = sorted({length for length, _, _ in uniform})

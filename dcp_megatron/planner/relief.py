@@ -30,7 +30,6 @@ from dcp_megatron.planner.plan import NO_RECOMPUTE, RECOMPUTE_MODULE_NAMES, SELE
 
 MENU_NAMES = ("none", "selective", "full") + tuple(m for m in RECOMPUTE_MODULE_NAMES if m != "shared_experts") \
     + ("offload",)
-LEGACY_MENU = ("none", "selective", "full")
 ATTENTION_OFFLOADS = (frozenset(), frozenset({"core_attn"}), frozenset({"core_attn", "attn_proj"}))
 MOE_OFFLOADS = (frozenset(), frozenset({"expert_fc1"}), frozenset({"expert_fc1", "moe_act"}))
 

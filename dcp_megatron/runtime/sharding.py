@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+from dcp_megatron.planner.padding import padded_length
+
 
 @dataclass(frozen=True)
 class LocalShard:
@@ -77,12 +79,6 @@ class LocalShard:
     def for_rank(self, cp_rank: int) -> "LocalShard":
         """The shard another rank of the same group holds (computed locally, nothing is sent)."""
         return shard_microbatch(self.doc_lengths, self.cp_size, cp_rank, pad_multiple=self.pad_multiple)
-
-
-def padded_length(length: int, cp_size: int, pad_multiple: int = 1) -> int:
-    """length rounded up to a multiple of 2 * cp_size * pad_multiple."""
-    unit = 2 * cp_size * pad_multiple
-    return -(-length // unit) * unit
 
 
 def shard_microbatch(doc_lengths: Sequence[int], cp_size: int, cp_rank: int, *, pad_multiple: int = 1) -> LocalShard:

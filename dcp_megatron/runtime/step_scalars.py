@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.plan_origin import FALLBACK, SEEDED, plan_origin
-from dcp_megatron.runtime.sharding import padded_length
+from dcp_megatron.planner.padding import padded_length
 
 TAG_PREFIX = "dcp/"
 

@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dcp_megatron.planner.model import kv_heads_exchanged, ulysses_supported
-from dcp_megatron.runtime.sharding import LocalShard, padded_length
+from dcp_megatron.planner.padding import padded_length
+from dcp_megatron.runtime.sharding import LocalShard
 
 
 class _SequenceToHeads(torch.autograd.Function):

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from dcp_megatron.planner.plan import StepPlan
-from dcp_megatron.runtime.sharding import padded_length
+from dcp_megatron.planner.padding import padded_length
 from tests.support.megatron_runs import (LLAMA_TINY, OUR_SCRIPT, LazyRuns, flatten_state, is_own_plan, read_plan_dumps,
                                          run_training)
 

@@ -20,7 +20,9 @@ import torch
 
 from dcp_megatron.training.profiler import profile_cp_sizes, profile_grid
 from dcp_megatron.planner.cluster import cpu_cluster
-from dcp_megatron.planner.cost import CP_PASSES, CostModel, check_profile, load_profile
+from dcp_megatron.planner.cost import CostModel
+from dcp_megatron.planner.cost_profile import check_profile, load_profile
+from dcp_megatron.planner.cost_time import CP_PASSES
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import NO_RECOMPUTE
 from dcp_megatron.planner.profile_fit import Measurement, fit_profile, local_tokens, scaled_to_stage, score_profile

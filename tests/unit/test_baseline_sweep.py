@@ -1,4 +1,4 @@
-"""The baselines' run-wide settings and their sweep (planner/baseline_sweep.py), on small cases worked by hand.
+"""The baselines' run-wide settings and their sweep (planner/baselines/sweep.py), on small cases worked by hand.
 
 tiny_cost(2) (gpt-tiny, 4 layers, 2 ranks, CP at most 2): at most 2,529 local tokens per rank without recompute,
 2,537 with selective, 2,496 / 3,101 / 4,092 / 6,015 with full recompute of 1 / 2 / 3 / 4
@@ -6,10 +6,10 @@ layers; 1e-4 s per micro-batch (test_the_memory_figures_this_file_works_from pin
 """
 import pytest
 
-from dcp_megatron.planner.baseline_sweep import dynamic_grid, grid_of, static_grid, sweep, token_caps
+from dcp_megatron.planner.baselines.sweep import dynamic_grid, grid_of, static_grid, sweep, token_caps
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 from dcp_megatron.planner.policies import make_plan
-from dcp_megatron.planner.policies.settings import DynamicSetting, StaticSetting, default_dynamic_setting
+from dcp_megatron.planner.baselines.settings import DynamicSetting, StaticSetting, default_dynamic_setting
 from dcp_megatron.planner.validate import validate
 from dcp_megatron.simulate import SimulationConfig, simulate
 from tests.support.planner_helpers import tiny_cost

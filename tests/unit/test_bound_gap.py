@@ -103,7 +103,7 @@ def test_milp_optimum_lies_between_the_bound_and_the_dcp_plan(seed):
 
 
 def test_an_odd_group_for_the_longest_document_shortens_a_bytescale_step(monkeypatch):
-    import dcp_megatron.planner.policies.dcp_odd as dcp_odd
+    import dcp_megatron.planner.dcp.odd_groups as dcp_odd
     from dcp_megatron.planner.batcher import GlobalBatcher
     from dcp_megatron.planner.distributions import iter_builtin_lengths
     from dcp_megatron.planner.validate import validate

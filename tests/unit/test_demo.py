@@ -92,7 +92,7 @@ def test_the_report_compares_dcp_with_static_and_the_tuned_baseline(capsys):
 def test_tuning_reads_the_runs_batches_and_gives_a_setting_the_tuned_run_accepts(tmp_path):
     demo, tuning = _tool("demo"), _tool("demo_tuning")
     from dcp_megatron.flags.dcp_flags import policy_setting_from_flag
-    from dcp_megatron.planner.policies.settings import DynamicSetting
+    from dcp_megatron.planner.baselines.settings import DynamicSetting
 
     prefix = str(tmp_path / "stdlib")
     demo.build_dataset(prefix, 4)

@@ -7,7 +7,7 @@ workload L²/s; the busiest-rank bound 1.05 · longest · cap.
 import pytest
 
 from dcp_megatron.planner.policies import make_plan
-from dcp_megatron.planner.policies.megatron_dynamic import dynamic_cp_sizes, schedule_groups
+from dcp_megatron.planner.baselines.megatron_dynamic import dynamic_cp_sizes, schedule_groups
 from dcp_megatron.planner.validate import validate
 from tests.support.planner_helpers import tiny_cost
 from tests.unit.test_planner_policies import long_tailed_batch

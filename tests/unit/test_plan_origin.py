@@ -74,8 +74,8 @@ def test_zero3_seed_names_are_one_token():
     import math
     import re
 
-    from dcp_megatron.planner.policies.common import check_batch
-    from dcp_megatron.planner.policies.lockstep_seeds import lockstep_seeds
+    from dcp_megatron.planner.layout import check_batch
+    from dcp_megatron.planner.dcp.lockstep_seeds import lockstep_seeds
     from tests.unit.test_zero3_relief import _run
 
     cost, batches, max_seq_len = _run("lognormal", 8, 262144, steps=1)

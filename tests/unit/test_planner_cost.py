@@ -6,7 +6,8 @@ import pytest
 
 from dcp_megatron.planner.activations import layer_tensors
 from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel, load_profile
+from dcp_megatron.planner.cost import CostModel
+from dcp_megatron.planner.cost_profile import load_profile
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 from tests.support.planner_helpers import tiny_cluster, tiny_cost

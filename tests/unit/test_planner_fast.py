@@ -7,12 +7,12 @@ import pytest
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute, StepPlan
 from dcp_megatron.planner.policies import make_plan
-from dcp_megatron.planner.policies.balance import lpt_assign_rounds
-from dcp_megatron.planner.policies.common import (assemble_waves, candidate_sizes, check_batch, local_tokens,
-                                                  lpt_assign, min_fitting_size)
-from dcp_megatron.planner.policies.sized_sequences import SizedSequences
-from dcp_megatron.planner.policies.dcp_waves import plan_mixed_waves
-from dcp_megatron.planner.policies.hybrid import _double_into_free, _first_fit, _place
+from dcp_megatron.planner.layout import assemble_waves, candidate_sizes, check_batch, min_fitting_size
+from dcp_megatron.planner.padding import local_tokens
+from dcp_megatron.planner.list_scheduling import lpt_assign, lpt_assign_rounds
+from dcp_megatron.planner.dcp.sized_sequences import SizedSequences
+from dcp_megatron.planner.dcp.waves import plan_mixed_waves
+from dcp_megatron.planner.baselines.hybrid import _double_into_free, _first_fit, _place
 from dcp_megatron.planner.timeline import plan_makespan
 from dcp_megatron.planner.validate import validate
 from tests.support.planner_helpers import tiny_cost

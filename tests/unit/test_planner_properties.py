@@ -12,7 +12,8 @@ from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import Recompute
 from dcp_megatron.planner.policies import make_plan
-from dcp_megatron.planner.policies.common import candidate_sizes, local_tokens
+from dcp_megatron.planner.layout import candidate_sizes
+from dcp_megatron.planner.padding import local_tokens
 from dcp_megatron.planner.timeline import plan_makespan
 from dcp_megatron.planner.validate import validate
 from tests.support.planner_helpers import plans_of_every_policy, tiny_cluster, tiny_cost

@@ -12,7 +12,7 @@ from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, MicroBatch, Recompute
 from dcp_megatron.planner.policies import POLICIES, make_plan
-from dcp_megatron.planner.policies.common import candidate_sizes
+from dcp_megatron.planner.layout import candidate_sizes
 from dcp_megatron.planner.validate import PlanError, validate
 from tests.support.planner_helpers import plans_of_every_policy, tiny_cluster
 

@@ -161,10 +161,10 @@ def test_plan_json_keeps_old_plans_and_carries_modules_and_offload():
 
 def test_dcp_seeded_with_a_baselines_layout_reliefs_each_microbatch():
     """megatron-dynamic pays its run-wide relief on every micro-batch; the relief pass gives the light ones none."""
-    from dcp_megatron.planner.policies.megatron_dynamic import plan_megatron_dynamic
-    from dcp_megatron.planner.policies.relief_pass import with_own_reliefs
-    from dcp_megatron.planner.policies.settings import DynamicSetting
-    from dcp_megatron.planner.policies.common import check_batch
+    from dcp_megatron.planner.baselines.megatron_dynamic import plan_megatron_dynamic
+    from dcp_megatron.planner.dcp.relief_pass import with_own_reliefs
+    from dcp_megatron.planner.baselines.settings import DynamicSetting
+    from dcp_megatron.planner.layout import check_batch
 
     cost = _h200(gpus=8)
     batch = [(i, 2000 + i) for i in range(64)]

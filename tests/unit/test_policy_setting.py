@@ -13,7 +13,7 @@ from dcp_megatron.core.planning import build_cost_model, check_longest_fits, pla
 from dcp_megatron.flags.dcp_flags import add_dcp_arguments, dcp_config_from_args
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import Recompute
-from dcp_megatron.planner.policies.settings import DynamicSetting, StaticSetting, setting_from_json
+from dcp_megatron.planner.baselines.settings import DynamicSetting, StaticSetting, setting_from_json
 
 SEQ = 2048
 # the demo's model (tools/demo.py) on 2 CPU ranks with its 0.02 GiB budget

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_megatron.runtime.sharding import padded_length, shard_microbatch
+from dcp_megatron.planner.padding import padded_length
+from dcp_megatron.runtime.sharding import shard_microbatch
 
 
 def _expected_rows(lengths, cp_size, cp_rank):

@@ -189,7 +189,7 @@ def test_baseline_settings_are_for_dcp_and_of_each_baselines_kind():
     from dcp_megatron.planner.model import model_preset
     from dcp_megatron.planner.plan import NO_RECOMPUTE
     from dcp_megatron.planner.policies import make_plan
-    from dcp_megatron.planner.policies.settings import DynamicSetting, StaticSetting
+    from dcp_megatron.planner.baselines.settings import DynamicSetting, StaticSetting
 
     cost = CostModel(model_preset("llama3-8b"), cluster_preset("h200", domain_size=4))
     batch = [(0, 4096), (1, 2048)]

@@ -1,20 +1,20 @@
 """dcp under ZeRO-3 (`ModelShape.wave_uniform_relief`): one relief per wave that every micro-batch of it, an idle
 rank's filler too, runs (what DeepSpeed's stage 3 can run); full-recompute packing rooms (fewer, fuller waves);
-never slower than a tuned megatron-dynamic on small runs (policies/lockstep_seeds.py); the DeepSpeed step's check
+never slower than a tuned megatron-dynamic on small runs (dcp/lockstep_seeds.py); the DeepSpeed step's check
 of a plan's waves (deepspeed/engine_step.check_wave_reliefs). Qwen2.5-32B on H200s, modelled."""
 import dataclasses
 import math
 
 import pytest
 
-from dcp_megatron.planner.baseline_sweep import sweep
+from dcp_megatron.planner.baselines.sweep import sweep
 from dcp_megatron.planner.cluster import cluster_preset
 from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, StepPlan, Wave
 from dcp_megatron.planner.policies import make_plan
-from dcp_megatron.planner.policies.common import check_batch
-from dcp_megatron.planner.policies.dcp import plan_dcp
+from dcp_megatron.planner.layout import check_batch
+from dcp_megatron.planner.dcp.own_layout import plan_dcp
 from dcp_megatron.planner.validate import validate
 from dcp_megatron.simulate import SimulationConfig, cut_batches
 
@@ -59,8 +59,8 @@ def test_every_wave_runs_one_relief_fillers_included():
 def test_a_baselines_wave_takes_one_relief_no_slower_than_its_run_wide_one():
     """A baseline's layout seeding dcp under ZeRO-3 gets one relief per wave (relief_pass.with_wave_reliefs), its
     fillers too, and no micro-batch slower than with the run-wide relief."""
-    from dcp_megatron.planner.policies.relief_pass import with_own_reliefs
-    from dcp_megatron.planner.policies.settings import DynamicSetting, least_recompute_for
+    from dcp_megatron.planner.dcp.relief_pass import with_own_reliefs
+    from dcp_megatron.planner.baselines.settings import DynamicSetting, least_recompute_for
 
     cost, batches, max_seq_len = _run("lognormal", 8, 262144)
     for cap in (4096, 8192, 16000):
@@ -129,8 +129,8 @@ def test_an_idle_ranks_filler_runs_the_relief_its_plan_names():
 def test_a_seeded_waves_idle_filler_takes_the_waves_relief_and_validate_refuses_a_wave_that_mixes():
     """A baseline's wave with an idle rank: the relief pass gives the filler the relief its busy peers run
     (relief_pass.with_wave_reliefs), and `validate` refuses a ZeRO-3 plan whose filler kept its own."""
-    from dcp_megatron.planner.policies.common import microbatch_from_sums
-    from dcp_megatron.planner.policies.relief_pass import with_own_reliefs
+    from dcp_megatron.planner.layout import microbatch_from_sums
+    from dcp_megatron.planner.dcp.relief_pass import with_own_reliefs
     from dcp_megatron.planner.validate import PlanError
 
     cost, _, _ = _run("lognormal", 8, 262144, steps=1)

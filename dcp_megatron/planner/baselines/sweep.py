@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, StepPlan
-from dcp_megatron.planner.policies.settings import DynamicSetting, StaticSetting, check_recompute_fits, token_caps  # noqa: F401
+from dcp_megatron.planner.baselines.settings import DynamicSetting, StaticSetting, check_recompute_fits, token_caps  # noqa: F401
 
 STATIC_POLICIES = ("static", "static-balanced")
 DYNAMIC_POLICIES = ("megatron-dynamic", "megatron-hybrid")
@@ -64,14 +64,15 @@ def _recompute_candidates(cost, local_tokens: int) -> list:
     room = cost.cluster.mem_budget_bytes - cost.static_bytes
     out = [r for r in cost.recompute_options() if r.kind != "full" and cost.max_local_tokens(r) >= local_tokens]
     if "full" in cost.allowed_recompute and (not out or out[0] is not NO_RECOMPUTE):
-        k = cost._fewest_full_layers(float(local_tokens), room)
+        k = cost.relief.fewest_full_layers(float(local_tokens), room)
         if k is not None:
             out.append(cost.full_recompute_options()[k - 1])
     return out
 
 
 def static_grid(cost, max_seq_len: int) -> list[StaticSetting]:
-    from dcp_megatron.planner.policies.common import divisor_sizes, local_tokens
+    from dcp_megatron.planner.layout import divisor_sizes
+    from dcp_megatron.planner.padding import local_tokens
 
     grid = []
     for c in divisor_sizes(cost.cluster):
@@ -81,8 +82,8 @@ def static_grid(cost, max_seq_len: int) -> list[StaticSetting]:
 
 
 def dynamic_grid(cost, max_seq_len: int, policy: str = "megatron-dynamic") -> list[DynamicSetting]:
-    from dcp_megatron.planner.policies.hybrid import hybrid_cp_sizes
-    from dcp_megatron.planner.policies.megatron_dynamic import dynamic_cp_sizes
+    from dcp_megatron.planner.baselines.hybrid import hybrid_cp_sizes
+    from dcp_megatron.planner.baselines.megatron_dynamic import dynamic_cp_sizes
 
     D, limit = cost.cluster.domain_size, cost.cluster.cp_size_limit
     top = (dynamic_cp_sizes if policy == "megatron-dynamic" else hybrid_cp_sizes)(D, limit)[-1]
@@ -105,9 +106,9 @@ def sweep(policy: str, batches: Sequence[Sequence[tuple[int, int]]], cost, *, ma
     `score(j, setting)`: batch j's step time under the setting (default: its plan's, by the cost model;
     ValueError: the setting cannot run it)."""
     from dcp_megatron.planner.policies import make_plan
-    from dcp_megatron.planner.policies.common import check_batch
-    from dcp_megatron.planner.policies.cp_flavour import choose_cp_attention
-    from dcp_megatron.planner.policies.megatron_dynamic import dynamic_schedule, waves_of_schedule
+    from dcp_megatron.planner.layout import check_batch
+    from dcp_megatron.planner.cp_flavour import choose_cp_attention
+    from dcp_megatron.planner.baselines.megatron_dynamic import dynamic_schedule, waves_of_schedule
     from dcp_megatron.planner.timeline import plan_makespan
 
     if not batches:
@@ -156,10 +157,10 @@ def sweep(policy: str, batches: Sequence[Sequence[tuple[int, int]]], cost, *, ma
 
 def _default_setting(policy: str, cost, max_seq_len: int):
     """The setting the policy plans with when given none (None when that is no single setting)."""
-    from dcp_megatron.planner.policies.hybrid import hybrid_cp_sizes
-    from dcp_megatron.planner.policies.megatron_dynamic import dynamic_cp_sizes
-    from dcp_megatron.planner.policies.settings import default_dynamic_setting
-    from dcp_megatron.planner.policies.static import static_layout
+    from dcp_megatron.planner.baselines.hybrid import hybrid_cp_sizes
+    from dcp_megatron.planner.baselines.megatron_dynamic import dynamic_cp_sizes
+    from dcp_megatron.planner.baselines.settings import default_dynamic_setting
+    from dcp_megatron.planner.baselines.static import static_layout
 
     D, limit = cost.cluster.domain_size, cost.cluster.cp_size_limit
     try:

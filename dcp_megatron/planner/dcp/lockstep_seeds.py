@@ -3,7 +3,7 @@
 In lockstep every wave pays the stage's weight gathers, so a step is about Σ over waves of max(the wave's
 slowest micro-batch, the gathers it cannot hide): few, full waves win, with the relief that lets them hold
 that many tokens. A tuned megatron-dynamic finds one such run-wide token cap and recompute over a run's
-batches (planner/baseline_sweep.py); dcp cannot see the tuning, so per batch it schedules dev's packing at
+batches (planner/baselines/sweep.py); dcp cannot see the tuning, so per batch it schedules dev's packing at
 the cap of each wave count n (Σ local tokens / (D·n), CAP_SLACK over), from the fewest waves the strongest
 relief allows to those the room without relief needs, and gives every wave the relief that holds its fullest
 micro-batch fastest (relief_pass.with_wave_reliefs: one relief per wave, fillers included, which DeepSpeed's
@@ -20,9 +20,9 @@ import math
 import numpy as np
 
 from dcp_megatron.planner.plan import StepPlan
-from dcp_megatron.planner.policies.megatron_dynamic import dynamic_cp_sizes, dynamic_schedule, waves_of_schedule
-from dcp_megatron.planner.policies.relief_pass import wave_relief, with_wave_reliefs
-from dcp_megatron.planner.policies.settings import DynamicSetting, least_recompute_for, token_caps
+from dcp_megatron.planner.baselines.megatron_dynamic import dynamic_cp_sizes, dynamic_schedule, waves_of_schedule
+from dcp_megatron.planner.dcp.relief_pass import wave_relief, with_wave_reliefs
+from dcp_megatron.planner.baselines.settings import DynamicSetting, least_recompute_for, token_caps
 from dcp_megatron.planner.timeline import one_microbatch_makespan, plan_makespan
 
 CAP_SLACK = 0.02        # a wave count's cap over its even share: dev's greedy fills waves to the cap, unevenly

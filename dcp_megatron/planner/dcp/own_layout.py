@@ -11,26 +11,25 @@
    second is already as short as the first could be.
 2. PP = 1 — list scheduling: size classes largest first, each class's sequences longest
    first onto the aligned block of its size whose ranks are free earliest (LPT, decided in
-   numpy rounds by `balance.lpt_assign_rounds`, the same result as a heap). Blocks of
+   numpy rounds by `list_scheduling.lpt_assign_rounds`, the same result as a heap). Blocks of
    one power-of-two size class are always in sync, so no rank waits inside a block. A
    block's sequences become micro-batches next-fit up to the per-rank tokens that fit
    without recompute (few micro-batches: each pays a fixed overhead); a sequence too big
    for that runs alone with the fastest recompute that fits. Groups become waves in
    execution order (`assemble_waves`), so ranks run variable micro-batch counts.
-   Then `dcp_odd`: the longest sequences may instead run first on non-power-of-two groups
+   Then odd_groups.py: the longest sequences may instead run first on non-power-of-two groups
    (fewer rank-seconds than their power of two), the rest scheduled after, if that ends sooner.
-3. PP > 1 — see `dcp_pipeline`.
+3. PP > 1 — see pipeline.py.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Wave
-from dcp_megatron.planner.policies.balance import lpt_assign_rounds
-from dcp_megatron.planner.policies.common import (assemble_waves, candidate_sizes, microbatch_from_sums,
-                                                  min_fitting_size)
-from dcp_megatron.planner.policies.dcp_odd import odd_group_alternative
-from dcp_megatron.planner.policies.sized_sequences import SizedSequences
+from dcp_megatron.planner.list_scheduling import lpt_assign_rounds
+from dcp_megatron.planner.layout import assemble_waves, candidate_sizes, microbatch_from_sums, min_fitting_size
+from dcp_megatron.planner.dcp.odd_groups import odd_group_alternative
+from dcp_megatron.planner.dcp.sized_sequences import SizedSequences
 
 
 WHOLE_DOMAIN_LIMIT = 64     # the whole-domain candidate is tried on domains up to this size (planning time)
@@ -38,7 +37,7 @@ WHOLE_DOMAIN_LIMIT = 64     # the whole-domain candidate is tried on domains up 
 
 def plan_dcp(ids: np.ndarray, lengths: np.ndarray, cost, *, max_seq_len: int) -> tuple[Wave, ...]:
     if cost.model.lockstep:
-        from dcp_megatron.planner.policies.dcp_pipeline import plan_dcp_pipeline
+        from dcp_megatron.planner.dcp.pipeline import plan_dcp_pipeline
         return plan_dcp_pipeline(ids, lengths, cost)
     D = cost.cluster.domain_size
     sizes = candidate_sizes(cost.cluster)

@@ -1,7 +1,7 @@
 """Run-wide settings of the baselines: what a user sets once for a whole run.
 
 A Megatron run cannot change these per step, so a baseline plans every batch of a run with one
-setting. `planner/baseline_sweep.py` picks the setting with the lowest mean step over a run's batches
+setting. `planner/baselines/sweep.py` picks the setting with the lowest mean step over a run's batches
 (a tuned user); the defaults here are what a user gets without that sweep.
 
 - `StaticSetting`: the static layout's CP size and recompute (Megatron's `--context-parallel-size`,
@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from dcp_megatron.planner.padding import local_tokens
 from dcp_megatron.planner.plan import Recompute
 
 SMALLEST_CAP = 256       # token caps 256 x 2^(k/2), rounded to CAP_ROUNDING tokens (token_caps)
@@ -115,13 +116,13 @@ def default_dynamic_setting(cost, longest: int, sizes: list[int]) -> DynamicSett
     the run's longest sequence (`longest`, its length cap) fits the largest allowed CP size (`sizes`
     ascending), smallest CP size 1; the strongest recompute's when none holds it (a batch's own sequences
     then decide whether it runs)."""
-    share = 2 * -(-int(longest) // (2 * sizes[-1]))
+    share = local_tokens(int(longest), sizes[-1])
     r = next((r for r in cost.recompute_options() if cost.max_local_tokens(r) >= share), cost.strongest_recompute)
     return DynamicSetting(token_cap=max(int(cost.max_local_tokens(r)), 1), recompute=r)
 
 
 def token_caps(cost, longest: int, top_size: int) -> list[int]:
-    """The per-rank token caps a tuned dynamic-CP run chooses from (baseline_sweep.dynamic_grid; dcp's ZeRO-3 seeds
+    """The per-rank token caps a tuned dynamic-CP run chooses from (sweep.dynamic_grid; dcp's ZeRO-3 seeds
     near their best cap, lockstep_seeds.py), ascending: those that hold the longest sequence on `top_size` ranks."""
     most = cost.max_local_tokens(cost.strongest_recompute)
     need = 2 * -(-int(longest) // (2 * top_size))

@@ -17,7 +17,7 @@ import heapq
 import numpy as np
 
 from dcp_megatron.planner.plan import Group
-from dcp_megatron.planner.policies.common import microbatch_from_sums
+from dcp_megatron.planner.layout import microbatch_from_sums
 
 MIN_GAIN = 0.002
 MAX_CANDIDATES = 8

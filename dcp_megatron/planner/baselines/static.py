@@ -1,7 +1,7 @@
 """Megatron's default layout and its balanced variant (docs/simulator.md).
 
 `static`: one (CP size c, recompute) pair for the whole run (a `StaticSetting`). The simulator
-gives it the pair with the lowest mean step over the run's batches (planner/baseline_sweep.py).
+gives it the pair with the lowest mean step over the run's batches (planner/baselines/sweep.py).
 Without a setting (the default, also dcp's fallback): among CP sizes dividing D, with the fastest
 recompute with which a micro-batch holding one sequence of the run's length cap fits, the pair
 with the fewest rank-seconds for two full micro-batches: that longest sequence, and the same
@@ -22,8 +22,9 @@ from typing import NamedTuple
 import numpy as np
 
 from dcp_megatron.planner.plan import Group, Recompute, Wave
-from dcp_megatron.planner.policies.common import divisor_sizes, local_tokens, microbatch_from_sums
-from dcp_megatron.planner.policies.settings import StaticSetting, check_recompute_fits
+from dcp_megatron.planner.layout import divisor_sizes, microbatch_from_sums
+from dcp_megatron.planner.padding import local_tokens
+from dcp_megatron.planner.baselines.settings import StaticSetting, check_recompute_fits
 
 
 TYPICAL_DOC_LEN = 4096   # a common pretraining sequence length

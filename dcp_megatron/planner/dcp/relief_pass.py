@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, Wave
-from dcp_megatron.planner.policies.common import microbatch_from_sums
+from dcp_megatron.planner.layout import microbatch_from_sums
 
 
 def with_own_reliefs(waves: tuple[Wave, ...], cost) -> tuple[tuple[Wave, ...], bool]:

@@ -1,7 +1,7 @@
 """`megatron-hybrid`: Megatron-core's hybrid (dynamic) CP scheduler as published (docs/simulator.md).
 
 - max tokens per rank: the setting's cap (the user's `max_seqlen_per_dp_cp_rank`; a
-  `DynamicSetting`, tuned by planner/baseline_sweep.py in the simulator, else
+  `DynamicSetting`, tuned by planner/baselines/sweep.py in the simulator, else
   `default_dynamic_setting`);
 - CP size of a sequence: the smallest power of two, or the whole domain (megatron-core builds a
   group "for every power of 2 of GPUs or the entire DPxCP group"), whose per-rank share of the
@@ -23,8 +23,10 @@ import math
 import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Wave
-from dcp_megatron.planner.policies.common import lpt_bins, local_tokens, microbatch_from_sums, pow2_sizes
-from dcp_megatron.planner.policies.settings import DynamicSetting, check_recompute_fits, default_dynamic_setting
+from dcp_megatron.planner.layout import microbatch_from_sums, pow2_sizes
+from dcp_megatron.planner.padding import local_tokens
+from dcp_megatron.planner.list_scheduling import lpt_bins
+from dcp_megatron.planner.baselines.settings import DynamicSetting, check_recompute_fits, default_dynamic_setting
 from dcp_megatron.planner.timeline import one_microbatch_makespan
 
 

@@ -8,8 +8,8 @@ start the next one, until every sequence is placed. Within a micro-batch:
   communicators), from the smallest dynamic CP size up; a sequence's smallest size is the first
   whose padded per-rank share fits the per-rank token cap (Megatron's
   `--max-seqlen-per-dp-cp-rank`). Cap, smallest size and recompute are one run-wide
-  `DynamicSetting` (policies/settings.py): tuned over the run's batches by
-  planner/baseline_sweep.py in the simulator, else `default_dynamic_setting`;
+  `DynamicSetting` (baselines/settings.py): tuned over the run's batches by
+  planner/baselines/sweep.py in the simulator, else `default_dynamic_setting`;
 - sequences longest first; the first opens a group of its smallest size; each later one goes to
   the placement (join a group of size c whose packed tokens per rank still fit, or open a group
   of size c on free ranks, for every allowed c >= its smallest) that gives the lowest busiest-rank
@@ -32,8 +32,8 @@ from typing import NamedTuple
 import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, StepPlan, Wave
-from dcp_megatron.planner.policies.common import microbatch_from_sums
-from dcp_megatron.planner.policies.settings import DynamicSetting, check_recompute_fits, default_dynamic_setting
+from dcp_megatron.planner.layout import microbatch_from_sums
+from dcp_megatron.planner.baselines.settings import DynamicSetting, check_recompute_fits, default_dynamic_setting
 from dcp_megatron.planner.timeline import plan_makespan
 
 WORKLOAD_SLACK = 0.05   # Megatron's allowance over the busiest-rank workload bound

@@ -1,15 +1,16 @@
-"""Pieces every policy shares: input checks, allowed group sizes, micro-batch estimates, and
-turning scheduled groups into waves."""
+"""What both policy families (baselines/, dcp/) build plans from: input checks, allowed group sizes, micro-batch
+estimates, waves from scheduled groups, and the finished StepPlan."""
 from __future__ import annotations
 
-import heapq
 import itertools
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from dcp_megatron.planner.cluster import ClusterSpec
-from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, Wave
+from dcp_megatron.planner.cp_flavour import choose_cp_attention
+from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, StepPlan, Wave
+from dcp_megatron.planner.timeline import plan_makespan
 
 
 def check_batch(batch: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -62,12 +63,6 @@ def divisor_sizes(cluster: ClusterSpec) -> list[int]:
     return [c for c in range(1, limit + 1) if D % c == 0]
 
 
-def local_tokens(lengths: np.ndarray, size: int) -> np.ndarray:
-    """Padded tokens per rank of each document at CP size `size`."""
-    step = 2 * size
-    return (-(-lengths // step) * step) // size
-
-
 def check_static_memory(cost) -> None:
     if cost.static_bytes >= cost.cluster.mem_budget_bytes:
         raise ValueError(f"the model's static state alone ({cost.static_bytes / 2**30:.4g} GiB per rank: weights, "
@@ -82,7 +77,7 @@ def min_fitting_size(lengths: np.ndarray, ids: np.ndarray, sizes: list[int], cos
     (with the strongest allowed recompute); ValueError naming a sequence that fits none."""
     check_static_memory(cost)
     cap = cost.max_local_tokens(cost.strongest_recompute)
-    # local_tokens(L, s) = 2·ceil(L / 2s) <= cap  <=>  L <= 2s·(cap // 2): one threshold per size
+    # padding.local_tokens(L, s) = 2·ceil(L / 2s) <= cap  <=>  L <= 2s·(cap // 2): one threshold per size
     thresholds = np.asarray(sizes, dtype=np.int64) * (2 * (cap // 2))
     idx = np.searchsorted(thresholds, lengths, side="left")
     bad = np.flatnonzero(idx == len(sizes))
@@ -106,49 +101,6 @@ def microbatch_from_sums(cost, sequences: tuple, local: float, compute: float, a
     return MicroBatch(sequences, recompute,
                       float(cost.time_from_sums(local, compute, attn, size, first_rank, recompute)),
                       int(cost.memory_from_tokens(local, recompute)))
-
-
-def lpt_assign(item_times: Sequence[float], loads: Sequence[float]) -> tuple[list[int], list[float]]:
-    """Longest-processing-time list scheduling: items in the given order (longest first) each
-    go to the bin with the least load (ties: lowest index). Returns bin per item, final loads."""
-    heap = [(float(load), b) for b, load in enumerate(loads)]
-    heapq.heapify(heap)
-    where: list[int] = []
-    add, replace = where.append, heapq.heapreplace       # local names: this loop is the hot path
-    for t in item_times:
-        load, b = heap[0]
-        replace(heap, (load + t, b))
-        add(b)
-    final = [0.0] * len(loads)
-    for load, b in heap:
-        final[b] = load
-    return where, final
-
-
-def lpt_bins(order: Sequence[int], work: Sequence[float], tokens: Sequence[int], room: int,
-             count: int) -> list[list[int]]:
-    """Equal-work bins with a token room: each item (in the given order, largest first) to
-    the least-worked open bin (ties: lowest bin); a bin without room for the item is closed
-    (later items are no larger, so little is lost) and a new bin opens when none is left.
-    Returns the non-empty bins (item indices in assignment order)."""
-    heap = [(0.0, b) for b in range(count)]
-    used = [0] * count
-    bins: list[list[int]] = [[] for _ in range(count)]
-    for i in order:
-        need = tokens[i]
-        while heap and used[heap[0][1]] + need > room:
-            heapq.heappop(heap)
-        if heap:
-            w, b = heap[0]
-            heapq.heapreplace(heap, (w + work[i], b))
-        else:
-            b = len(bins)
-            bins.append([])
-            used.append(0)
-            heap.append((work[i], b))
-        bins[b].append(i)
-        used[b] += need
-    return [b for b in bins if b]
 
 
 def assemble_waves(domain_size: int, scheduled: Iterable[Group]) -> tuple[Wave, ...]:
@@ -183,3 +135,13 @@ def assemble_waves(domain_size: int, scheduled: Iterable[Group]) -> tuple[Wave, 
             r += g.size
         out.append(Wave(tuple(filled)))
     return tuple(out)
+
+
+def finish_plan(policy: str, waves, cost, bound: float, extra: dict | None = None) -> StepPlan:
+    """The StepPlan of a policy's waves: each CP micro-batch labelled with the attention flavour its estimate was
+    scored with (cp_flavour.py), the step estimate from the per-rank timeline, the batch's lower bound."""
+    waves = choose_cp_attention(waves, cost)
+    plan = StepPlan(domain_size=cost.cluster.domain_size, waves=waves, lower_bound_s=bound, policy=policy,
+                    extra=extra or {})
+    return StepPlan(domain_size=plan.domain_size, waves=waves, est_step_time_s=plan_makespan(plan),
+                    lower_bound_s=bound, policy=policy, extra=extra or {})

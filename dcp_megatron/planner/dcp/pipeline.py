@@ -1,7 +1,7 @@
 """`dcp` with pipeline parallelism: every group runs exactly one micro-batch per wave.
 
 Two plans are built and the one with the shorter timeline is returned: mixed-size waves
-(`dcp_waves`, usually the better one) and uniform waves, described here.
+(waves.py, usually the better one) and uniform waves, described here.
 1F1B needs every rank to run the same micro-batch count; in uniform waves a wave of CP size
 c tiles the domain with D/c groups (c divides D), each running one micro-batch. Per size class:
 - sequences choose sizes as in the PP = 1 policy, among sizes dividing D;
@@ -23,11 +23,11 @@ import math
 import numpy as np
 
 from dcp_megatron.planner.plan import Group, MicroBatch, StepPlan, Wave
-from dcp_megatron.planner.policies.common import (candidate_sizes, divisor_sizes, lpt_bins, microbatch_from_sums,
-                                                  min_fitting_size)
-from dcp_megatron.planner.policies.sized_sequences import SizedSequences
-from dcp_megatron.planner.policies.dcp_waves import plan_mixed_waves
-from dcp_megatron.planner.policies.relief_pass import with_wave_reliefs
+from dcp_megatron.planner.layout import candidate_sizes, divisor_sizes, microbatch_from_sums, min_fitting_size
+from dcp_megatron.planner.list_scheduling import lpt_bins
+from dcp_megatron.planner.dcp.sized_sequences import SizedSequences
+from dcp_megatron.planner.dcp.waves import plan_mixed_waves
+from dcp_megatron.planner.dcp.relief_pass import with_wave_reliefs
 from dcp_megatron.planner.timeline import plan_makespan
 
 

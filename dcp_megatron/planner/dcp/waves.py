@@ -33,8 +33,8 @@ import math
 import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Wave
-from dcp_megatron.planner.policies.common import microbatch_from_sums
-from dcp_megatron.planner.policies.relief_pass import wave_relief
+from dcp_megatron.planner.layout import microbatch_from_sums
+from dcp_megatron.planner.dcp.relief_pass import wave_relief
 from dcp_megatron.planner.timeline import one_microbatch_makespan
 
 WAVE_COUNT_CHOICES = 4      # wave counts tried from the fewest that hold the batch

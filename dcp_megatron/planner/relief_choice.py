@@ -1,0 +1,106 @@
+"""Which relief a micro-batch runs: the fastest on the run's menu that fits in memory (relief.py names the menu).
+
+The options are the light reliefs (none, recompute modules, offload), most bytes kept first, then full recompute
+of 1..n layers (memory falls along those): `base_recompute` is what a micro-batch gets when memory is no issue,
+`strongest_recompute` the one holding the most tokens. Time and bytes come from the cost model's two parts
+(cost_time.py, cost_memory.py).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute
+
+
+class ReliefChoice:
+    """The relief options of a run and the choice among them; CostModel builds it and hands out its methods."""
+
+    def __init__(self, time, memory, *, light: list[Recompute], full_options: list[Recompute],
+                 allowed_recompute: tuple[str, ...]) -> None:
+        self.time, self.memory, self.cluster = time, memory, memory.cluster
+        self.allowed_recompute = allowed_recompute
+        self._full_options = full_options
+        self._light_options = light
+        self._options = light + (full_options if "full" in allowed_recompute else [])
+        # base: what a micro-batch gets when memory is no issue (none when allowed: the fastest);
+        # strongest: the one holding the most tokens (the last option: memory falls along the list)
+        self.base_recompute = self._options[0]
+        self.strongest_recompute = self._options[-1]
+
+    def full_recompute_options(self) -> list[Recompute]:
+        """The full-recompute policies of 1..n layers, allowed or not: memory falls along the list."""
+        return list(self._full_options)
+
+    def recompute_options(self) -> list[Recompute]:
+        """The allowed reliefs: the light ones (none, recompute modules, offload; relief.py) most bytes kept first,
+        then full 1..n (memory falls along those)."""
+        return list(self._options)
+
+    def choose_recompute(self, local_tokens: float, compute_s: float, attn_s: float,
+                         cp_size: int) -> Recompute | None:
+        """`best_recompute_from_sums` with a shortcut for the common case: none when it fits (the fastest, unless
+        measured corrections (`time_scale`) make another relief faster)."""
+        if (self.base_recompute is NO_RECOMPUTE and not self.time.time_scale
+                and local_tokens <= self.memory.max_local_tokens(NO_RECOMPUTE)):
+            return NO_RECOMPUTE
+        return self.best_recompute_from_sums(local_tokens, compute_s, attn_s, cp_size)
+
+    def best_recompute_from_sums(self, local_tokens: float, compute_s: float, attn_s: float,
+                                 cp_size: int) -> Recompute | None:
+        """Fastest allowed relief that fits: a light one (relief.py's menu) or the fewest full layers that fit."""
+        fitting = self.fitting_reliefs(local_tokens)
+        if not fitting:
+            return None
+        time_from_sums = self.time.time_from_sums
+        return min(fitting, key=lambda r: (time_from_sums(local_tokens, compute_s, attn_s, cp_size, 0, r)))
+
+    def fitting_reliefs(self, local_tokens: float) -> list[Recompute]:
+        """The reliefs worth trying for a micro-batch of `local_tokens` per rank: the light ones that fit and, unless
+        none fits, the fewest full layers that fit (more layers only add time)."""
+        room = self.cluster.mem_budget_bytes - self.memory.static_bytes
+        per_token = self.memory.bytes_per_local_token
+        fitting = [r for r in self._light_options if local_tokens * per_token(r) <= room]
+        if "full" in self.allowed_recompute and (not fitting or fitting[0] is not NO_RECOMPUTE):
+            k = self.fewest_full_layers(local_tokens, room)
+            if k is not None:
+                fitting.append(self._full_options[k - 1])
+        return fitting
+
+    def fewest_full_layers(self, local_tokens: float, room: float) -> int | None:
+        """The fewest layers k of full recompute with which `local_tokens` per rank fit `room` bytes (None: none)."""
+        full_bytes = self.memory.full_recompute_bytes()
+        # memory falls as k grows: the first k = 1..n whose bytes fit (bytes_per_local_token's floats)
+        k = int(np.searchsorted(-full_bytes, -room / local_tokens, side="left")) if local_tokens else 0
+        while k > 0 and local_tokens * full_bytes[k - 1] <= room:
+            k -= 1                          # guard the division's rounding: step back while the product fits
+        while k < len(self._full_options) and local_tokens * full_bytes[k] > room:
+            k += 1
+        return k + 1 if k < len(self._full_options) else None
+
+    def doc_alone_seconds(self, lengths, cp_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Each document alone in a micro-batch at CP size c, placed at rank 0, with the fastest
+        recompute that fits (inf where none does), without the per-micro-batch overhead.
+        Returns (local tokens, compute s, attention s, seconds); vectorised for planning."""
+        local, compute, attn = self.time.doc_terms(lengths, cp_size)
+        seconds = self.time.alone_seconds(local, compute, attn, cp_size)
+        overhead = self.cluster.microbatch_overhead_s
+        if self.base_recompute is not NO_RECOMPUTE:
+            return local, compute, attn, self._fastest_alone_seconds(local, compute, attn, cp_size) - overhead
+        for j in np.flatnonzero(local > self.memory.max_local_tokens(NO_RECOMPUTE)).tolist():
+            rc = self.best_recompute_from_sums(float(local[j]), float(compute[j]), float(attn[j]), cp_size)
+            seconds[j] = (math.inf if rc is None else
+                          self.time.time_from_sums(float(local[j]), float(compute[j]), float(attn[j]), cp_size, 0, rc)
+                          - overhead)
+        return local, compute, attn, seconds
+
+    def _fastest_alone_seconds(self, local, compute, attn, cp_size: int) -> np.ndarray:
+        """Per document alone at rank 0: the least time over the allowed recompute that fit."""
+        room = self.cluster.mem_budget_bytes - self.memory.static_bytes
+        first = np.zeros(local.shape, dtype=np.int64)
+        best = np.full(local.shape, math.inf)
+        for r in self._options:
+            t = self.time.times_from_sums(local, compute, attn, cp_size, first, r)
+            best = np.where((local * self.memory.bytes_per_local_token(r) <= room) & (t < best), t, best)
+        return best

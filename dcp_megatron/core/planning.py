@@ -143,8 +143,8 @@ def _budget_words(config: DcpConfig, cost: CostModel) -> str:
     given = (f"the {cluster.name} preset's {cluster.mem_bytes_per_gpu / GiB:.4g} GiB" if config.memory_budget_gb is None
              else f"--dcp-memory-budget-gb {config.memory_budget_gb:g}")
     if config.memory_limit_bytes is not None:
-        given += (f" capped to {cluster.mem_bytes_per_gpu / GiB:.4g} GiB by an out-of-memory record beside the "
-                  f"checkpoints ({LIMIT_DIR}/)")
+        given += (f" capped to {cluster.mem_bytes_per_gpu / GiB:.4g} GiB by the out-of-memory records beside the "
+                  f"checkpoints, which a larger budget does not lift: move {LIMIT_DIR}/ away to plan without them")
     return cluster.budget_words(given)
 
 

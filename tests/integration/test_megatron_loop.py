@@ -130,8 +130,8 @@ _RUNS = {
     "plain_torch_from_dcp": lambda root, script: run_training(
         OUR_SCRIPT, [*RESUME_FLAGS, *_TORCH_FORMAT, "--load", str(root / "ckpt_torch_dcp")], launcher=False,
         iters=ITERS, base=RESUME_BASE),
-    # An out-of-memory at step OOM_STEP (injected by the test hook into the micro-batch the planner counted
-    # highest), then the same command resumed from the step-(OOM_STEP - 1) checkpoint (core/out_of_memory.py).
+    # An out-of-memory (injected by the test hook into the micro-batch the planner counted highest), then the same
+    # command resumed from the checkpoint of the step before (core/out_of_memory.py).
     "dcp_out_of_memory": lambda root, script: _out_of_memory_run(root, resumed=False),
     "dcp_out_of_memory_resumed": lambda root, script: _out_of_memory_run(root, resumed=True),
     # Megatron's static layout (CP 2 for every document, one recompute setting) run by the same runtime.
@@ -140,30 +140,30 @@ _RUNS = {
 }
 
 
-OOM_STEP = 3
 _STOPPING_RUNS = {"dcp_out_of_memory"}   # ends with exit status 1 by design
 
 
 def _highest_counted(root):
-    """(rank, index among its micro-batches, the micro-batch) the planner counted highest at OOM_STEP in the
-    uninterrupted run (its plans: the same cost model, --dcp-no-refine)."""
-    plan = read_plan_dumps(root / "plans")[OOM_STEP - 1]
-    return max(((rank, index, mb, size) for rank in range(plan.domain_size)
-                for index, (mb, size) in enumerate((mb, group.size) for _, group in plan.rank_schedule(rank)
+    """(step, rank, index among the rank's micro-batches, the micro-batch, its CP size): of the uninterrupted run's
+    plans (the same cost model: --dcp-no-refine) for steps 2 .. ITERS - 1, the micro-batch counted highest. The
+    highest leaves the most room under its count, so a resumed run can still plan a --seq-length document."""
+    plans = read_plan_dumps(root / "plans")
+    return max(((step, rank, index, mb, size) for step in range(2, ITERS) for rank in range(plans[step - 1].domain_size)
+                for index, (mb, size) in enumerate((mb, group.size) for _, group in plans[step - 1].rank_schedule(rank)
                                                    for mb in group.microbatches)),
-               key=lambda found: found[2].est_mem_bytes)
+               key=lambda found: found[3].est_mem_bytes)
 
 
 def _out_of_memory_run(root, *, resumed: bool):
     checkpoints = str(root / "ckpt_oom")
-    flags = [*_DIRECT, "--save", checkpoints, "--save-interval", str(OOM_STEP - 1),
+    step, rank, index, _, _ = _highest_counted(root)
+    flags = [*_DIRECT, "--save", checkpoints, "--save-interval", str(step - 1),
              "--dcp-dump-plans", str(root / ("plans_oom_resumed" if resumed else "plans_oom"))]
     if resumed:
         return run_training(OUR_SCRIPT, [*flags, "--load", checkpoints], launcher=False, iters=ITERS,
                             base=RESUME_BASE)
-    rank, index, _, _ = _highest_counted(root)
     return run_training(OUR_SCRIPT, flags, launcher=False, iters=ITERS, base=RESUME_BASE,
-                        env={"DCP_TEST_OUT_OF_MEMORY_AT": f"{OOM_STEP}:{rank}:{index}"})
+                        env={"DCP_TEST_OUT_OF_MEMORY_AT": f"{step}:{rank}:{index}"})
 
 
 def _assert_same_trace(trace, reference, what):
@@ -427,29 +427,29 @@ def test_an_out_of_memory_stops_the_step_and_the_resumed_run_plans_under_it(runs
     trace continues the uninterrupted run's."""
     root, _ = work
     full = runs("dcp_launcher")
-    rank, index, failed, cp_size = _highest_counted(root)
+    oom_step, rank, index, failed, cp_size = _highest_counted(root)
     stopped = runs("dcp_out_of_memory")
     assert stopped.returncode != 0
-    line = (f"rank {rank}, iteration {OOM_STEP}: out of memory in micro-batch {index} ({failed.num_tokens} tokens, "
+    line = (f"rank {rank}, iteration {oom_step}: out of memory in micro-batch {index} ({failed.num_tokens} tokens, "
             f"CP {cp_size}, relief {failed.recompute})")
     assert line in stopped.output, stopped.output[-4000:]
     assert "the run stops here, nothing saved" in stopped.output
-    assert sorted(stopped.losses) == list(range(1, OOM_STEP)), "the step that ran out of memory must not complete"
+    assert sorted(stopped.losses) == list(range(1, oom_step)), "the step that ran out of memory must not complete"
     records = glob.glob(str(root / "ckpt_oom" / "dcp_memory_limits" / "*.json"))
-    assert [r.rsplit("/", 1)[1] for r in records] == [f"iteration{OOM_STEP}-rank{rank}.json"]
+    assert [r.rsplit("/", 1)[1] for r in records] == [f"iteration{oom_step}-rank{rank}.json"]
     with open(records[0]) as source:
         recorded = json.load(source)
     assert recorded["counted_bytes"] == failed.est_mem_bytes and recorded["relief"] == str(failed.recompute)
     with open(root / "ckpt_oom" / "latest_checkpointed_iteration.txt") as source:
-        assert source.read().strip() == str(OOM_STEP - 1), "the last checkpoint must stay the step before"
+        assert source.read().strip() == str(oom_step - 1), "the last checkpoint must stay the step before"
 
     resumed = runs("dcp_out_of_memory_resumed")
     assert "out-of-memory record(s) under dcp_memory_limits/" in resumed.output
     plans = {int(p.rsplit("_", 1)[1].split(".")[0]): p for p in glob.glob(str(root / "plans_oom_resumed" / "step_*"))}
-    assert sorted(plans) == list(range(OOM_STEP, ITERS + 1))
+    assert sorted(plans) == list(range(oom_step, ITERS + 1))
     from dcp_megatron.planner.plan import StepPlan
 
-    with open(plans[OOM_STEP]) as source:
+    with open(plans[oom_step]) as source:
         replanned = StepPlan.from_json(source.read())
     counts = [mb.est_mem_bytes for wave in replanned.waves for g in wave.groups for mb in g.microbatches if mb.sequences]
     assert max(counts) <= 0.95 * failed.est_mem_bytes, (max(counts), failed.est_mem_bytes)
@@ -460,9 +460,9 @@ def test_an_out_of_memory_stops_the_step_and_the_resumed_run_plans_under_it(runs
     assert now and all(counted < failed.est_mem_bytes for _, _, counted in now), now
     # the trace continues the uninterrupted run's (Megatron's own quirk: the training loss printed for the second
     # step after a resume, test_resumed_dcp_run_continues_the_trace)
-    for step in range(OOM_STEP, ITERS + 1):
+    for step in range(oom_step, ITERS + 1):
         assert resumed.eval_losses[step] == pytest.approx(full.eval_losses[step], rel=TOLERANCE), ("validation", step)
-        if step != OOM_STEP + 1:
+        if step != oom_step + 1:
             assert resumed.losses[step] == pytest.approx(full.losses[step], rel=TOLERANCE), ("training", step)
     assert {**stopped.grad_norms, **resumed.grad_norms}.keys() == full.grad_norms.keys()
 

@@ -56,6 +56,9 @@ class DcpConfig:
     # --dcp-policy-setting: a baseline's run-wide setting (planner/baselines/settings.py's StaticSetting or
     # DynamicSetting; typed loosely, this module imports nothing of the project); None: the policy's default
     policy_setting: object | None = None
+    # the smallest planner count of a micro-batch that ran out of memory in an earlier run of this job (recorded
+    # beside its checkpoints: core/out_of_memory.py); the planner keeps every count below it. None: none recorded
+    memory_limit_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in DCP_POLICIES:
@@ -65,6 +68,8 @@ class DcpConfig:
         if self.memory_budget_gb is not None and not (math.isfinite(self.memory_budget_gb)
                                                       and self.memory_budget_gb > 0):
             raise DcpUsageError(f"--dcp-memory-budget-gb must be a positive number of GiB, got {self.memory_budget_gb}")
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
+            raise DcpUsageError(f"a recorded out-of-memory limit must be positive bytes, got {self.memory_limit_bytes}")
         refuse_bad_recompute(self.recompute)
         if "offload" in self.recompute and not self.offload_runs:
             raise DcpUsageError(OFFLOAD_REFUSAL)

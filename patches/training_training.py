@@ -10,7 +10,9 @@ module). Under `--dcp` the schedule it gets is Megatron's own, wrapped in `DcpFo
 rank runs its own micro-batches through Megatron's schedule. Under `--dcp`, `train()` also runs with a
 heartbeat (dcp_megatron/runtime/heartbeat.py): when a collective times out (a stopped or hung rank; every
 group honours `--distributed-timeout-minutes`), the run ends with one line naming the iteration and the
-rank(s) that stopped answering, instead of the collective library's bare timeout and a traceback.
+rank(s) that stopped answering, instead of the collective library's bare timeout and a traceback; a planned
+micro-batch that runs out of memory ends it with one line naming it, recorded beside the checkpoints for the
+resumed run to plan under (dcp_megatron/core/out_of_memory.py).
 Under `--dcp-profile-out` (set by `dcp-profile`), `train()` profiles the model it was given instead of
 training it (dcp_megatron/training/profiler.py), writes the profile and ends the run.
 Without `--dcp` nothing changes.
@@ -69,6 +71,7 @@ def _with_timeout_report(original, specs=None):
 
         from dcp_megatron.config import DcpUsageError
         from dcp_megatron.core.collective_watch import CollectiveWatch
+        from dcp_megatron.core.out_of_memory import MicrobatchOutOfMemory
         from dcp_megatron.flags.refusal import exit_refused
 
         if getattr(run_args, "dcp_profile_out", None):
@@ -89,6 +92,8 @@ def _with_timeout_report(original, specs=None):
                 # A check that needs the built tokenizer (the first step's plannability) refuses on every rank
                 # alike: one line and exit 2, as at start-up, not a traceback per rank under plain torchrun.
                 exit_refused(err)
+            except MicrobatchOutOfMemory as err:   # one line, recorded beside the checkpoints (out_of_memory.py)
+                watch.stop_on_out_of_memory(err, save_dir=run_args.save, prefix="dcp: error: ")
             except RuntimeError as err:
                 watch.stop_on_timeout(err, where=f"iteration {getattr(run_args, 'curr_iteration', 0) + 1}",
                                       prefix="dcp: error: ")

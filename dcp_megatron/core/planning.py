@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 
 from dcp_megatron.config import DcpConfig
+from dcp_megatron.core.out_of_memory import LIMIT_DIR, capped_memory_bytes
 from dcp_megatron.planner.cluster import cluster_preset
 from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.cost_profile import load_profile
@@ -49,6 +50,10 @@ def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, 
         changes["max_cp_size"] = config.max_cp_size
     if config.memory_budget_gb is not None:
         changes["mem_bytes_per_gpu"] = int(config.memory_budget_gb * GiB)
+    if config.memory_limit_bytes is not None:   # a micro-batch ran out of memory at this count before
+        changes["mem_bytes_per_gpu"] = capped_memory_bytes(changes.get("mem_bytes_per_gpu", cluster.mem_bytes_per_gpu),
+                                                           safety_frac=cluster.mem_safety_frac,
+                                                           limit=config.memory_limit_bytes)
     if changes:
         cluster = dataclasses.replace(cluster, **changes)
     profile = load_profile(config.profile) if config.profile else None
@@ -138,6 +143,9 @@ def _budget_words(config: DcpConfig, cost: CostModel) -> str:
     cluster = cost.cluster
     given = (f"the {cluster.name} preset's {cluster.mem_bytes_per_gpu / GiB:.4g} GiB" if config.memory_budget_gb is None
              else f"--dcp-memory-budget-gb {config.memory_budget_gb:g}")
+    if config.memory_limit_bytes is not None:
+        given += (f" capped to {cluster.mem_bytes_per_gpu / GiB:.4g} GiB by the out-of-memory records beside the "
+                  f"checkpoints, which a larger budget does not lift: move {LIMIT_DIR}/ away to plan without them")
     return cluster.budget_words(given)
 
 

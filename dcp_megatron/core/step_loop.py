@@ -16,7 +16,8 @@ megatron.training and DeepSpeed; an engine supplies only what is its own (`StepE
    **build** this rank's micro-batch dicts (`microbatches.rank_batches`: zig-zag shards, packed THD, CP group and
    recompute attached; `engine.adapt_batches` may add fillers, e.g. for virtual pipeline stages);
 5. **run** them (`engine.run_batches`: Megatron's schedule with a forward step that feeds them; DeepSpeed's
-   backward/step inside its reduction scopes), with the micro-batch trace attached when plans are dumped;
+   backward/step inside its reduction scopes), with the micro-batch trace attached when plans are dumped; an
+   out-of-memory there becomes `MicrobatchOutOfMemory` naming the micro-batch (core/out_of_memory.py);
 6. **refine**: once the engine has moved past a step (the next step starts: a rerun of it must see the same
    cost model), its measured micro-batch times correct the cost model identically on every rank (one
    all-reduce, `runtime/measured_cost.py`);
@@ -34,6 +35,7 @@ from dcp_megatron.config import DcpConfig
 from dcp_megatron.core.global_batch import DocumentIndex, Documents, exchange_documents, gather_lengths
 from dcp_megatron.core.microbatch_trace import MicrobatchTrace
 from dcp_megatron.core.microbatches import MICROBATCH_KEY, rank_batches
+from dcp_megatron.core.out_of_memory import MicrobatchOutOfMemory, TrackedBatches, describe, injected_microbatch
 from dcp_megatron.core.plan_dump import PlanDumper
 from dcp_megatron.core.planning import check_longest_fits, check_same_plan, plan_global_batch
 from dcp_megatron.planner.ahead import PlanAhead, PlannedStep, plan_synchronously
@@ -179,7 +181,9 @@ class PlannedStepLoop:
                                        group=pool.domain_group)
         batches = rank_batches(plan, documents, pool=pool, device=self.device, pad_multiple=self.pad_multiple,
                                row_multiple=self.config.row_multiple, equal_rows=self.equal_rows)
-        batches = engine.adapt_batches(batches)
+        # the engine takes them from a tracked list: an out-of-memory names the micro-batch that was running
+        batches = TrackedBatches(engine.adapt_batches(batches),
+                                 inject_at=injected_microbatch(iteration, torch.distributed.get_rank()))
         before_run_s = time.perf_counter() - started
         trace = None
         if self.config.dump_plans:   # what each micro-batch ran with, next to the plans (microbatch_trace.py)
@@ -188,6 +192,10 @@ class PlannedStepLoop:
             trace.attach(modules, model_config, iteration=iteration)
         try:
             ran = engine.run_batches(batches, share)
+        except torch.OutOfMemoryError as err:   # the count was low for this micro-batch: the engine's loop stops
+            raise MicrobatchOutOfMemory(describe(
+                plan, batches, iteration=iteration, rank=torch.distributed.get_rank(), domain_rank=pool.domain_rank,
+                budget_bytes=self._cost.cluster.mem_budget_bytes, static_bytes=self._cost.static_bytes)) from err
         finally:
             if trace is not None:
                 trace.detach()

@@ -30,6 +30,7 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
                                                load_deepspeed_config, prepare_deepspeed_config, torch_adam_params,
                                                zero_stage)
     from dcp_megatron.config import DcpConfig
+    from dcp_megatron.core.out_of_memory import under_recorded_limit
     from dcp_megatron.flags.dcp_flags import dcp_flag_settings
     from dcp_megatron.deepspeed.megatron_flags import apply_megatron_flags
     from dcp_megatron.flags.run_paths import check_writable_dir
@@ -58,6 +59,10 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
 
         check_resume(args.load, ds_config, override=args.override_optimizer_config,
                      rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    if config is not None:   # a micro-batch that ran out of memory in an earlier run: plan under its count
+        config, note = under_recorded_limit(config, args.load, args.save)
+        if note and int(os.environ.get("RANK", 0)) == 0:
+            print(note, flush=True)
     if config is None:  # Megatron's static layout, on the same batches
         config = DcpConfig(policy="static", seq_length=args.seq_length, train_iters=args.train_iters,
                            log_interval=args.log_interval, refine=False)

@@ -6,7 +6,8 @@ set-up (setup.py), an optional resume (checkpoint.py: the data position travels 
 `--train-iters` planned steps (steps.py), each logged as Megatron logs it plus the ` dcp iteration` line both
 engines print (core/plan_log.py), the evaluation after every `--eval-interval` steps and at the end
 (evaluation.py), and a checkpoint every `--save-interval` steps. A collective that times out ends the run with
-the one line both engines give (core/collective_watch.py); a usage error with one line and exit status 2.
+the one line both engines give (core/collective_watch.py), as does a micro-batch that runs out of memory (recorded
+for the resumed run: core/out_of_memory.py); a usage error with one line and exit status 2.
 """
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ def save(training, args: argparse.Namespace, *, iteration: int, consumed: int) -
 
 def train(args: argparse.Namespace, *, model_provider, forward_loss, patches) -> None:
     from dcp_megatron.core.collective_watch import CollectiveWatch
+    from dcp_megatron.core.out_of_memory import MicrobatchOutOfMemory
     from dcp_megatron.deepspeed.setup import setup_training
 
     training = setup_training(args, model_provider=model_provider, forward_loss=forward_loss, patches=patches)
@@ -103,6 +105,8 @@ def train(args: argparse.Namespace, *, model_provider, forward_loss, patches) ->
             if training.evaluation is not None:
                 where = "evaluating at the end of training"
                 log_validation(training, "the end of training for val data")
+        except MicrobatchOutOfMemory as err:   # one line, recorded beside the checkpoints (out_of_memory.py)
+            watch.stop_on_out_of_memory(err, save_dir=args.save, prefix="error: ")
         except (FloatingPointError, RuntimeError) as err:  # non-finite loss, lost tokens, a collective timed out
             watch.stop_on_timeout(err, where=where, prefix="error: ")
             print(f"error: rank {rank}, {where}: {err}", file=sys.stderr, flush=True)

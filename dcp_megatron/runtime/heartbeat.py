@@ -88,6 +88,17 @@ class Heartbeat:
                 return
             last_beat = time.monotonic()
 
+    def post(self, name: str, text: str) -> None:
+        """Leave `text` in the store under `name` for every rank to read (e.g. why this rank stops)."""
+        with self._lock:
+            self.store.set(f"{_PREFIX}/{self._generation}/post/{name}", text)
+
+    def read_post(self, name: str) -> str | None:
+        """What a rank posted under `name`, None if nothing was."""
+        key = f"{_PREFIX}/{self._generation}/post/{name}"
+        with self._lock:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+
     def _read(self) -> dict[int, tuple[int, int]]:
         keys = [self._key(r) for r in range(self.world_size)]
         with self._lock:

@@ -13,6 +13,7 @@ import argparse
 import os
 
 from dcp_megatron.config import DcpUsageError, RunSpec, parse_comma_list
+from dcp_megatron.core.out_of_memory import under_recorded_limit
 from dcp_megatron.flags.dcp_flags import dcp_config_from_args
 from dcp_megatron.flags.fp8_checks import DeviceFacts
 from dcp_megatron.flags.start_checks import MEGATRON, DcpStart, check_dcp_start
@@ -82,7 +83,11 @@ def start_megatron_run(args: argparse.Namespace) -> RunSpec | None:
     profile = None
     if args.dcp_profile_out is not None or args.dcp_profile_report is not None:
         profile = profile_config_from_args(args)
-    spec = RunSpec(dcp=dcp_config_from_args(args),   # DcpConfig holds the value checks
+    # a micro-batch that ran out of memory in an earlier run of this job: plan under its count (out_of_memory.py)
+    dcp, note = under_recorded_limit(dcp_config_from_args(args), args.load, args.save)   # DcpConfig: value checks
+    if note and getattr(args, "rank", 0) == 0:
+        print(note, flush=True)
+    spec = RunSpec(dcp=dcp,
                    timeout_minutes=getattr(args, "distributed_timeout_minutes", None), profile=profile)
     check_plannable(args, spec)
     return spec

@@ -15,6 +15,7 @@ already differs from the one-sample-per-micro-batch runs by 1e-4 to 2e-3 at step
 from __future__ import annotations
 
 import glob
+import json
 import re
 
 import pytest
@@ -55,7 +56,8 @@ def runs(work):
 
     def get(name: str):
         if name not in cache:
-            cache[name] = _RUNS[name](root, user_script).check()
+            result = _RUNS[name](root, user_script)
+            cache[name] = result if name in _STOPPING_RUNS else result.check()
         return cache[name]
 
     return get
@@ -128,10 +130,40 @@ _RUNS = {
     "plain_torch_from_dcp": lambda root, script: run_training(
         OUR_SCRIPT, [*RESUME_FLAGS, *_TORCH_FORMAT, "--load", str(root / "ckpt_torch_dcp")], launcher=False,
         iters=ITERS, base=RESUME_BASE),
+    # An out-of-memory (injected by the test hook into the micro-batch the planner counted highest), then the same
+    # command resumed from the checkpoint of the step before (core/out_of_memory.py).
+    "dcp_out_of_memory": lambda root, script: _out_of_memory_run(root, resumed=False),
+    "dcp_out_of_memory_resumed": lambda root, script: _out_of_memory_run(root, resumed=True),
     # Megatron's static layout (CP 2 for every document, one recompute setting) run by the same runtime.
     "static_cp2": lambda root, script: run_training(
         script, ["--dcp", "--dcp-policy", "static", *SMALL_BUDGET], iters=ITERS),
 }
+
+
+_STOPPING_RUNS = {"dcp_out_of_memory"}   # ends with exit status 1 by design
+
+
+def _highest_counted(root):
+    """(step, rank, index among the rank's micro-batches, the micro-batch, its CP size): of the uninterrupted run's
+    plans (the same cost model: --dcp-no-refine) for steps 2 .. ITERS - 1, the micro-batch counted highest. The
+    highest leaves the most room under its count, so a resumed run can still plan a --seq-length document."""
+    plans = read_plan_dumps(root / "plans")
+    return max(((step, rank, index, mb, size) for step in range(2, ITERS) for rank in range(plans[step - 1].domain_size)
+                for index, (mb, size) in enumerate((mb, group.size) for _, group in plans[step - 1].rank_schedule(rank)
+                                                   for mb in group.microbatches)),
+               key=lambda found: found[3].est_mem_bytes)
+
+
+def _out_of_memory_run(root, *, resumed: bool):
+    checkpoints = str(root / "ckpt_oom")
+    step, rank, index, _, _ = _highest_counted(root)
+    flags = [*_DIRECT, "--save", checkpoints, "--save-interval", str(step - 1),
+             "--dcp-dump-plans", str(root / ("plans_oom_resumed" if resumed else "plans_oom"))]
+    if resumed:
+        return run_training(OUR_SCRIPT, [*flags, "--load", checkpoints], launcher=False, iters=ITERS,
+                            base=RESUME_BASE)
+    return run_training(OUR_SCRIPT, flags, launcher=False, iters=ITERS, base=RESUME_BASE,
+                        env={"DCP_TEST_OUT_OF_MEMORY_AT": f"{step}:{rank}:{index}"})
 
 
 def _assert_same_trace(trace, reference, what):
@@ -385,3 +417,52 @@ def test_checkpoints_cross_the_dcp_boundary_both_ways_in_torch_format(runs, work
     # each resume's second step prints the mean of its first two (Megatron's logging, module docstring): 6 here
     for step in (1, 2, 3, HALF + 1, HALF + 2):
         assert losses[step] == pytest.approx(full.losses[step], rel=TOLERANCE), ("training", step)
+
+
+def test_an_out_of_memory_stops_the_step_and_the_resumed_run_plans_under_it(runs, work):
+    """A micro-batch that runs out of memory (the test hook raises torch.OutOfMemoryError when its rank takes it):
+    the run stops at that step with one line naming it (tokens, CP size, relief, the bytes counted for it), saves
+    nothing, and records the count beside the checkpoints; the same command resumed from the last checkpoint plans
+    every micro-batch below that count (the failed one's documents get more relief or a larger CP group), and its
+    trace continues the uninterrupted run's."""
+    root, _ = work
+    full = runs("dcp_launcher")
+    oom_step, rank, index, failed, cp_size = _highest_counted(root)
+    stopped = runs("dcp_out_of_memory")
+    assert stopped.returncode != 0
+    line = (f"rank {rank}, iteration {oom_step}: out of memory in micro-batch {index} ({failed.num_tokens} tokens, "
+            f"CP {cp_size}, relief {failed.recompute})")
+    assert line in stopped.output, stopped.output[-4000:]
+    assert "the run stops here, nothing saved" in stopped.output
+    assert sorted(stopped.losses) == list(range(1, oom_step)), "the step that ran out of memory must not complete"
+    records = glob.glob(str(root / "ckpt_oom" / "dcp_memory_limits" / "*.json"))
+    assert [r.rsplit("/", 1)[1] for r in records] == [f"iteration{oom_step}-rank{rank}.json"]
+    with open(records[0]) as source:
+        recorded = json.load(source)
+    assert recorded["counted_bytes"] == failed.est_mem_bytes and recorded["relief"] == str(failed.recompute)
+    with open(root / "ckpt_oom" / "latest_checkpointed_iteration.txt") as source:
+        assert source.read().strip() == str(oom_step - 1), "the last checkpoint must stay the step before"
+
+    resumed = runs("dcp_out_of_memory_resumed")
+    assert "out-of-memory record(s) under dcp_memory_limits/" in resumed.output
+    plans = {int(p.rsplit("_", 1)[1].split(".")[0]): p for p in glob.glob(str(root / "plans_oom_resumed" / "step_*"))}
+    assert sorted(plans) == list(range(oom_step, ITERS + 1))
+    from dcp_megatron.planner.plan import StepPlan
+
+    with open(plans[oom_step]) as source:
+        replanned = StepPlan.from_json(source.read())
+    counts = [mb.est_mem_bytes for wave in replanned.waves for g in wave.groups for mb in g.microbatches if mb.sequences]
+    assert max(counts) <= 0.95 * failed.est_mem_bytes, (max(counts), failed.est_mem_bytes)
+    # the failed micro-batch's documents now run with more relief, a larger CP group, or split up
+    ids = {sid for sid, _ in failed.sequences}
+    now = [(g.size, str(mb.recompute), mb.est_mem_bytes) for wave in replanned.waves for g in wave.groups
+           for mb in g.microbatches if ids & {sid for sid, _ in mb.sequences}]
+    assert now and all(counted < failed.est_mem_bytes for _, _, counted in now), now
+    # the trace continues the uninterrupted run's (Megatron's own quirk: the training loss printed for the second
+    # step after a resume, test_resumed_dcp_run_continues_the_trace)
+    for step in range(oom_step, ITERS + 1):
+        assert resumed.eval_losses[step] == pytest.approx(full.eval_losses[step], rel=TOLERANCE), ("validation", step)
+        if step != oom_step + 1:
+            assert resumed.losses[step] == pytest.approx(full.losses[step], rel=TOLERANCE), ("training", step)
+    assert {**stopped.grad_norms, **resumed.grad_norms}.keys() == full.grad_norms.keys()
+

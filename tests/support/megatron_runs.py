@@ -135,12 +135,14 @@ def run_env() -> dict:
 
 def run_training(script: str, extra: list[str], *, nproc: int = 2, launcher: bool = True, iters: int = 10,
                  base: tuple[str, ...] | list[str] = LLAMA_TINY, timeout_s: float = 600,
-                 cpu_flags: bool = True) -> RunResult:
-    """`cpu_flags=False`: none of CPU_FLAGS but the timeout (the patched validate_args defaults the others)."""
+                 cpu_flags: bool = True, env: dict | None = None) -> RunResult:
+    """`cpu_flags=False`: none of CPU_FLAGS but the timeout (the patched validate_args defaults the others);
+    `env`: variables added to the ranks' environment (test hooks)."""
     cpu = CPU_FLAGS if cpu_flags else CPU_FLAGS[CPU_FLAGS.index("--distributed-timeout-minutes"):]
     flags = list(base) + cpu + ["--train-iters", str(iters)] + list(extra)
     command = torchrun_command(script, flags, nproc=nproc, launcher=launcher)
-    proc = subprocess.run(command, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(command, cwd=REPO, env={**run_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout_s)
     return parse_output(proc.returncode, proc.stdout + proc.stderr)
 
 

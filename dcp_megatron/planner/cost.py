@@ -64,7 +64,9 @@ from dcp_megatron.planner.activations import full_layer_bytes, layer_tensors
 from dcp_megatron.planner.moe_cost import MoeComm
 from dcp_megatron.planner.param_sharding import ParamGathers, static_state_bytes
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
-from dcp_megatron.planner.relief import ReliefCosts, allows, held_bytes_per_layer, light_reliefs, menu_names
+from dcp_megatron.planner.memory_spec import spec_output_bytes
+from dcp_megatron.planner.relief import (ReliefCosts, allows, held_bytes_per_layer, light_reliefs, menu_names,
+                                         offload_kept_bytes)
 
 CP_PASSES = 3                       # K/V gather forward, again in backward, dK/dV reduce-scatter
 # bf16 logits + the fp32 copy vocab_parallel_cross_entropy makes of them (alive together), per vocab/tp unit
@@ -128,7 +130,9 @@ class CostModel:
         self._relief_costs = ReliefCosts(m, cluster, self.moe, self.layers_per_stage)
         light = light_reliefs(m, self.allowed_recompute, can_offload=cluster.host_link_bw > 0)
         self._init_layer_bytes(m, light, (profile or {}).get("activation_bytes_per_hidden", {}))
-        self._logit_bytes_per_token = (profile or {}).get("output_bytes_per_vocab", OUTPUT_BYTES_PER_VOCAB) * m.vocab_size / m.tp
+        per_vocab, per_token = spec_output_bytes(m, m.activations) if m.activations else (OUTPUT_BYTES_PER_VOCAB, 0.0)
+        self._logit_bytes_per_token = (profile or {}).get("output_bytes_per_vocab", per_vocab) * m.vocab_size / m.tp \
+            + per_token
         self._latency_per_mb = cluster.collective_latency_s * self.layers_per_stage * CP_PASSES
         # weights, gradients, optimizer states as the ZeRO stage shards them; stage 3's weight gathers
         self.static_bytes = static_state_bytes(m, cluster) + gpu.static_bytes(m, cluster)
@@ -359,7 +363,7 @@ class CostModel:
         held = self._layer_bytes.get(recompute)
         if held is None:     # a relief off this model's menu (validate refuses it): counted as none
             held = self._layer_bytes_none
-        return n * held
+        return n * held + offload_kept_bytes(self.model, recompute, n)
 
     def held_bytes_per_local_token(self, recompute: Recompute) -> float:
         """Bytes per local token saved for backward during one stage's forward (no pipelining): what the

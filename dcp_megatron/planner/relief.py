@@ -25,7 +25,8 @@ from itertools import combinations
 
 import numpy as np
 
-from dcp_megatron.planner.activations import freed_by_offload, freed_by_recompute, layer_tensors, moved_by_offload
+from dcp_megatron.planner.activations import (freed_by_offload, freed_by_recompute, kept_by_recompute, layer_tensors,
+                                              moved_by_offload)
 from dcp_megatron.planner.plan import NO_RECOMPUTE, RECOMPUTE_MODULE_NAMES, SELECTIVE, Recompute
 
 MENU_NAMES = ("none", "selective", "full") + tuple(m for m in RECOMPUTE_MODULE_NAMES if m != "shared_experts") \
@@ -33,6 +34,10 @@ MENU_NAMES = ("none", "selective", "full") + tuple(m for m in RECOMPUTE_MODULE_N
 LEGACY_MENU = ("none", "selective", "full")
 ATTENTION_OFFLOADS = (frozenset(), frozenset({"core_attn"}), frozenset({"core_attn", "attn_proj"}))
 MOE_OFFLOADS = (frozenset(), frozenset({"expert_fc1"}), frozenset({"expert_fc1", "moe_act"}))
+# Layers of a stage whose offloaded tensors stay on the GPU: megatron-core 0.19.2 keeps the last group of each
+# offload name (`_offload_margin`, fine_grained_activation_offload.py: reloading it would stall backward's start)
+# and holds one more layer's group while it is copied out, or reloaded ahead of its backward.
+OFFLOAD_KEPT_LAYERS = 2
 
 
 def menu_names(names) -> tuple[str, ...]:
@@ -96,12 +101,22 @@ def light_reliefs(model, names: tuple[str, ...], *, can_offload: bool) -> list[R
 def held_bytes_per_layer(model, recompute: Recompute, tensors: dict | None = None) -> float:
     """Bytes per local token one layer keeps with a light relief (not full)."""
     tensors = layer_tensors(model) if tensors is None else tensors
-    freed = set()
+    freed, kept = set(), {}
     for m in recompute.modules:
         freed |= freed_by_recompute(model, m)
+        kept.update(kept_by_recompute(model, m))
     for m in recompute.offload:
         freed |= freed_by_offload(model, m)
-    return float(sum(v for k, v in tensors.items() if k not in freed))
+    return float(sum(v for k, v in tensors.items() if k not in freed) + sum(kept.values()))
+
+
+def offload_kept_bytes(model, recompute: Recompute, layers: int) -> float:
+    """Bytes per local token a stage's offloads leave on the GPU after all (OFFLOAD_KEPT_LAYERS layers' worth)."""
+    if not recompute.offload:
+        return 0.0
+    kept_on_gpu = Recompute(recompute.kind, modules=recompute.modules)
+    return min(layers, OFFLOAD_KEPT_LAYERS) * (held_bytes_per_layer(model, kept_on_gpu)
+                                               - held_bytes_per_layer(model, recompute))
 
 
 def offloaded_bytes_per_layer(model, recompute: Recompute, tensors: dict | None = None) -> float:

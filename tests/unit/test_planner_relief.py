@@ -95,18 +95,22 @@ def test_offload_is_gpu_only_and_attn_proj_needs_core_attn():
     assert not any(r.offload & r.modules for r in gpu.recompute_options())
 
 
-def test_core_attention_offload_copies_its_output_but_frees_only_q_k_v():
-    """megatron-core's core_attn group copies every tensor core attention saves (q, k, v and the output) and
-    releases q, k, v; the output stays on the GPU as linear_proj's input unless attn_proj offloads it too."""
+def test_core_attention_offload_copies_its_output_but_frees_only_q_k_v_and_the_lse():
+    """megatron-core's core_attn group copies every tensor core attention saves (q, k, v, the LSE and the output)
+    and frees q, k, v and the LSE; the output stays on the GPU as linear_proj's input unless attn_proj offloads it
+    too. A stage keeps two layers' offloaded bytes on the GPU: megatron-core's margin and the layer in flight."""
     m = model_preset("llama3-8b")
     t = layer_tensors(m)
     core = Recompute("none", offload=frozenset({"core_attn"}))
     both = Recompute("none", offload=frozenset({"core_attn", "attn_proj"}))
     none = held_bytes_per_layer(m, NO_RECOMPUTE)
-    assert none - held_bytes_per_layer(m, core) == pytest.approx(t["core_attn_in"])
-    assert none - held_bytes_per_layer(m, both) == pytest.approx(t["core_attn_in"] + t["attn_out"])
+    assert none - held_bytes_per_layer(m, core) == pytest.approx(t["core_attn_in"] + t["attn_lse"])
+    assert none - held_bytes_per_layer(m, both) == pytest.approx(t["core_attn_in"] + t["attn_lse"] + t["attn_out"])
     assert offloaded_bytes_per_layer(m, core) == offloaded_bytes_per_layer(m, both) == \
-        pytest.approx(t["core_attn_in"] + t["attn_out"])
+        pytest.approx(t["core_attn_in"] + t["attn_lse"] + t["attn_out"])
+    cost = _h200()
+    freed = none - held_bytes_per_layer(m, both)
+    assert cost._held_per_layer(both) == pytest.approx(32 * none - 30 * freed)     # 32 layers, 2 kept
 
 
 def test_offload_on_a_group_across_nodes_shares_the_host_link_with_the_nic():

@@ -65,8 +65,9 @@ from dcp_megatron.planner.moe_cost import MoeComm
 from dcp_megatron.planner.param_sharding import ParamGathers, static_state_bytes
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 from dcp_megatron.planner.memory_spec import spec_output_bytes
-from dcp_megatron.planner.relief import (ReliefCosts, allows, held_bytes_per_layer, light_reliefs, menu_names,
-                                         offload_kept_bytes)
+from dcp_megatron.planner.relief import (ReliefCosts, allows, held_bytes_per_layer,
+                                         light_reliefs, menu_names, offload_kept_bytes,
+                                         stage_peak_bytes)
 
 CP_PASSES = 3                       # K/V gather forward, again in backward, dK/dV reduce-scatter
 # bf16 logits + the fp32 copy vocab_parallel_cross_entropy makes of them (alive together), per vocab/tp unit
@@ -365,12 +366,22 @@ class CostModel:
             held = self._layer_bytes_none
         return n * held + offload_kept_bytes(self.model, recompute, n)
 
+    def layer_bytes_per_local_token(self, recompute: Recompute) -> float:
+        """Bytes per local token the stage's layers keep for backward with this relief (tools/memcheck.py)."""
+        return self._held_per_layer(recompute)
+
     def held_bytes_per_local_token(self, recompute: Recompute) -> float:
         """Bytes per local token saved for backward during one stage's forward (no pipelining): what the
         profiler measures; the peak adds the recomputed layer's working set (`bytes_per_local_token`)."""
         return self._held_per_layer(recompute) + self._logit_bytes_per_token
 
     def _bytes_per_local_token(self, recompute: Recompute) -> float:
+        if self.model.activations is not None:     # the loss's peak or a layer's backward, whichever is higher
+            held = self._held_per_layer(recompute)
+            peak = stage_peak_bytes(self.model, recompute, held=held, none_bytes=self._layer_bytes_none,
+                                    full_bytes=self._layer_bytes_full, output_bytes=self._logit_bytes_per_token,
+                                    layers=self.layers_per_stage)
+            return max(self.model.pp * (peak - self._logit_bytes_per_token), peak)
         # full recompute: one layer's working set (a non-recomputed layer's activations) while it reruns
         working = self._layer_bytes_none if recompute.kind == "full" else 0.0
         act = self._held_per_layer(recompute) + working

@@ -103,6 +103,18 @@ def spec_freed_by_recompute(m, spec: ActivationSpec, module: str) -> tuple[froze
     return frozenset(), {}
 
 
+def spec_gradient_bytes(m, spec: ActivationSpec) -> tuple[float, float]:
+    """(beside the tensors a layer's backward recomputes, beside none) bytes per local token of its gradients at
+    their peak: a dense MLP's backward holds the gradients of fc1's output and of the layer's input and output
+    (2f + 2h wide) while its recomputed tensors are alive; the torch norm's backward, once they are freed, four
+    fp32 hidden-wide tensors (TE's read as two d-typed ones). The MoE experts' per-expert gradients are smaller.
+    Measured on the meta stack (tools/memcheck.py)."""
+    d, sp = spec.dtype_bytes, (m.tp if m.sequence_parallel else 1)
+    norm = 4 * FP32 * m.hidden_size / sp if spec.norm == "torch" else 2 * d * m.hidden_size / sp
+    mlp = 0.0 if m.is_moe else d * (2 * m.ffn_hidden_size / m.tp + 2 * m.hidden_size / sp)
+    return mlp, norm
+
+
 def spec_output_bytes(m, spec: ActivationSpec) -> tuple[float, float]:
     """(bytes per vocab/tp unit, bytes per token) the output layer and loss add at their peak: the logits (d) and
     the cross entropy's fp32 copy (none in fp32: `.float()` returns the logits); the final norm, the output

@@ -177,7 +177,7 @@ def measure(shape: ModelShape, relief: Recompute, *, documents: list[int], fused
         offloadable = {names: saved.bytes_saved_only_in(middle, names)
                        for names in (("core_attn",), ("attn_proj", "core_attn"))}
         saved.release()
-        hooks = drop_weight_grads(weights)
+        hooks = drop_weight_grads(weights, live)
         loss.sum().backward()
         live.mark("backward")
         for hook in hooks:

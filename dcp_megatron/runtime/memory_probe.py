@@ -7,10 +7,10 @@ Two probes, usable on real tensors, on the `meta` device (nothing allocated) or 
   scopes open when it was saved (a module: what fine-grained offloading would group). Bytes are read when asked,
   so storages a checkpoint empties after saving (`CheckpointWithoutOutput`'s `resize_(0)`) count what they hold.
 - `LiveBytes`: a TorchDispatchMode that follows every storage an operator returns until it dies and keeps the
-  peak of their sum, read before each operator (and at `mark`): activations, their gradients and every
-  temporary, never the storages that existed before it started (weights) nor those named in `exclude`. A
-  weight's gradient that is dropped as soon as it is accumulated (`drop_weight_grads`) is never counted: on
-  the GPU megatron-core writes it into the fp32 main-grad buffer (gradient-accumulation fusion), static state.
+  peak of their sum, read before each operator: activations, their gradients and every temporary, never the
+  storages that existed before it started (weights) nor those named in `exclude`. A weight's gradient
+  (`drop_weight_grads`: freed once accumulated) is taken out of the sum from its birth on: on the GPU
+  megatron-core writes it straight into the fp32 main-grad buffer (gradient-accumulation fusion), static state.
 """
 from __future__ import annotations
 
@@ -106,7 +106,8 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self._excluded = {storage_key(t) for t in exclude}
         self._live: dict[int, weakref.ref] = {}
-        self.peak = 0
+        self._born: dict[int, int] = {}
+        self._history: list[int] = []            # live bytes before each operator
         self.marks: dict[str, int] = {}
 
     def _follow(self, tensor: torch.Tensor) -> None:
@@ -115,26 +116,42 @@ class LiveBytes(TorchDispatchMode):
         if key in self._excluded or key in self._live:
             return
         self._live[key] = weakref.ref(storage)
+        self._born[key] = len(self._history)
         weakref.finalize(storage, self._live.pop, key, None)
 
     def live_bytes(self) -> int:
         return sum(s.nbytes() for s in (r() for r in list(self._live.values())) if s is not None)
 
+    @property
+    def peak(self) -> int:
+        return max(self._history + [self.live_bytes()])
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.peak = max(self.peak, self.live_bytes())
+        self._history.append(self.live_bytes())
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self._follow(leaf)
         return out
 
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Never count this tensor's storage, from its birth on (a weight's gradient, once known to be one)."""
+        key = storage_key(tensor)
+        if key in self._live:
+            nbytes = tensor.untyped_storage().nbytes()
+            born = self._born[key]
+            self._history[born:] = [b - nbytes for b in self._history[born:]]
+            del self._live[key]
+        self._excluded.add(key)
+
     def mark(self, name: str) -> None:
         self.marks[name] = self.live_bytes()
-        self.peak = max(self.peak, self.marks[name])
 
 
-def drop_weight_grads(weights) -> list:
-    """Hooks that free each weight's gradient once accumulated (remove them with `.remove()`)."""
+def drop_weight_grads(weights, live: LiveBytes) -> list:
+    """Hooks that free each weight's gradient once accumulated and tell `live` never to have counted it; remove
+    them with `.remove()`."""
     def drop(weight):
+        live.forget(weight.grad)
         weight.grad = None
     return [w.register_post_accumulate_grad_hook(drop) for w in weights if w.requires_grad]

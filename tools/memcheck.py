@@ -23,9 +23,10 @@ unfused SwiGLU, a flash-attention kernel that keeps v as handed). Offload runs n
 relief's recompute modules run and megatron-core's bookkeeping is applied to what that forward saved: each offload
 group frees the bytes saved only inside its modules (attention.py: `core_attn` the core attention's, `attn_proj`
 linear_proj's) on every layer but the last of the stage (its `_offload_margin`) and one more whose copy is in flight.
-Reliefs that cannot run here are listed as "not run": `layernorm` (megatron-core's CheckpointWithoutOutput takes
-its FP8 path, Transformer Engine's, whenever it is built without arguments), `moe_act` recompute and the
-`expert_fc1` / `moe_act` offloads (megatron-core runs them in TE's grouped experts only).
+`layernorm` recompute runs with patches/tensor_parallel_random.py's `checkpoint_without_output_patches` (megatron-core's
+CheckpointWithoutOutput takes Transformer Engine's FP8 path whenever it is built without arguments). Reliefs that
+cannot run here are listed as "not run": `moe_act` recompute and the `expert_fc1` / `moe_act` offloads
+(megatron-core runs them in TE's grouped experts only).
 The MoE preset routes every token as balanced top-k (core/memcheck.py's BalancedRouting: meta tensors hold no
 router scores). Exit status 1 when any relief's saved or peak error exceeds --tolerance (2%).
 """
@@ -46,8 +47,7 @@ from dcp_megatron.planner.model import model_preset  # noqa: E402
 from dcp_megatron.planner.plan import Recompute  # noqa: E402
 from dcp_megatron.planner.relief import MENU_NAMES, OFFLOAD_KEPT_LAYERS  # noqa: E402
 
-NOT_RUN = {"layernorm": "CheckpointWithoutOutput needs Transformer Engine", "moe_act": "grouped experts only",
-           "expert_fc1": "grouped experts only"}
+NOT_RUN = {"moe_act": "grouped experts only", "expert_fc1": "grouped experts only"}
 
 
 def counted_model(preset: str, layers: int, *, unfused_swiglu: bool) -> CostModel:
@@ -114,9 +114,11 @@ def main(argv=None) -> int:
         raise SystemExit("--layers and every --documents length must be positive")
     from dcp_megatron.core.memcheck import init_single_process
     from patches.megatron_set import megatron_patch_registry
+    from patches.registry import PatchRegistry
+    from patches.tensor_parallel_random import checkpoint_without_output_patches
 
     results, worst = {}, 0.0
-    with megatron_patch_registry():
+    with megatron_patch_registry(), PatchRegistry(checkpoint_without_output_patches()):
         init_single_process()
         for preset in args.preset:
             rows = check_preset(preset, args.layers, documents, unfused_swiglu=args.unfused_swiglu)

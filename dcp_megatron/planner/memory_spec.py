@@ -107,11 +107,16 @@ def spec_gradient_bytes(m, spec: ActivationSpec) -> tuple[float, float]:
     """(beside the tensors a layer's backward recomputes, beside none) bytes per local token of its gradients at
     their peak: a dense MLP's backward holds the gradients of fc1's output and of the layer's input and output
     (2f + 2h wide) while its recomputed tensors are alive; the torch norm's backward, once they are freed, four
-    fp32 hidden-wide tensors (TE's read as two d-typed ones). The MoE experts' per-expert gradients are smaller.
-    Measured on the meta stack (tools/memcheck.py)."""
+    fp32 hidden-wide tensors (TE's read as two d-typed ones). An MoE layer's: the gradient of its top-k expert
+    outputs (k h) and one expert's fc1-output and fc2-input gradients for its k/E share of the rows (the local
+    spec's SequentialMLP runs the experts one at a time). Measured on the meta stack (tools/memcheck.py)."""
     d, sp = spec.dtype_bytes, (m.tp if m.sequence_parallel else 1)
     norm = 4 * FP32 * m.hidden_size / sp if spec.norm == "torch" else 2 * d * m.hidden_size / sp
-    mlp = 0.0 if m.is_moe else d * (2 * m.ffn_hidden_size / m.tp + 2 * m.hidden_size / sp)
+    if m.is_moe:      # the experts' summed output's gradient, and one expert's (local: one at a time) rows
+        width, k = (m.moe_ffn_hidden_size or m.ffn_hidden_size), m.moe_topk
+        mlp = d * k * (m.hidden_size + 3 * width / m.num_experts) / m.tp
+    else:
+        mlp = d * (2 * m.ffn_hidden_size / m.tp + 2 * m.hidden_size / sp)
     return mlp, norm
 
 

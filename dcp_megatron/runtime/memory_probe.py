@@ -136,13 +136,14 @@ class LiveBytes(TorchDispatchMode):
 
     def forget(self, tensor: torch.Tensor) -> None:
         """Never count this tensor's storage, from its birth on (a weight's gradient, once known to be one)."""
-        key = storage_key(tensor)
+        storage = tensor.untyped_storage()
+        key = storage._cdata
         if key in self._live:
-            nbytes = tensor.untyped_storage().nbytes()
             born = self._born[key]
-            self._history[born:] = [b - nbytes for b in self._history[born:]]
+            self._history[born:] = [b - storage.nbytes() for b in self._history[born:]]
             del self._live[key]
         self._excluded.add(key)
+        weakref.finalize(storage, self._excluded.discard, key)     # a later storage may reuse the address
 
     def mark(self, name: str) -> None:
         self.marks[name] = self.live_bytes()

@@ -33,6 +33,7 @@ router scores). Exit status 1 when any relief's saved or peak error exceeds --to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -81,9 +82,11 @@ def check_relief(cost: CostModel, relief: Recompute, documents: list[int], *, un
     return row
 
 
-def check_preset(preset: str, layers: int, documents: list[int], *, unfused_swiglu: bool) -> list[dict]:
+def check_preset(preset: str, layers: int, documents: list[int], *, unfused_swiglu: bool, only=None) -> list[dict]:
+    """Every relief of the menu (`only`: those whose names it holds)."""
     cost = counted_model(preset, layers, unfused_swiglu=unfused_swiglu)
-    return [check_relief(cost, r, documents, unfused_swiglu=unfused_swiglu) for r in cost.recompute_options()]
+    return [check_relief(cost, r, documents, unfused_swiglu=unfused_swiglu) for r in cost.recompute_options()
+            if only is None or str(r) in only]
 
 
 def table(preset: str, rows: list[dict]) -> str:
@@ -100,6 +103,19 @@ def table(preset: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def measuring():
+    """The patch sets the meta stack runs under and a one-rank world (dcp_megatron/core/memcheck.py)."""
+    from dcp_megatron.core.memcheck import init_single_process
+    from patches.megatron_set import megatron_patch_registry
+    from patches.registry import PatchRegistry
+    from patches.tensor_parallel_random import checkpoint_without_output_patches
+
+    with megatron_patch_registry(), PatchRegistry(checkpoint_without_output_patches()):
+        init_single_process()
+        yield
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", nargs="+", default=["llama3-8b", "qwen2.5-32b", "mixtral-8x7b"])
@@ -112,14 +128,8 @@ def main(argv=None) -> int:
     documents = [int(x) for x in args.documents.split(",")]
     if args.layers < 1 or not documents or min(documents) < 1:
         raise SystemExit("--layers and every --documents length must be positive")
-    from dcp_megatron.core.memcheck import init_single_process
-    from patches.megatron_set import megatron_patch_registry
-    from patches.registry import PatchRegistry
-    from patches.tensor_parallel_random import checkpoint_without_output_patches
-
     results, worst = {}, 0.0
-    with megatron_patch_registry(), PatchRegistry(checkpoint_without_output_patches()):
-        init_single_process()
+    with measuring():
         for preset in args.preset:
             rows = check_preset(preset, args.layers, documents, unfused_swiglu=args.unfused_swiglu)
             results[preset] = rows

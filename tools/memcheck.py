@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dcp_megatron.planner.cluster import cluster_preset  # noqa: E402
 from dcp_megatron.planner.cost import CostModel  # noqa: E402
-from dcp_megatron.planner.memory_spec import ActivationSpec  # noqa: E402
+from dcp_megatron.planner.memory_spec import LOCAL_BF16  # noqa: E402
 from dcp_megatron.planner.model import model_preset  # noqa: E402
 from dcp_megatron.planner.plan import Recompute  # noqa: E402
 from dcp_megatron.planner.relief import MENU_NAMES, OFFLOAD_KEPT_LAYERS  # noqa: E402
@@ -52,8 +52,7 @@ NOT_RUN = {"moe_act": "grouped experts only", "expert_fc1": "grouped experts onl
 
 
 def counted_model(preset: str, layers: int, *, unfused_swiglu: bool) -> CostModel:
-    spec = ActivationSpec(dtype_bytes=2, norm="torch", rope="torch", attention="flash", value_view=True,
-                          swiglu="unfused" if unfused_swiglu else "fused")
+    spec = dataclasses.replace(LOCAL_BF16, swiglu="unfused" if unfused_swiglu else "fused")
     shape = dataclasses.replace(model_preset(preset), num_layers=layers, transformer_impl="local", activations=spec)
     return CostModel(shape, cluster_preset("h200", domain_size=8), allowed_recompute=MENU_NAMES)
 

@@ -47,6 +47,14 @@ class ActivationSpec:
                 raise ValueError(f"ActivationSpec.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
 
+# What megatron-core's TE spec keeps, read from Transformer Engine's sources (docs/cost_model.md), not measured:
+# LayerNormLinear's input, output and 1/rms; fused RoPE; FusedAttnFunc's q, k, v (TE copies megatron-core's
+# strided v, so the qkv block is freed), output and softmax statistics
+TRANSFORMER_ENGINE = ActivationSpec(norm="te", rope="fused", swiglu="fused", attention="flash", value_view=False)
+# What tools/memcheck.py measured: the local spec in bf16 with a flash-attention kernel
+LOCAL_BF16 = ActivationSpec(norm="torch", rope="torch", swiglu="fused", attention="flash", value_view=True)
+
+
 def _norm(spec: ActivationSpec, hidden: float) -> float:
     """A norm's own saved bytes per token (its output is counted where the next linear keeps it)."""
     return 2 * FP32 * hidden + FP32 if spec.norm == "torch" else spec.dtype_bytes * hidden + FP32

@@ -65,3 +65,30 @@ def test_counted_within_two_percent_of_measured_and_each_term_matters():
     for name in ("no v view", "no norm copies", "no output per token", "no offload margin"):
         assert max(result[f"llama3-8b/{name}"]) > 0.02, (name, result[f"llama3-8b/{name}"])
     assert max(result["mixtral-8x7b/no gradients"]) > 0.02, result["mixtral-8x7b/no gradients"]
+
+
+def test_probes_count_each_storage_once_and_the_peak_between_operators():
+    """A view of a saved tensor and the tensor saved twice are one allocation; the live-bytes peak holds what was
+    alive together and forgets a weight gradient from its birth on."""
+    import torch
+
+    from dcp_megatron.runtime.memory_probe import LiveBytes, SavedBytes
+
+    weight = torch.ones(8, 8, requires_grad=True)
+    x = torch.ones(16, 8, requires_grad=True)
+    saved = SavedBytes(exclude=[weight])
+    with saved:
+        y = x * 2.0                                       # saves nothing of x (a constant factor)
+        z = y[:, :4] * y[:, 4:]                           # saves two views of y: one storage
+        out = (z @ weight[:4, :4]).sum()                  # saves z (the weight excluded)
+    assert saved.bytes_by_bucket() == {"outside": 16 * 8 * 4 + 16 * 4 * 4}
+    live = LiveBytes()
+    with live:
+        a = torch.ones(1000)                              # 4,000 B
+        b = a * 2                                         # before it: a
+        del a
+        c = b + 1                                         # before it: b
+        grad = torch.ones(5000)                           # 20,000 B, then known to be a weight's gradient
+        d = c * 3                                         # before it: b, c and grad, 28,000 B
+        live.forget(grad)                                 # never counted: b and c, 8,000 B before d
+    assert live.peak == 12000 and out.requires_grad and d.numel() == 1000   # b, c and d at the end

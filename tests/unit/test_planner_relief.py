@@ -47,6 +47,19 @@ def test_llama_layer_bytes_by_tensor_and_what_each_module_frees():
     assert layer_tensors(no_sp)["attn_norm_in"] == 2 * h
 
 
+def test_the_te_spec_read_from_transformer_engine_is_the_bf16_table_with_its_norms_rms():
+    """ActivationSpec's TE entries (v copied by TE's layout check, fused norms keeping 1/rms) count the bf16 table's
+    tensors plus 4 B per norm; the measured local spec keeps the whole qkv block through v's view."""
+    from dcp_megatron.planner.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE
+
+    m = model_preset("llama3-8b")
+    te = layer_tensors(dataclasses.replace(m, activations=TRANSFORMER_ENGINE))
+    assert sum(te.values()) == sum(layer_tensors(m).values()) + 2 * 4
+    local = layer_tensors(dataclasses.replace(m, transformer_impl="local", activations=LOCAL_BF16))
+    q, kv = 4096, 1024
+    assert local["core_attn_in"] == 2 * (2 * q + 3 * kv) and te["core_attn_in"] == 2 * (q + 2 * kv)
+
+
 def test_a_long_document_gets_mlp_recompute_not_full_layers():
     """An attention-heavy micro-batch (a long document) that fits with MLP recompute takes it rather than the
     fewest full layers that fit (those rerun the attention too); the old menu had only full layers for it.

@@ -88,3 +88,24 @@ def dcp_patches() -> tuple[Patch, ...]:
                          "the Parameter the checkpoint's output and its replay recurse until the rank dies; the "
                          "checkpointed function returns a copy of such a leaf instead.",
                   versions=MEGATRON_CORE_VERSIONS),)
+
+
+def _no_fp8_unless_asked(original_init):
+    @functools.wraps(original_init)
+    def __init__(self, fp8=False):
+        original_init(self, fp8=fp8)
+        self.fp8 = fp8 not in (None, False)
+    return __init__
+
+
+def checkpoint_without_output_patches() -> tuple[Patch, ...]:
+    """Off Transformer Engine (tools/memcheck.py's meta stack): `CheckpointWithoutOutput()`, as transformer_layer.py
+    builds it for `layernorm` recompute, sets `fp8 = fp8 is not None`, True for its default False, and its forward
+    then reads Transformer Engine's FP8 state. False or None now mean no FP8, as they do under Transformer Engine
+    outside FP8 autocast."""
+    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+
+    return (Patch(target=f"{_MODULE}:CheckpointWithoutOutput.__init__",
+                  replacement=_no_fp8_unless_asked(CheckpointWithoutOutput.__init__),
+                  reason="CheckpointWithoutOutput() takes the FP8 path, which needs Transformer Engine.",
+                  versions=MEGATRON_CORE_VERSIONS),)

@@ -32,6 +32,7 @@ linear_proj still holds); `attn_proj` the attention output (needs `core_attn`); 
 """
 from __future__ import annotations
 
+from dcp_megatron.planner.memory_spec import spec_freed_by_recompute, spec_layer_tensors
 from dcp_megatron.planner.model import ModelShape
 
 BF16 = 2
@@ -39,7 +40,10 @@ FP32 = 4
 
 
 def layer_tensors(m: ModelShape) -> dict[str, float]:
-    """Bytes per local token per layer on one TP rank, by tensor name (see the module docstring)."""
+    """Bytes per local token per layer on one TP rank, by tensor name (see the module docstring; a shape with its
+    own `activations` is counted by memory_spec.py)."""
+    if m.activations is not None:
+        return spec_layer_tensors(m, m.activations)
     tp = m.tp
     hs = BF16 * m.hidden_size / (tp if m.sequence_parallel else 1)     # a residual-stream-shaped tensor
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
@@ -61,11 +65,14 @@ def layer_tensors(m: ModelShape) -> dict[str, float]:
 
 def full_layer_bytes(m: ModelShape) -> float:
     """A fully recomputed layer keeps its input (the residual stream) per local token."""
-    return BF16 * m.hidden_size / (m.tp if m.sequence_parallel else 1)
+    width = m.activations.dtype_bytes if m.activations is not None else BF16
+    return width * m.hidden_size / (m.tp if m.sequence_parallel else 1)
 
 
 def freed_by_recompute(m: ModelShape, module: str) -> frozenset[str]:
     """Tensors of `layer_tensors` one recompute module frees (empty: a no-op for this model and spec)."""
+    if m.activations is not None:
+        return spec_freed_by_recompute(m, m.activations, module)[0]
     te = m.transformer_impl == "transformer_engine"
     if module == "core_attn":
         return frozenset({"attn_lse"} | ({"attn_kv_copy"} if not te else set()))
@@ -82,9 +89,15 @@ def freed_by_recompute(m: ModelShape, module: str) -> frozenset[str]:
     return frozenset()
 
 
+def kept_by_recompute(m: ModelShape, module: str) -> dict[str, float]:
+    """Tensors a recompute module's checkpoint keeps that the plain forward does not (memory_spec.py)."""
+    return spec_freed_by_recompute(m, m.activations, module)[1] if m.activations is not None else {}
+
+
 def freed_by_offload(m: ModelShape, module: str) -> frozenset[str]:
-    """Tensors of `layer_tensors` offloading one module's input moves to the host."""
-    names = {"core_attn": {"core_attn_in"}, "attn_proj": {"attn_out"}}
+    """Tensors of `layer_tensors` offloading one module's input moves to the host: the core_attn group holds
+    every tensor the kernel saves, q, k, v and the LSE (the output stays with linear_proj)."""
+    names = {"core_attn": {"core_attn_in", "attn_lse"}, "attn_proj": {"attn_out"}}
     if m.is_moe:
         names.update(expert_fc1={"expert_fc1_in"}, moe_act={"expert_fc1_out"})
     return frozenset(names.get(module, ()))

@@ -52,8 +52,8 @@ from dcp_megatron.planner.relief_choice import ReliefChoice
 # the parts' methods the cost model answers with (bound once: the planners call them in their hot loops)
 TIME_METHODS = ("doc_terms", "ideal_doc_seconds", "ideal_rank_seconds", "recompute_extra", "full_recompute_seconds",
                 "time_from_sums", "times_from_sums")
-MEMORY_METHODS = ("bytes_per_local_token", "held_bytes_per_local_token", "memory_from_tokens", "max_local_tokens",
-                  "full_recompute_bytes")
+MEMORY_METHODS = ("bytes_per_local_token", "held_bytes_per_local_token", "layer_bytes_per_local_token",
+                  "memory_from_tokens", "max_local_tokens", "full_recompute_bytes")
 RELIEF_METHODS = ("recompute_options", "full_recompute_options", "choose_recompute", "best_recompute_from_sums",
                   "fitting_reliefs", "doc_alone_seconds")
 

@@ -18,7 +18,8 @@ import numpy as np
 from dcp_megatron.planner.activations import full_layer_bytes, layer_tensors
 from dcp_megatron.planner.param_sharding import static_state_bytes
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
-from dcp_megatron.planner.relief import held_bytes_per_layer
+from dcp_megatron.planner.memory_spec import spec_output_bytes
+from dcp_megatron.planner.relief import held_bytes_per_layer, offload_kept_bytes, stage_peak_bytes
 
 # bf16 logits + the fp32 copy vocab_parallel_cross_entropy makes of them (alive together), per vocab/tp unit
 OUTPUT_BYTES_PER_VOCAB = 2 + 4
@@ -34,7 +35,11 @@ class MemoryModel:
         self._max_local: dict[Recompute, int] = {}    # memoised per recompute policy
         self._bytes_per_token: dict[Recompute, float] = {}
         self._init_layer_bytes(model, light, profile.get("activation_bytes_per_hidden", {}))
-        self._logit_bytes_per_token = profile.get("output_bytes_per_vocab", OUTPUT_BYTES_PER_VOCAB) * model.vocab_size / model.tp
+        # a run spec's output layer (memory_spec.py) keeps per-token tensors beside its per-vocab ones
+        per_vocab, per_token = (spec_output_bytes(model, model.activations) if model.activations
+                                else (OUTPUT_BYTES_PER_VOCAB, 0.0))
+        self._logit_bytes_per_token = (profile.get("output_bytes_per_vocab", per_vocab) * model.vocab_size / model.tp
+                                       + per_token)
         # weights, gradients, optimizer states as the ZeRO stage shards them
         self.static_bytes = static_state_bytes(model, cluster) + gpu.static_bytes(model, cluster)
         self._none_bytes_per_token = self._bytes_per_local_token(NO_RECOMPUTE)
@@ -73,7 +78,11 @@ class MemoryModel:
         held = self._layer_bytes.get(recompute)
         if held is None:     # a relief off this model's menu (validate refuses it): counted as none
             held = self._layer_bytes_none
-        return n * held
+        return n * held + offload_kept_bytes(self.model, recompute, n)
+
+    def layer_bytes_per_local_token(self, recompute: Recompute) -> float:
+        """Bytes per local token the stage's layers keep for backward with this relief (tools/memcheck.py)."""
+        return self._held_per_layer(recompute)
 
     def held_bytes_per_local_token(self, recompute: Recompute) -> float:
         """Bytes per local token saved for backward during one stage's forward (no pipelining): what the
@@ -81,6 +90,12 @@ class MemoryModel:
         return self._held_per_layer(recompute) + self._logit_bytes_per_token
 
     def _bytes_per_local_token(self, recompute: Recompute) -> float:
+        if self.model.activations is not None:     # the loss's peak or a layer's backward, whichever is higher
+            held = self._held_per_layer(recompute)
+            peak = stage_peak_bytes(self.model, recompute, held=held, none_bytes=self._layer_bytes_none,
+                                    full_bytes=self._layer_bytes_full, output_bytes=self._logit_bytes_per_token,
+                                    layers=self.layers_per_stage)
+            return max(self.model.pp * (peak - self._logit_bytes_per_token), peak)
         # full recompute: one layer's working set (a non-recomputed layer's activations) while it reruns
         working = self._layer_bytes_none if recompute.kind == "full" else 0.0
         act = self._held_per_layer(recompute) + working

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from dcp_megatron.planner.memory_spec import ActivationSpec
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
@@ -27,6 +29,9 @@ class ModelShape:
     # --sequence-parallel (norm inputs and outputs are split over tp only with it)
     transformer_impl: str = "transformer_engine"   # or "local" (our CPU runs)
     sequence_parallel: bool = True
+    # The run's activation dtype and kernels, counted tensor by tensor (memory_spec.py); None: the table of
+    # activations.py for `transformer_impl` (bf16, fused kernels)
+    activations: ActivationSpec | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -40,6 +45,8 @@ class ModelShape:
         if self.transformer_impl not in ("transformer_engine", "local"):
             raise ValueError(f"ModelShape.transformer_impl must be 'transformer_engine' or 'local', "
                              f"got {self.transformer_impl!r}")
+        if self.activations is not None and not isinstance(self.activations, ActivationSpec):
+            raise ValueError(f"ModelShape.activations must be None or an ActivationSpec, got {self.activations!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.num_heads % self.tp:

@@ -25,13 +25,19 @@ from itertools import combinations
 
 import numpy as np
 
-from dcp_megatron.planner.activations import freed_by_offload, freed_by_recompute, layer_tensors, moved_by_offload
+from dcp_megatron.planner.activations import (freed_by_offload, freed_by_recompute, kept_by_recompute, layer_tensors,
+                                              moved_by_offload)
+from dcp_megatron.planner.memory_spec import spec_gradient_bytes
 from dcp_megatron.planner.plan import NO_RECOMPUTE, RECOMPUTE_MODULE_NAMES, SELECTIVE, Recompute
 
 MENU_NAMES = ("none", "selective", "full") + tuple(m for m in RECOMPUTE_MODULE_NAMES if m != "shared_experts") \
     + ("offload",)
 ATTENTION_OFFLOADS = (frozenset(), frozenset({"core_attn"}), frozenset({"core_attn", "attn_proj"}))
 MOE_OFFLOADS = (frozenset(), frozenset({"expert_fc1"}), frozenset({"expert_fc1", "moe_act"}))
+# Layers of a stage whose offloaded tensors stay on the GPU: megatron-core 0.19.2 keeps the last group of each
+# offload name (`_offload_margin`, fine_grained_activation_offload.py: reloading it would stall backward's start)
+# and holds one more layer's group while it is copied out, or reloaded ahead of its backward.
+OFFLOAD_KEPT_LAYERS = 2
 
 
 def menu_names(names) -> tuple[str, ...]:
@@ -95,12 +101,38 @@ def light_reliefs(model, names: tuple[str, ...], *, can_offload: bool) -> list[R
 def held_bytes_per_layer(model, recompute: Recompute, tensors: dict | None = None) -> float:
     """Bytes per local token one layer keeps with a light relief (not full)."""
     tensors = layer_tensors(model) if tensors is None else tensors
-    freed = set()
+    freed, kept = set(), {}
     for m in recompute.modules:
         freed |= freed_by_recompute(model, m)
+        kept.update(kept_by_recompute(model, m))
     for m in recompute.offload:
         freed |= freed_by_offload(model, m)
-    return float(sum(v for k, v in tensors.items() if k not in freed))
+    return float(sum(v for k, v in tensors.items() if k not in freed) + sum(kept.values()))
+
+
+def stage_peak_bytes(model, recompute: Recompute, *, held: float, none_bytes: float, full_bytes: float,
+                     output_bytes: float, layers: int) -> float:
+    """Peak bytes per local token of one stage's micro-batch (no pipelining), `held` its layers' saved bytes: the
+    loss's (everything held and the output layer's `output_bytes`) or a layer's backward, whichever is higher. The
+    last layer's backward holds everything and what its recomputed modules bring back, with the gradients
+    (memory_spec.py); block recompute reruns the first k layers last, when only their k inputs are left, one of
+    them rerun whole beside its input."""
+    mlp_grad, norm_grad = spec_gradient_bytes(model, model.activations)
+    if recompute.kind == "full":
+        k = recompute.full_layers
+        last = held + max(mlp_grad, norm_grad) if k < layers else 0.0
+        return max(held + output_bytes, last, k * full_bytes + none_bytes + max(mlp_grad, norm_grad))
+    back = none_bytes - held_bytes_per_layer(model, Recompute(recompute.kind, modules=recompute.modules))
+    return held + max(output_bytes, back + mlp_grad, norm_grad)
+
+
+def offload_kept_bytes(model, recompute: Recompute, layers: int) -> float:
+    """Bytes per local token a stage's offloads leave on the GPU after all (OFFLOAD_KEPT_LAYERS layers' worth)."""
+    if not recompute.offload:
+        return 0.0
+    kept_on_gpu = Recompute(recompute.kind, modules=recompute.modules)
+    return min(layers, OFFLOAD_KEPT_LAYERS) * (held_bytes_per_layer(model, kept_on_gpu)
+                                               - held_bytes_per_layer(model, recompute))
 
 
 def offloaded_bytes_per_layer(model, recompute: Recompute, tensors: dict | None = None) -> float:

@@ -47,6 +47,19 @@ def test_llama_layer_bytes_by_tensor_and_what_each_module_frees():
     assert layer_tensors(no_sp)["attn_norm_in"] == 2 * h
 
 
+def test_the_te_spec_read_from_transformer_engine_is_the_bf16_table_with_its_norms_rms():
+    """ActivationSpec's TE entries (v copied by TE's layout check, fused norms keeping 1/rms) count the bf16 table's
+    tensors plus 4 B per norm; the measured local spec keeps the whole qkv block through v's view."""
+    from dcp_megatron.planner.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE
+
+    m = model_preset("llama3-8b")
+    te = layer_tensors(dataclasses.replace(m, activations=TRANSFORMER_ENGINE))
+    assert sum(te.values()) == sum(layer_tensors(m).values()) + 2 * 4
+    local = layer_tensors(dataclasses.replace(m, transformer_impl="local", activations=LOCAL_BF16))
+    q, kv = 4096, 1024
+    assert local["core_attn_in"] == 2 * (2 * q + 3 * kv) and te["core_attn_in"] == 2 * (q + 2 * kv)
+
+
 def test_a_long_document_gets_mlp_recompute_not_full_layers():
     """An attention-heavy micro-batch (a long document) that fits with MLP recompute takes it rather than the
     fewest full layers that fit (those rerun the attention too); the old menu had only full layers for it.
@@ -95,18 +108,22 @@ def test_offload_is_gpu_only_and_attn_proj_needs_core_attn():
     assert not any(r.offload & r.modules for r in gpu.recompute_options())
 
 
-def test_core_attention_offload_copies_its_output_but_frees_only_q_k_v():
-    """megatron-core's core_attn group copies every tensor core attention saves (q, k, v and the output) and
-    releases q, k, v; the output stays on the GPU as linear_proj's input unless attn_proj offloads it too."""
+def test_core_attention_offload_copies_its_output_but_frees_only_q_k_v_and_the_lse():
+    """megatron-core's core_attn group copies every tensor core attention saves (q, k, v, the LSE and the output)
+    and frees q, k, v and the LSE; the output stays on the GPU as linear_proj's input unless attn_proj offloads it
+    too. A stage keeps two layers' offloaded bytes on the GPU: megatron-core's margin and the layer in flight."""
     m = model_preset("llama3-8b")
     t = layer_tensors(m)
     core = Recompute("none", offload=frozenset({"core_attn"}))
     both = Recompute("none", offload=frozenset({"core_attn", "attn_proj"}))
     none = held_bytes_per_layer(m, NO_RECOMPUTE)
-    assert none - held_bytes_per_layer(m, core) == pytest.approx(t["core_attn_in"])
-    assert none - held_bytes_per_layer(m, both) == pytest.approx(t["core_attn_in"] + t["attn_out"])
+    assert none - held_bytes_per_layer(m, core) == pytest.approx(t["core_attn_in"] + t["attn_lse"])
+    assert none - held_bytes_per_layer(m, both) == pytest.approx(t["core_attn_in"] + t["attn_lse"] + t["attn_out"])
     assert offloaded_bytes_per_layer(m, core) == offloaded_bytes_per_layer(m, both) == \
-        pytest.approx(t["core_attn_in"] + t["attn_out"])
+        pytest.approx(t["core_attn_in"] + t["attn_lse"] + t["attn_out"])
+    cost = _h200()
+    freed = none - held_bytes_per_layer(m, both)
+    assert cost.layer_bytes_per_local_token(both) == pytest.approx(32 * none - 30 * freed)     # 32 layers, 2 kept
 
 
 def test_offload_on_a_group_across_nodes_shares_the_host_link_with_the_nic():

@@ -1,0 +1,139 @@
+"""What a run keeps for backward, tensor by tensor, for the kernels it really runs (`ActivationSpec`).
+
+`ModelShape.activations` names the run's activation dtype and kernels; the counts below were measured with
+megatron-core 0.19.2's local spec on the meta device (tools/memcheck.py, docs/cost_model.md "Measured") where the
+kernel is one the local spec runs, and read from the sources where it is not (marked "read"). Per local token
+and layer on one TP rank, d = the activation dtype's bytes, h hidden, q = heads x head_dim, kv = kv heads x
+head_dim, f the FFN width, E experts, k top-k:
+
+- norms: "torch" (the local spec's `torch.rms_norm`, composite off the GPU): an fp32 copy of the input (the input
+  itself in fp32), the fp32 normalised tensor and the fp32 1/rms, 8h + 4, the output (d h) kept by the next
+  linear; "te" (read: TE's LayerNormLinear / TENorm): its input, its output, 1/rms: 2 d h + 4.
+- attention: RoPE'd q and k (d(q + kv)) and v; v is a view of linear_qkv's output (attention.py splits it), so a
+  kernel that keeps v as handed keeps the whole q + 2kv block ("flash": flash-attention and our meta stand-in;
+  `value_view=False` for a kernel that copies it); the output (d q, kept once: linear_proj keeps it too); the
+  log-sum-exp 4 x heads; unfused RoPE ("torch") keeps its bf16 cos and sin for q and for k (4 x head_dim x d).
+  Our CPU attention ("cpu", core/core_attention.py at CP 1): an fp32 copy of q (q itself in fp32), its copy of
+  K/V (2 d kv), an int64 row index, the fp32 output (and the d-typed output linear_proj keeps, when d < 4), the
+  fp32 log-sum-exp; k and the qkv block are freed.
+- dense MLP: the norm, fc1's input (the norm's output), fc1's output 2 d f, fc2's input d f; the unfused
+  SwiGLU (mlp.py's `glu`) also keeps silu's output and the linear half plus its offset (2 d f).
+- MoE (local SequentialMLP, alltoall dispatcher, balanced routing): the norm and its output (the router's
+  input), the router's state (fp32 logits' top-k probabilities, int64 indices and routing map, the permuted
+  probabilities: 8E + 20k + k d), the experts' permuted input k d h, fc1's outputs 2 k d f, their activations k d f.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FP32 = 4
+INT64 = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationSpec:
+    dtype_bytes: int = 2          # 2: bf16 / fp16 (the GPU runs); 4: fp32 (the CPU runs)
+    norm: str = "torch"           # "torch" (local spec) or "te" (Transformer Engine's fused norms)
+    rope: str = "torch"           # "torch" (unfused, keeps cos and sin) or "fused"
+    swiglu: str = "fused"         # "fused" (bias_swiglu keeps its input) or "unfused" (mlp.py's glu)
+    attention: str = "flash"      # "flash" (q, k, v, O, LSE) or "cpu" (our PackedCoreAttention)
+    value_view: bool = True       # the attention keeps v as a view of linear_qkv's whole output
+
+    def __post_init__(self) -> None:
+        choices = {"dtype_bytes": (2, 4), "norm": ("torch", "te"), "rope": ("torch", "fused"),
+                   "swiglu": ("fused", "unfused"), "attention": ("flash", "cpu"), "value_view": (True, False)}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ActivationSpec.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+
+# What megatron-core's TE spec keeps, read from Transformer Engine's sources (docs/cost_model.md), not measured:
+# LayerNormLinear's input, output and 1/rms; fused RoPE; FusedAttnFunc's q, k, v (TE copies megatron-core's
+# strided v, so the qkv block is freed), output and softmax statistics
+TRANSFORMER_ENGINE = ActivationSpec(norm="te", rope="fused", swiglu="fused", attention="flash", value_view=False)
+# What tools/memcheck.py measured: the local spec in bf16 with a flash-attention kernel
+LOCAL_BF16 = ActivationSpec(norm="torch", rope="torch", swiglu="fused", attention="flash", value_view=True)
+
+
+def _norm(spec: ActivationSpec, hidden: float) -> float:
+    """A norm's own saved bytes per token (its output is counted where the next linear keeps it)."""
+    return 2 * FP32 * hidden + FP32 if spec.norm == "torch" else spec.dtype_bytes * hidden + FP32
+
+
+def spec_layer_tensors(m, spec: ActivationSpec) -> dict[str, float]:
+    """Bytes per local token per layer on one TP rank, by tensor name (the module docstring)."""
+    d, tp = spec.dtype_bytes, m.tp
+    sp = tp if m.sequence_parallel else 1
+    h = m.hidden_size
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    out = {"attn_norm_in": _norm(spec, h) / sp, "qkv_in": d * h / sp}
+    if spec.rope == "torch":
+        out["rope_tables"] = 4 * m.head_dim * d
+    if spec.attention == "flash":
+        out.update(core_attn_in=d * (q + kv + (q + 2 * kv if spec.value_view else kv)) / tp,
+                   attn_out=d * q / tp, attn_lse=FP32 * m.num_heads / tp)
+    else:
+        out.update(core_attn_in=FP32 * q / tp, attn_kv_copy=d * 2 * kv / tp, attn_index=INT64,
+                   attn_out=(FP32 + (d if d < FP32 else 0)) * q / tp, attn_lse=FP32 * m.num_heads / tp)
+    out["mlp_norm_in"] = _norm(spec, h) / sp
+    glu = 2 if spec.swiglu == "unfused" and m.gated_mlp else 0
+    if m.is_moe:
+        width, k, e = (m.moe_ffn_hidden_size or m.ffn_hidden_size), m.moe_topk, m.num_experts
+        out.update(router_in=d * h / sp, router_state=INT64 * e + 20 * k + k * d,
+                   expert_fc1_in=k * d * h / tp, expert_fc1_out=k * d * (2 if m.gated_mlp else 1) * width / tp,
+                   expert_fc2_in=k * d * (1 + glu) * width / tp)
+    else:
+        out.update(fc1_in=d * h / sp, fc1_out=d * (2 if m.gated_mlp else 1) * m.ffn_hidden_size / tp,
+                   fc2_in=d * (1 + glu) * m.ffn_hidden_size / tp)
+    return out
+
+
+def spec_freed_by_recompute(m, spec: ActivationSpec, module: str) -> tuple[frozenset[str], dict[str, float]]:
+    """(tensors of `spec_layer_tensors` one recompute module frees, tensors its checkpoint keeps instead)."""
+    d, sp = spec.dtype_bytes, (m.tp if m.sequence_parallel else 1)
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    if module == "core_attn":
+        if spec.attention == "flash":     # q, k, v stay as the checkpoint's inputs, the output with linear_proj
+            return frozenset({"attn_lse"}), {}
+        # ours keeps copies; the checkpoint keeps q, k and v (the whole qkv block) and linear_proj the output
+        kept = {"attn_ckpt_qkv": d * (q + kv + (q + 2 * kv if spec.value_view else kv)) / m.tp,
+                "attn_ckpt_out": d * q / m.tp}
+        return frozenset({"core_attn_in", "attn_kv_copy", "attn_index", "attn_out", "attn_lse"}), kept
+    if module == "mlp" and not m.is_moe:
+        return frozenset({"fc1_out", "fc2_in"}), {}
+    if module == "layernorm":             # read: CheckpointWithoutOutput keeps the norm's input, drops its output
+        names = {"attn_norm_in", "qkv_in", "mlp_norm_in"} | ({"router_in"} if m.is_moe else {"fc1_in"})
+        return frozenset(names), {"norm_ckpt_in": 2 * d * m.hidden_size / sp}
+    if module == "moe_act" and m.is_moe:
+        return frozenset({"expert_fc2_in"}), {}
+    if module == "moe" and m.is_moe:
+        return frozenset({"router_state", "expert_fc1_in", "expert_fc1_out", "expert_fc2_in"}), {}
+    return frozenset(), {}
+
+
+def spec_gradient_bytes(m, spec: ActivationSpec) -> tuple[float, float]:
+    """(beside the tensors a layer's backward recomputes, beside none) bytes per local token of its gradients at
+    their peak: a dense MLP's backward holds the gradients of fc1's output and of the layer's input and output
+    (2f + 2h wide) while its recomputed tensors are alive; the torch norm's backward, once they are freed, four
+    fp32 hidden-wide tensors (TE's read as two d-typed ones). An MoE layer's: the gradient of its top-k expert
+    outputs (k h) and one expert's fc1-output and fc2-input gradients for its k/E share of the rows (the local
+    spec's SequentialMLP runs the experts one at a time). Measured on the meta stack (tools/memcheck.py)."""
+    d, sp = spec.dtype_bytes, (m.tp if m.sequence_parallel else 1)
+    norm = 4 * FP32 * m.hidden_size / sp if spec.norm == "torch" else 2 * d * m.hidden_size / sp
+    if m.is_moe:      # the experts' summed output's gradient, and one expert's (local: one at a time) rows
+        width, k = (m.moe_ffn_hidden_size or m.ffn_hidden_size), m.moe_topk
+        mlp = d * k * (m.hidden_size + 3 * width / m.num_experts) / m.tp
+    else:
+        mlp = d * (2 * m.ffn_hidden_size / m.tp + 2 * m.hidden_size / sp)
+    return mlp, norm
+
+
+def spec_output_bytes(m, spec: ActivationSpec) -> tuple[float, float]:
+    """(bytes per vocab/tp unit, bytes per token) the output layer and loss add at their peak: the logits (d) and
+    the cross entropy's fp32 copy (none in fp32: `.float()` returns the logits); the final norm, the output
+    layer's input and the decoder's input GPTModel still holds, and the loss's int64 labels."""
+    d = spec.dtype_bytes
+    per_vocab = d + (FP32 if d < FP32 else 0)
+    sp = m.tp if m.sequence_parallel else 1
+    per_token = (_norm(spec, m.hidden_size) + 2 * d * m.hidden_size) / sp + INT64 + FP32
+    return per_vocab, per_token

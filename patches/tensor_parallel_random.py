@@ -11,10 +11,10 @@ megatron-core 0.19.2's MLP returns its output projection's bias Parameter itself
 per-micro-batch MLP relief). An autograd Function that returns a leaf tensor it was not given makes that leaf its
 own output: the bias Parameter gets the checkpoint's backward as its `grad_fn` and stops being a leaf. The replay
 in backward returns the same Parameter again, so `torch.autograd.backward` on it re-enters the checkpoint's
-backward, which replays again: every model with linear biases (GPT-2-style GELU MLPs, megatron's default
-`--add-bias-linear`) recursed until the rank died at the first backward of an MLP-recomputed micro-batch. The
-checkpointed function now returns a copy of such a leaf (a bias-sized copy; its gradient flows to the
-Parameter through the copy, as the unrecomputed path's does through the bias add).
+backward, which replays again: a model with linear biases (GPT-2-style GELU MLPs, megatron's default
+`--add-bias-linear`) would recurse until the rank died at the first backward of an MLP-recomputed micro-batch. So
+the checkpointed function returns a copy of such a leaf (a bias-sized copy; its gradient flows to the Parameter
+through the copy, as the unrecomputed path's does through the bias add).
 """
 from __future__ import annotations
 

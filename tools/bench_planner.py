@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plan latency of a policy at scale: prints wall and CPU time per plan, p50 and p99 (numbers only).
 
-Default setting (issue 2): D=1024 ranks, 4,194,304-token batches cut in order from the
+Default setting (the planner's latency target at scale): D=1024 ranks, 4,194,304-token batches cut in order from the
 built-in Wikipedia-like distribution, llama3-8b on h200, the dcp policy, 20 batches. The
 length cap is the longest document of those batches (as dcp-simulate chooses it). One
 untimed warm-up plan on the first batch comes first (first-call costs are not plan costs).

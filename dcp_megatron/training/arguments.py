@@ -84,7 +84,8 @@ def start_megatron_run(args: argparse.Namespace) -> RunSpec | None:
     if args.dcp_profile_out is not None or args.dcp_profile_report is not None:
         profile = profile_config_from_args(args)
     # a micro-batch that ran out of memory in an earlier run of this job: plan under its count (out_of_memory.py)
-    dcp, note = under_recorded_limit(dcp_config_from_args(args), args.load, args.save)   # DcpConfig: value checks
+    dcp, note = under_recorded_limit(dcp_config_from_args(args),   # DcpConfig holds the value checks
+                                     getattr(args, "load", None), getattr(args, "save", None))
     if note and getattr(args, "rank", 0) == 0:
         print(note, flush=True)
     spec = RunSpec(dcp=dcp,

@@ -15,6 +15,9 @@ Steps (each its own process, so one failure cannot take the report down; the rep
                  built with --offload-modules core_attn attn_proj, through DCP's step path and megatron-core's
                  schedule, whose micro-batches offload on some and not others: loss and every gradient as with
                  no relief (<= 1e-2 relative), and the peak allocated memory of an all-offload step below none's.
+  memory         the planner's memory count on the TE spec (bf16) against the allocator (tools/gpu_check_memory.py):
+                 one micro-batch per relief (none, module recompute, full 1/2/4, offload), its peak allocated
+                 bytes above the step's start vs the count; passes when each is within the safety margin.
   profile_bf16, profile_fp8
                  `dcp-profile` of a mid-sized model on the TE spec: GEMM rate, attention times by length;
                  written to PROFILES/h200_bf16.json and h200_fp8.json, merged into PROFILES/h200.json
@@ -34,7 +37,7 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ("te_attention", "train_bf16", "train_fp8", "offload", "profile_bf16", "profile_fp8")
+STEPS = ("te_attention", "train_bf16", "train_fp8", "offload", "memory", "profile_bf16", "profile_fp8")
 NOT_CHECKED = ("CP > 1 (TE's p2p ring over per-micro-batch groups, the per-device CP stream on several GPUs, NCCL "
                "communicator memory of multi-rank groups): one GPU cannot run it, NCCL refuses two ranks on one device")
 TOLERANCE = 2e-2
@@ -100,6 +103,8 @@ def build_steps(*, out: str, profiles: str, python: str) -> list[dict]:
             "--dcp-memory-budget-gb", str(budget), "--dcp-dump-plans", os.path.join(out, f"{name}_plans")]))
     steps.append(dict(name="offload", timeout_s=180,
                       argv=[python, os.path.join(REPO, "tools", "gpu_check_offload.py"), out]))
+    steps.append(dict(name="memory", timeout_s=180,
+                      argv=[python, os.path.join(REPO, "tools", "gpu_check_memory.py"), out]))
     for name, extra in (("profile_bf16", []), ("profile_fp8", list(FP8_FLAGS))):
         target = os.path.join(profiles, f"h200_{name.split('_')[1]}.json")
         steps.append(dict(name=name, timeout_s=150, profile=target, argv=[
@@ -114,14 +119,14 @@ def build_steps(*, out: str, profiles: str, python: str) -> list[dict]:
 def judge(step: dict, rc: int, log: str) -> dict:
     """What a finished step showed, and whether it passed."""
     result: dict = {"rc": rc}
-    if step["name"] in ("te_attention", "offload"):
+    if step["name"] in ("te_attention", "offload", "memory"):
         probe = os.path.join(os.path.dirname(step["log"]), f"{step['name']}.json")
         if os.path.isfile(probe):
             with open(probe) as f:
                 result.update(json.load(f))
         if step["name"] == "te_attention":
             result["passed"] = rc == 0 and result.get("max_rel_error", math.inf) <= TOLERANCE
-        else:   # the probe judged parity and memory itself (tools/gpu_check_offload.py)
+        else:   # the probe judged itself (tools/gpu_check_offload.py, tools/gpu_check_memory.py)
             result["passed"] = rc == 0 and result.get("passed") is True
     elif step["name"].startswith("train_"):
         losses = [float(x) for _, x in _ITERATION.findall(log)]

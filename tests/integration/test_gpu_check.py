@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -38,7 +39,9 @@ def test_dry_run_lists_every_step_and_refuses_bad_arguments_and_a_machine_withou
     assert steps["offload"]["argv"][1].endswith("tools/gpu_check_offload.py")
     assert steps["offload"]["argv"][2] == str(tmp_path / "out")   # where the probe writes offload.json
     skipped = json.loads(_run("--dry-run", "--skip", "profile_bf16,profile_fp8").stdout)
-    assert [s["name"] for s in skipped["steps"]] == ["te_attention", "train_bf16", "train_fp8", "offload"]
+    assert [s["name"] for s in skipped["steps"]] == ["te_attention", "train_bf16", "train_fp8", "offload", "memory"]
+    assert steps["memory"]["argv"][1:] == [os.path.join(gpu_check.REPO, "tools", "gpu_check_memory.py"),
+                                           str(tmp_path / "out")]
     bad = _run("--skip", "nothing")
     assert bad.returncode == 2 and "--skip: unknown steps ['nothing']" in bad.stderr
     if not _has_gpu():
@@ -152,3 +155,22 @@ def test_the_offload_step_passes_only_on_the_probes_own_verdict(tmp_path):
     (tmp_path / "offload.json").write_text(json.dumps({"passed": False, "memory_passed": False}))
     judged = gpu_check.judge(step, 0, "")
     assert not judged["passed"] and judged["memory_passed"] is False       # the report says which check failed
+
+
+def test_the_memory_step_passes_on_its_probes_verdict_and_its_plumbing_runs_on_cpu(tmp_path):
+    """tools/gpu_check_memory.py: judged on its own report; on CPU (--cpu-smoke) it runs one micro-batch per relief
+    through DCP's step path and writes the planner's count for each (measured only on a GPU)."""
+    step = {"name": "memory", "log": str(tmp_path / "memory.log")}
+    assert not gpu_check.judge(step, 0, "")["passed"]
+    (tmp_path / "memory.json").write_text(json.dumps({"passed": False, "reliefs": {"none": {"within_margin": False}}}))
+    assert not gpu_check.judge(step, 0, "")["passed"]
+    (tmp_path / "memory.json").write_text(json.dumps({"passed": True}))
+    assert gpu_check.judge(step, 0, "")["passed"] and not gpu_check.judge(step, 1, "")["passed"]
+    smoke = subprocess.run([sys.executable, os.path.join(gpu_check.REPO, "tools", "gpu_check_memory.py"),
+                            "--cpu-smoke", str(tmp_path / "smoke")], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONPATH": gpu_check.REPO})
+    assert smoke.returncode == 0, smoke.stderr[-3000:]
+    with open(tmp_path / "smoke" / "memory.json") as f:
+        counted = {name: row["counted_bytes"] for name, row in json.load(f)["reliefs"].items()}
+    assert list(counted) == ["none", "mlp", "core_attn", "core_attn+mlp", "full1", "full2"]
+    assert counted["none"] > counted["mlp"] > counted["core_attn+mlp"] and counted["full2"] < counted["full1"]

@@ -1,0 +1,113 @@
+"""gpu_check's memory step (tools/gpu_check.py runs `python tools/gpu_check_memory.py DIR` on a GPU; it writes
+DIR/memory.json; exit 0 when every relief ran and stayed inside the planner's count plus its safety margin).
+
+The planner's memory count on the TE spec is read from Transformer Engine's sources (planner/memory_spec.py
+TRANSFORMER_ENGINE) and checked against megatron-core's real tensors only on the local spec (tools/memcheck.py, on
+the `meta` device). This step measures it where it runs: one process on one GPU, the small TE-spec GPT of the
+offload step (tools/gpu_check_offload.py, bf16), one micro-batch of THD-packed documents per relief of the menu
+(none, each recompute_modules set, full recompute of 1, 2 and 4 layers, offload of core_attn+attn_proj) through
+DCP's own step path, warmed up once; per relief, the peak allocated device memory above the step's start
+(weights, gradients and optimizer-free state already allocated: what the activation count stands for) against
+the planner's count for the same shape and tokens. The table (counted, measured, measured / counted) goes to
+memory.json; `within_margin` per relief: measured <= counted / (1 - the cluster's safety margin).
+FP8 is not measured here (the train_fp8 step trains under a budget; its peak per relief is not read yet).
+`--cpu-smoke DIR` runs the plumbing on CPU with the local spec (counts only: nothing is measured on a CPU).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ((6000, 1200, 900),)                     # one micro-batch: 8,100 tokens in three documents
+SMOKE_DOCS = ((30, 12, 9),)
+RELIEFS = ("none", "mlp", "core_attn", "core_attn+mlp", "full1", "full2", "full4", "offload")
+
+
+def relief_of(name: str):
+    from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute
+
+    if name == "none":
+        return NO_RECOMPUTE
+    if name.startswith("full"):
+        return Recompute("full", int(name[4:]))
+    if name == "offload":
+        return Recompute("none", offload=frozenset({"core_attn", "attn_proj"}))
+    return Recompute("selective", modules=frozenset(name.split("+")))
+
+
+def counted_model(shape: dict, *, cuda: bool):
+    """The planner's cost model for the probe's GPT (one rank, the h200 preset; the TE spec's entries on a GPU)."""
+    import dataclasses
+
+    from dcp_megatron.planner.cluster import cluster_preset
+    from dcp_megatron.planner.cost import CostModel
+    from dcp_megatron.planner.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE
+    from dcp_megatron.planner.model import ModelShape
+
+    model = ModelShape(num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
+                       num_heads=shape["num_heads"], num_kv_heads=shape["num_heads"],
+                       head_dim=shape["hidden_size"] // shape["num_heads"], ffn_hidden_size=shape["ffn_hidden_size"],
+                       vocab_size=shape["vocab"], transformer_impl="transformer_engine" if cuda else "local",
+                       sequence_parallel=False, activations=TRANSFORMER_ENGINE if cuda else LOCAL_BF16)
+    cluster = dataclasses.replace(cluster_preset("h200", domain_size=1), host_link_bw=64e9)
+    return CostModel(model, cluster, allowed_recompute=("none", "selective", "full", "mlp", "core_attn", "offload"))
+
+
+def probe(out_dir: str, *, cuda: bool = True) -> int:
+    import torch
+
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import gpu_check_offload as harness
+
+    os.makedirs(out_dir, exist_ok=True)
+    registry = harness._setup(cuda)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    shape, docs = (harness.MODEL, DOCS) if cuda else (harness.SMOKE_MODEL, SMOKE_DOCS)
+    cost = counted_model(shape, cuda=cuda)
+    tokens = sum(n + n % 2 for n in docs[0])
+    result: dict = {"model": shape, "docs": [list(d) for d in docs], "tokens": tokens,
+                    "safety_frac": cost.cluster.mem_safety_frac, "reliefs": {}}
+    try:
+        model = harness._model(cuda, shape)
+        warm = harness._batches(((frozenset(), 0),), device, relief=False, docs=docs, vocab=shape["vocab"])
+        harness._run_step(model, warm, cuda=cuda)   # gradients allocated, kernels warm
+        for name in RELIEFS:
+            relief = relief_of(name)
+            if (name == "offload" and not cuda) or relief.full_layers > shape["num_layers"]:
+                continue   # megatron-core's offload needs CUDA streams; the smoke model has 2 layers
+            counted = cost.bytes_per_local_token(relief) * tokens
+            batches = harness._batches(((relief.offload, relief.full_layers if relief.kind == "full" else 0),),
+                                       device, relief=True, docs=docs, vocab=shape["vocab"])
+            if relief.modules:   # a recompute_modules relief: the facts carry it as the plan would
+                import dataclasses
+
+                from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY
+
+                batches[0][MICROBATCH_KEY] = dataclasses.replace(batches[0][MICROBATCH_KEY], recompute=relief)
+            _, _, peak = harness._run_step(model, batches, cuda=cuda)
+            row = {"relief": str(relief), "counted_bytes": int(counted)}
+            if cuda:
+                row.update(measured_bytes=int(peak), measured_over_counted=peak / counted,
+                           within_margin=peak <= counted / (1 - cost.cluster.mem_safety_frac))
+            result["reliefs"][name] = row
+        result["passed"] = bool(result["reliefs"]) and all(r.get("within_margin", True)
+                                                           for r in result["reliefs"].values())
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+        registry.remove()
+    with open(os.path.join(out_dir, "memory.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result), flush=True)
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, REPO)
+    if len(sys.argv) == 3 and sys.argv[1] == "--cpu-smoke":
+        sys.exit(probe(sys.argv[2], cuda=False))
+    sys.exit(probe(sys.argv[1]))

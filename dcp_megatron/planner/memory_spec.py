@@ -134,6 +134,12 @@ def spec_gradient_bytes(m, spec: ActivationSpec) -> tuple[float, float]:
     return mlp, norm
 
 
+def spec_rope_table_bytes(m) -> float:
+    """Bytes per local token fully recomputed layers keep once between them: GPTModel's fp32 RoPE table (one
+    head_dim row per position of the longest document, at most one per token), an input of every checkpoint."""
+    return FP32 * m.head_dim
+
+
 def spec_output_bytes(m, spec: ActivationSpec) -> tuple[float, float]:
     """(bytes per vocab/tp unit, bytes per token) the output layer and loss add at their peak: the logits (d) and
     the cross entropy's fp32 copy (none in fp32: `.float()` returns the logits); the final norm, the output

@@ -15,6 +15,7 @@ from dcp_megatron.planner.cluster import cluster_preset
 from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.cost_profile import load_profile
 from dcp_megatron.planner.gpu_costs import GpuCosts
+from dcp_megatron.planner.memory_spec import CPU_FP32, ActivationSpec
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.policies import make_plan
@@ -37,7 +38,17 @@ def model_shape_from_args(args, *, vocab_size: int | None = None) -> ModelShape:
         moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
         # what the layers keep for backward depends on the spec and on sequence parallelism (planner/activations.py)
         transformer_impl="local" if getattr(args, "transformer_impl", None) == "local" else "transformer_engine",
-        sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)), activations=activation_spec_of(args))
+
+
+def activation_spec_of(args) -> ActivationSpec | None:
+    """What the run keeps for backward, where the planner has measured it: `--dcp-cpu-memory-count` on a CPU run
+    (fp32, the local spec) is counted as CPU_FP32 (memory_spec.py), so its budget is bytes; None: the bf16 table."""
+    import torch
+
+    cpu_fp32_local = (getattr(args, "transformer_impl", None) == "local" and not torch.cuda.is_available()
+                      and not getattr(args, "bf16", False) and not getattr(args, "fp16", False))
+    return CPU_FP32 if cpu_fp32_local and getattr(args, "dcp_cpu_memory_count", False) else None
 
 
 def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:

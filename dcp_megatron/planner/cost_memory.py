@@ -18,7 +18,7 @@ import numpy as np
 from dcp_megatron.planner.activations import full_layer_bytes, layer_tensors
 from dcp_megatron.planner.param_sharding import static_state_bytes
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
-from dcp_megatron.planner.memory_spec import spec_output_bytes
+from dcp_megatron.planner.memory_spec import spec_output_bytes, spec_rope_table_bytes
 from dcp_megatron.planner.relief import held_bytes_per_layer, offload_kept_bytes, stage_peak_bytes
 
 # bf16 logits + the fp32 copy vocab_parallel_cross_entropy makes of them (alive together), per vocab/tp unit
@@ -35,6 +35,7 @@ class MemoryModel:
         self._max_local: dict[Recompute, int] = {}    # memoised per recompute policy
         self._bytes_per_token: dict[Recompute, float] = {}
         self._init_layer_bytes(model, light, profile.get("activation_bytes_per_hidden", {}))
+        self._rope_table_bytes = spec_rope_table_bytes(model) if model.activations else 0.0
         # a run spec's output layer (memory_spec.py) keeps per-token tensors beside its per-vocab ones
         per_vocab, per_token = (spec_output_bytes(model, model.activations) if model.activations
                                 else (OUTPUT_BYTES_PER_VOCAB, 0.0))
@@ -74,7 +75,7 @@ class MemoryModel:
         n = self.layers_per_stage
         if recompute.kind == "full":
             k = recompute.full_layers
-            return (n - k) * self._layer_bytes_none + k * self._layer_bytes_full
+            return (n - k) * self._layer_bytes_none + k * self._layer_bytes_full + self._rope_table_bytes
         held = self._layer_bytes.get(recompute)
         if held is None:     # a relief off this model's menu (validate refuses it): counted as none
             held = self._layer_bytes_none

@@ -13,9 +13,11 @@ head_dim, f the FFN width, E experts, k top-k:
   kernel that keeps v as handed keeps the whole q + 2kv block ("flash": flash-attention and our meta stand-in;
   `value_view=False` for a kernel that copies it); the output (d q, kept once: linear_proj keeps it too); the
   log-sum-exp 4 x heads; unfused RoPE ("torch") keeps its bf16 cos and sin for q and for k (4 x head_dim x d).
-  Our CPU attention ("cpu", core/core_attention.py at CP 1): an fp32 copy of q (q itself in fp32), its copy of
-  K/V (2 d kv), an int64 row index, the fp32 output (and the d-typed output linear_proj keeps, when d < 4), the
-  fp32 log-sum-exp; k and the qkv block are freed.
+  Our CPU attention ("cpu", core/core_attention.py at CP 1, measured in fp32): the RoPE'd q, k and v repeated to
+  every query head (2 d q), each document's output and their concatenation linear_proj keeps (2 d q), the fp32
+  log-sum-exp; k and the qkv block are freed. On a CP group of c it keeps the all-gathered K/V (c 2 d kv) and a
+  c-row int64 index instead of the repeated K/V and the concatenation: the count is CP 1's (the planner's memory
+  is per local token, whatever the group; with GQA of 2 or more heads per K/V head it bounds c = 2's).
 - dense MLP: the norm, fc1's input (the norm's output), fc1's output 2 d f, fc2's input d f; the unfused
   SwiGLU (mlp.py's `glu`) also keeps silu's output and the linear half plus its offset (2 d f).
 - MoE (local SequentialMLP, alltoall dispatcher, balanced routing): the norm and its output (the router's
@@ -53,6 +55,10 @@ class ActivationSpec:
 TRANSFORMER_ENGINE = ActivationSpec(norm="te", rope="fused", swiglu="fused", attention="flash", value_view=False)
 # What tools/memcheck.py measured: the local spec in bf16 with a flash-attention kernel
 LOCAL_BF16 = ActivationSpec(norm="torch", rope="torch", swiglu="fused", attention="flash", value_view=True)
+# What our CPU runs are (fp32, the local spec, core/core_attention.py; SwiGLU through megatron-core's bias_swiglu
+# function, fused unless --no-bias-swiglu-fusion), measured on a real --dcp run's micro-batches
+# (tests/integration/test_memory_count.py)
+CPU_FP32 = ActivationSpec(dtype_bytes=4, norm="torch", rope="torch", swiglu="fused", attention="cpu", value_view=True)
 
 
 def _norm(spec: ActivationSpec, hidden: float) -> float:
@@ -73,8 +79,8 @@ def spec_layer_tensors(m, spec: ActivationSpec) -> dict[str, float]:
         out.update(core_attn_in=d * (q + kv + (q + 2 * kv if spec.value_view else kv)) / tp,
                    attn_out=d * q / tp, attn_lse=FP32 * m.num_heads / tp)
     else:
-        out.update(core_attn_in=FP32 * q / tp, attn_kv_copy=d * 2 * kv / tp, attn_index=INT64,
-                   attn_out=(FP32 + (d if d < FP32 else 0)) * q / tp, attn_lse=FP32 * m.num_heads / tp)
+        out.update(core_attn_in=d * q / tp, attn_kv_copy=d * 2 * q / tp, attn_out=2 * d * q / tp,
+                   attn_lse=FP32 * m.num_heads / tp)
     out["mlp_norm_in"] = _norm(spec, h) / sp
     glu = 2 if spec.swiglu == "unfused" and m.gated_mlp else 0
     if m.is_moe:
@@ -98,7 +104,7 @@ def spec_freed_by_recompute(m, spec: ActivationSpec, module: str) -> tuple[froze
         # ours keeps copies; the checkpoint keeps q, k and v (the whole qkv block) and linear_proj the output
         kept = {"attn_ckpt_qkv": d * (q + kv + (q + 2 * kv if spec.value_view else kv)) / m.tp,
                 "attn_ckpt_out": d * q / m.tp}
-        return frozenset({"core_attn_in", "attn_kv_copy", "attn_index", "attn_out", "attn_lse"}), kept
+        return frozenset({"core_attn_in", "attn_kv_copy", "attn_out", "attn_lse"}), kept
     if module == "mlp" and not m.is_moe:
         return frozenset({"fc1_out", "fc2_in"}), {}
     if module == "layernorm":             # read: CheckpointWithoutOutput keeps the norm's input, drops its output
@@ -128,12 +134,20 @@ def spec_gradient_bytes(m, spec: ActivationSpec) -> tuple[float, float]:
     return mlp, norm
 
 
+def spec_rope_table_bytes(m) -> float:
+    """Bytes per local token fully recomputed layers keep once between them: GPTModel's fp32 RoPE table (one
+    head_dim row per position of the longest document, at most one per token), an input of every checkpoint."""
+    return FP32 * m.head_dim
+
+
 def spec_output_bytes(m, spec: ActivationSpec) -> tuple[float, float]:
     """(bytes per vocab/tp unit, bytes per token) the output layer and loss add at their peak: the logits (d) and
     the cross entropy's fp32 copy (none in fp32: `.float()` returns the logits); the final norm, the output
-    layer's input and the decoder's input GPTModel still holds, and the loss's int64 labels."""
+    layer's input and the decoder's input GPTModel still holds (in fp32 that input is the first layer's norm
+    input, counted there), and the loss's int64 labels."""
     d = spec.dtype_bytes
     per_vocab = d + (FP32 if d < FP32 else 0)
     sp = m.tp if m.sequence_parallel else 1
-    per_token = (_norm(spec, m.hidden_size) + 2 * d * m.hidden_size) / sp + INT64 + FP32
+    held_inputs = 2 if d < FP32 else 1
+    per_token = (_norm(spec, m.hidden_size) + held_inputs * d * m.hidden_size) / sp + INT64 + FP32
     return per_vocab, per_token

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import json
+import os
 import time
 from typing import Optional
 
@@ -35,6 +37,9 @@ import torch
 from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY, MicroBatchFacts, attach_facts
 from dcp_megatron.core.offload import switch_offload
 from dcp_megatron.core.recompute import apply_recompute, decoder_layers
+from dcp_megatron.runtime.memory_probe import SavedBytes
+
+SAVED_BYTES_ENV = "DCP_TEST_SAVED_BYTES_DIR"    # the test hook (module docstring)
 
 # Only for get_batch_on_this_tp_rank on TP ranks > 0 (module docstring); patches read the facts from the params.
 _RUNNING_BATCH: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
@@ -101,6 +106,7 @@ class DcpForwardStep:
         self._clock = Clock(cuda=cuda_events)
         self._marks: list = []    # when each forward started
         self.num_run = 0          # forward steps run, over all model chunks
+        self._saved_bytes_dir = os.environ.get(SAVED_BYTES_ENV)
 
     def durations(self) -> list[float]:
         """Seconds from each micro-batch's forward to the next one's: its forward and backward under
@@ -130,8 +136,25 @@ class DcpForwardStep:
         hook = facts_on_model_calls(model, facts)
         token = _RUNNING_BATCH.set(batch)
         try:
+            if self._saved_bytes_dir:
+                return self._measured_forward(batch, model, *args, **kwargs)
             return self._forward_step(iter([batch]), model, *args, **kwargs)
         finally:
             _RUNNING_BATCH.reset(token)
             hook.remove()
             switch_offload(self._model_chunks, self._config, frozenset())
+
+    def _measured_forward(self, batch: dict, model, *args, **kwargs):
+        """The forward step under `SavedBytes`, its bytes appended to this rank's record (the test hook)."""
+        facts = batch[MICROBATCH_KEY]
+        saved = SavedBytes(exclude=[p for chunk in self._model_chunks for p in chunk.parameters()])
+        with saved:
+            out = self._forward_step(iter([batch]), model, *args, **kwargs)
+        record = {"wave": facts.wave_index, "microbatch": facts.microbatch_index, "cp_size": facts.cp_size,
+                  "local_tokens": int(batch["tokens"].shape[-1]), "documents": len(facts.padded_lengths),
+                  "recompute": facts.recompute.to_json(), "saved_bytes": sum(saved.bytes_by_bucket().values())}
+        saved.release()
+        rank = torch.distributed.get_rank()
+        with open(os.path.join(self._saved_bytes_dir, f"saved_bytes_rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return out

@@ -57,3 +57,23 @@ def test_the_deepspeed_scripts_dcp_flags_and_json_block_reach_the_cost_model(whe
     args = parse_args([*TINY_MODEL, "--deepspeed-config", str(path), "--train-iters", "9", *flags])
     _, dcp = deepspeed_setup(args, has_gpu=False)
     _assert_reached(dcp)
+
+
+@pytest.mark.parametrize("run", [{}, {"bf16": True}, {"transformer_impl": "transformer_engine"}])
+def test_cpu_memory_count_reaches_the_model_shape_of_a_cpu_fp32_local_run_only(run):
+    """`--dcp-cpu-memory-count` counts a CPU fp32 local-spec run as it runs (memory_spec.CPU_FP32); without the flag,
+    or on a run it does not describe, the bf16 table (activations None)."""
+    from dcp_megatron.core.planning import model_shape_from_args
+    from dcp_megatron.flags.dcp_flags import add_dcp_arguments
+    from dcp_megatron.planner.memory_spec import CPU_FP32
+
+    def shape(flags):
+        args = add_dcp_arguments(argparse.ArgumentParser()).parse_args(["--dcp", *flags])
+        vars(args).update({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                           "group_query_attention": False, "kv_channels": 16, "ffn_hidden_size": 128,
+                           "padded_vocab_size": 256, "swiglu": True, "tensor_model_parallel_size": 1,
+                           "pipeline_model_parallel_size": 1, "transformer_impl": "local", **run})
+        return model_shape_from_args(args)
+
+    assert shape([]).activations is None
+    assert shape(["--dcp-cpu-memory-count"]).activations == (CPU_FP32 if not run else None)

@@ -9,6 +9,9 @@ hidden dropout 0 (Llama-like; a dropout mask would add 1 B per hidden element):
   q, k, v after RoPE and its output (which linear_proj keeps as its input too: one tensor) and the softmax LSE
   (fp32 per head). Our CPU attention (runtime/cp_attention.py, local spec) also keeps its own copy of K/V
   (`kv_natural`; the all-gathered K/V of the group under CP, counted here at one rank's share).
+- multi-latent attention (planner/mla.py): q and k at the q/k head dim, v and the output at the value head dim,
+  plus the kv down projection's output and the q latent; an MTP layer (`mtp_layer_bytes`) adds a layer, its norms
+  and its projection's input on the last stage, beside its logits (cost_memory.py).
 - MLP side (dense): the pre-MLP norm keeps its input, linear_fc1 its input (the norm's output), the SwiGLU
   its input (fc1's output, 2·ffn wide), linear_fc2 its input (the activation's output, ffn wide).
 - MoE layer: the pre-MLP norm is a real module under either spec (the router reads its output): its input and

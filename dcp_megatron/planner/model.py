@@ -240,8 +240,8 @@ MODEL_PRESETS: dict[str, ModelShape] = {
                                ffn_hidden_size=14336, vocab_size=32000, num_experts=8, moe_topk=2),
     # DeepSeek-V3's layer (public config: MLA with a 1536 q / 512 kv latent, 128 heads of 128 + 64 rope q/k dims
     # and 128 v dims; 256 experts of width 2048, top-8; one MTP layer) at 16 layers instead of 61, so that its
-    # experts fit an H200 with EP 64 (~70B parameters, ~6B active per token); every layer MoE (V3's dense first
-    # layers and shared expert are not modelled).
+    # weights fit an H200 at EP 64 (197B parameters, 11.2B active per token; 86 GB of static state per rank on a
+    # 64-GPU domain); every layer MoE (V3's three dense first layers and its shared expert are not modelled).
     "deepseek-v3-like": ModelShape(num_layers=16, hidden_size=7168, num_heads=128, num_kv_heads=128, head_dim=128,
                                    ffn_hidden_size=18432, vocab_size=129280, num_experts=256, moe_topk=8,
                                    moe_ffn_hidden_size=2048, mtp_num_layers=1,

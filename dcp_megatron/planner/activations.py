@@ -9,8 +9,9 @@ hidden dropout 0 (Llama-like; a dropout mask would add 1 B per hidden element):
   q, k, v after RoPE and its output (which linear_proj keeps as its input too: one tensor) and the softmax LSE
   (fp32 per head). Our CPU attention (runtime/cp_attention.py, local spec) also keeps its own copy of K/V
   (`kv_natural`; the all-gathered K/V of the group under CP, counted here at one rank's share).
-- multi-latent attention (planner/mla.py): q and k at the q/k head dim, v and the output at the value head dim,
-  plus the kv down projection's output and the q latent; an MTP layer (`mtp_layer_bytes`) adds a layer, its norms
+- multi-latent attention (planner/mla.py): q and k at the q/k head dim, v and the output at the value head dim
+  the kernel runs (THD pads values to the q/k dim on the GPU: multi_latent_attention.py; our CPU attention drops
+  the padding), linear_proj's trimmed copy of a padded output, the kv down projection's output and the q latent; an MTP layer (`mtp_layer_bytes`) adds a layer, its norms
   and its projection's input on the last stage, beside its logits (cost_memory.py).
 - MLP side (dense): the pre-MLP norm keeps its input, linear_fc1 its input (the norm's output), the SwiGLU
   its input (fc1's output, 2·ffn wide), linear_fc2 its input (the activation's output, ffn wide).
@@ -36,7 +37,7 @@ linear_proj still holds); `attn_proj` the attention output (needs `core_attn`); 
 from __future__ import annotations
 
 from dcp_megatron.planner.memory_spec import (attention_widths, spec_freed_by_recompute, spec_layer_tensors,
-                                              spec_mtp_extra_bytes)
+                                              spec_mtp_extra_bytes, trimmed_output_width)
 from dcp_megatron.planner.model import ModelShape
 
 BF16 = 2
@@ -52,9 +53,10 @@ def layer_tensors(m: ModelShape) -> dict[str, float]:
     hs = BF16 * m.hidden_size / (tp if m.sequence_parallel else 1)     # a residual-stream-shaped tensor
     q, k, v, o = attention_widths(m)
     out = {"attn_norm_in": hs, "qkv_in": hs, "core_attn_in": BF16 * (q + k + v) / tp,
-           "attn_out": BF16 * o / tp, "attn_lse": FP32 * m.num_heads / tp}
+           "attn_out": BF16 * (o + trimmed_output_width(m)) / tp, "attn_lse": FP32 * m.num_heads / tp}
     if m.mla is not None:
-        out.update(m.mla.latent_tensors(BF16, tp if m.sequence_parallel else 1))
+        # a latent's norm fused into its up projection (TE's LayerNormLinear): its input and 1/rms
+        out.update(m.mla.latent_tensors(BF16, tp if m.sequence_parallel else 1, lambda width: BF16 * width + FP32))
     if m.transformer_impl == "local":
         out["attn_kv_copy"] = BF16 * (k + v) / tp
     out["mlp_norm_in"] = hs

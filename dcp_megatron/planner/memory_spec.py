@@ -61,11 +61,17 @@ def _norm(spec: ActivationSpec, hidden: float) -> float:
 
 
 def attention_widths(m) -> tuple[int, int, int, int]:
-    """(query, key, value, output) widths per token over all heads: q and k at the q/k head dim (MLA's no-rope +
-    rope dims), v and the output at the value head dim."""
-    heads, kv_heads = m.num_heads, m.num_kv_heads
-    return (heads * m.score_head_dim, kv_heads * m.score_head_dim, kv_heads * m.value_head_dim,
-            heads * m.value_head_dim)
+    """(query, key, value, output) widths per token over all heads as the kernel keeps them: q and k at the q/k head
+    dim (MLA's no-rope + rope dims), v and the output at the kernel's value head dim; a value padded to the q/k dim
+    (MLA, THD) has its output trimmed after the kernel, a copy linear_proj keeps besides (`trimmed_output_width`)."""
+    heads, kv_heads, v = m.num_heads, m.num_kv_heads, m.kernel_value_head_dim
+    return heads * m.score_head_dim, kv_heads * m.score_head_dim, kv_heads * v, heads * v
+
+
+def trimmed_output_width(m) -> int:
+    """Width per token of the attention output linear_proj keeps apart from the kernel's: MLA's padded THD output
+    trimmed to the value head dim and reshaped (a copy); 0 when the kernel's output is linear_proj's input."""
+    return m.num_heads * m.value_head_dim if m.kernel_value_head_dim != m.value_head_dim else 0
 
 
 def _value_view(m, spec: ActivationSpec) -> bool:
@@ -82,12 +88,12 @@ def spec_layer_tensors(m, spec: ActivationSpec) -> dict[str, float]:
     q, k, v, o = attention_widths(m)
     out = {"attn_norm_in": _norm(spec, h) / sp, "qkv_in": d * h / sp}
     if m.mla is not None:
-        out.update(m.mla.latent_tensors(d, sp))
+        out.update(m.mla.latent_tensors(d, sp, lambda width: _norm(spec, width)))
     if spec.rope == "torch":     # MLA ropes only the rope part of its heads
         out["rope_tables"] = 4 * (m.mla.qk_pos_emb_head_dim if m.mla is not None else m.head_dim) * d
     if spec.attention == "flash":
         out.update(core_attn_in=d * (q + k + (q + k + v if _value_view(m, spec) else v)) / tp,
-                   attn_out=d * o / tp, attn_lse=FP32 * m.num_heads / tp)
+                   attn_out=d * (o + trimmed_output_width(m)) / tp, attn_lse=FP32 * m.num_heads / tp)
     else:
         out.update(core_attn_in=FP32 * q / tp, attn_kv_copy=d * (k + v) / tp, attn_index=INT64,
                    attn_out=(FP32 + (d if d < FP32 else 0)) * o / tp, attn_lse=FP32 * m.num_heads / tp)

@@ -7,11 +7,12 @@ q/k head dim, the PV product and the output projection the value head dim; every
 (no grouped query heads).
 
 Saved for backward per token (multi_latent_attention.py, unfused RoPE, no `mla_up_proj` recompute): the q
-latent, kept by the q up projection (with `--qk-layernorm` also the normed copy its fused norm keeps, and 1/rms);
-the down projection's kv output (the latent and the rotary key part: the up projection's input is a view of it),
-with `--qk-layernorm` the normed latent too; the up projections' outputs are split and concatenated into
-contiguous query, key (the rotary key part expanded over heads) and value, which core attention keeps; the raw
-up-projected tensors are freed. The latents are sequence-sharded under sequence parallelism, the heads over tp.
+latent, kept by the q up projection; the down projection's kv output (the latent and the rotary key part: the up
+projection's input is a view of it); with `--qk-layernorm` each latent's norm instead (its saved tensors, and its
+output the up projection keeps); the up projections' outputs are split and concatenated into contiguous query,
+key (the rotary key part expanded over heads) and value, which core attention keeps; the raw up-projected tensors
+are freed. The latents are sequence-sharded under sequence parallelism, the heads over tp. Measured with the
+local spec on the meta device: exact per layer, with and without a q latent and `--qk-layernorm`.
 """
 from __future__ import annotations
 
@@ -57,11 +58,17 @@ class MlaShape:
         """The latents' norm weights (`--qk-layernorm`)."""
         return (self.kv_lora_rank + (self.q_lora_rank or 0)) if self.qk_layernorm else 0
 
-    def latent_tensors(self, dtype_bytes: int, seq_split: int) -> dict[str, float]:
-        """Bytes per local token the latents keep on one TP rank (`seq_split`: tp under sequence parallelism)."""
-        d, norm = dtype_bytes, self.qk_layernorm
-        out = {"mla_kv_latent": (d * (self.kv_lora_rank + self.qk_pos_emb_head_dim)
-                                 + (d * self.kv_lora_rank + FP32 if norm else 0)) / seq_split}
+    def latent_tensors(self, dtype_bytes: int, seq_split: int, norm_bytes) -> dict[str, float]:
+        """Bytes per local token the latents keep on one TP rank (`seq_split`: tp under sequence parallelism).
+        Without `qk_layernorm` the up projections keep their inputs: the q latent, and a view of the kv down
+        projection's whole output (latent and rope key part). With it each latent's norm keeps what `norm_bytes`
+        (of a width) says, in place of the latent (a fused or upcasting norm), and its output for the up projection."""
+        d = dtype_bytes
+        if self.qk_layernorm:
+            widths = {"mla_kv_latent": self.kv_lora_rank, "mla_q_latent": self.q_lora_rank}
+            return {name: (norm_bytes(width) + d * width) / seq_split for name, width in widths.items()
+                    if width is not None}
+        out = {"mla_kv_latent": d * (self.kv_lora_rank + self.qk_pos_emb_head_dim) / seq_split}
         if self.q_lora_rank is not None:
-            out["mla_q_latent"] = (d * self.q_lora_rank + (d * self.q_lora_rank + FP32 if norm else 0)) / seq_split
+            out["mla_q_latent"] = d * self.q_lora_rank / seq_split
         return out

@@ -113,6 +113,16 @@ class ModelShape:
         return self.mla.v_head_dim if self.mla is not None else self.head_dim
 
     @property
+    def kernel_value_head_dim(self) -> int:
+        """The value head dim the attention kernel runs at: megatron-core 0.19.2's MLA pads THD values with zeros to
+        the q/k head dim and trims the output after (multi_latent_attention.py, `_prepare_mla_core_attention_value`);
+        our CPU attention drops the zero columns again (docs/megatron.md)."""
+        if self.mla is None:
+            return self.head_dim
+        cpu = self.activations.attention == "cpu" if self.activations is not None else self.transformer_impl == "local"
+        return self.value_head_dim if cpu else self.score_head_dim
+
+    @property
     def layers_with_mtp(self) -> int:
         """Transformer layers a token runs through: the decoder's and the MTP layers'."""
         return self.num_layers + self.mtp_num_layers
@@ -200,9 +210,10 @@ class ModelShape:
     def attn_flops_per_len2(self) -> float:
         """Causal attention FLOPs per L^2 of one document, forward + backward, MTP layers included.
 
-        QK^T is 2·L²·d_qk and PV 2·L²·d_v per head non-causal; causal halves that; backward is 2x
-        forward: 3·layers·heads·(d_qk + d_v) (6·layers·heads·d_head where the two are equal)."""
-        return 3.0 * self.layers_with_mtp * self.num_heads * (self.score_head_dim + self.value_head_dim)
+        QK^T is 2·L²·d_qk and PV 2·L²·d_v per head non-causal (d_v as the kernel runs it: MLA's THD padding);
+        causal halves that; backward is 2x forward: 3·layers·heads·(d_qk + d_v) (6·layers·heads·d_head where the
+        two are equal)."""
+        return 3.0 * self.layers_with_mtp * self.num_heads * (self.score_head_dim + self.kernel_value_head_dim)
 
     def with_parallel(self, *, tp: int, pp: int, ep: int = 1) -> "ModelShape":
         return replace(self, tp=tp, pp=pp, ep=ep)

@@ -28,14 +28,23 @@ def with_mla(**changes) -> ModelShape:
 
 def test_attention_flops_use_the_qk_head_dim_for_scores_and_the_v_head_dim_for_pv():
     """Scores contract over qk_head_dim + qk_pos_emb_head_dim, PV over v_head_dim: 2·L²·d each per head, halved
-    by causality, x3 with backward. Taking v's dim for q/k (or the reverse) moves these differences."""
-    base = mla_model().attn_flops_per_len2
-    assert with_mla(v_head_dim=MLA.v_head_dim + 8).attn_flops_per_len2 - base == 3 * LAYERS * HEADS * 8
-    assert with_mla(qk_pos_emb_head_dim=MLA.qk_pos_emb_head_dim + 8).attn_flops_per_len2 - base \
-        == 3 * LAYERS * HEADS * 8
-    assert with_mla(qk_head_dim=MLA.qk_head_dim + 8).attn_flops_per_len2 - base == 3 * LAYERS * HEADS * 8
+    by causality, x3 with backward (our CPU attention runs v unpadded). Taking v's dim for q/k (or the reverse)
+    moves these differences."""
+    base = mla_model(transformer_impl="local").attn_flops_per_len2
+    for change in ("v_head_dim", "qk_pos_emb_head_dim", "qk_head_dim"):
+        wider = mla_model(dataclasses.replace(MLA, **{change: getattr(MLA, change) + 8}), transformer_impl="local")
+        assert wider.attn_flops_per_len2 - base == 3 * LAYERS * HEADS * 8, change
     # the plain model's head_dim plays no part once MLA sets the dims
-    assert mla_model(head_dim=64).attn_flops_per_len2 == base
+    assert mla_model(head_dim=64, transformer_impl="local").attn_flops_per_len2 == base
+
+
+def test_the_gpu_kernel_runs_mla_values_padded_to_the_qk_head_dim():
+    """megatron-core pads THD values to the q/k head dim before the kernel: PV runs at d_qk there, so a wider v
+    changes no attention FLOPs and a wider rope part changes both products."""
+    base = mla_model().attn_flops_per_len2
+    assert with_mla(v_head_dim=MLA.v_head_dim + 8).attn_flops_per_len2 == base
+    assert with_mla(qk_pos_emb_head_dim=MLA.qk_pos_emb_head_dim + 8).attn_flops_per_len2 - base \
+        == 6 * LAYERS * HEADS * 8
 
 
 def test_mla_weights_are_its_down_and_up_projections():
@@ -56,30 +65,57 @@ def test_mla_weights_are_its_down_and_up_projections():
         == 6 * LAYERS * (MLA.kv_lora_rank * HEADS + HEADS * HIDDEN)
 
 
-@pytest.mark.parametrize("spec", [None, LOCAL_BF16, TRANSFORMER_ENGINE], ids=["table", "local-bf16", "te"])
-def test_mla_saved_tensors_keep_v_at_its_own_head_dim(spec):
+CPU_TABLE = dict(transformer_impl="local")         # our CPU attention: values unpadded
+CPU_SPEC = dict(activations=dataclasses.replace(LOCAL_BF16, attention="cpu"))
+
+
+@pytest.mark.parametrize("kind", [CPU_TABLE, CPU_SPEC], ids=["table", "cpu-spec"])
+def test_mla_saved_tensors_keep_v_at_its_own_head_dim(kind):
     """Core attention keeps q and k at the q/k head dim and v and the output at v's: one more v dim adds one
-    value per head to its inputs and to the output; one more rope dim adds two (q and k)."""
-    base = layer_tensors(mla_model(activations=spec))
+    value per head to the kept k/v and to the output; one more rope dim adds to q and k only."""
+    base = layer_tensors(mla_model(**kind))
     d = 2
+    wider_v = layer_tensors(mla_model(dataclasses.replace(MLA, v_head_dim=MLA.v_head_dim + 1), **kind))
+    wider_qk = layer_tensors(mla_model(dataclasses.replace(MLA, qk_pos_emb_head_dim=MLA.qk_pos_emb_head_dim + 1),
+                                       **kind))
+    kv = "attn_kv_copy"          # our attention's own K/V copy
+    assert wider_v[kv] - base[kv] == d * HEADS and wider_qk[kv] - base[kv] == d * HEADS
+    assert wider_v["attn_out"] > base["attn_out"] and wider_qk["attn_out"] == base["attn_out"]
+
+
+@pytest.mark.parametrize("spec", [None, LOCAL_BF16, TRANSFORMER_ENGINE], ids=["te-table", "local-bf16", "te"])
+def test_mla_gpu_kernel_keeps_padded_values_and_linear_proj_a_trimmed_copy(spec):
+    """On the GPU path the kernel keeps q, k and v all at the q/k head dim (v zero-padded) and its output at that
+    width too; linear_proj keeps the output trimmed to v's dim, a copy (measured on the meta stack, exact)."""
+    d, base = 2, layer_tensors(mla_model(activations=spec))
     wider_v = layer_tensors(mla_model(dataclasses.replace(MLA, v_head_dim=MLA.v_head_dim + 1), activations=spec))
-    assert wider_v["attn_out"] - base["attn_out"] == d * HEADS
-    assert wider_v["core_attn_in"] - base["core_attn_in"] == d * HEADS
+    assert wider_v["core_attn_in"] == base["core_attn_in"]
+    assert wider_v["attn_out"] - base["attn_out"] == d * HEADS          # the trimmed copy only
     wider_qk = layer_tensors(mla_model(dataclasses.replace(MLA, qk_pos_emb_head_dim=MLA.qk_pos_emb_head_dim + 1),
                                        activations=spec))
-    assert wider_qk["attn_out"] == base["attn_out"]
-    assert wider_qk["core_attn_in"] - base["core_attn_in"] == 2 * d * HEADS
+    assert wider_qk["attn_out"] - base["attn_out"] == d * HEADS          # the kernel's padded output
+    # q, k and the padded v (v is a copy, not a view of a whole qkv block)
+    assert wider_qk["core_attn_in"] - base["core_attn_in"] == 3 * d * HEADS
     # the latents: the kv down projection's output (latent and rope key part) and the q latent
     assert base["mla_kv_latent"] == d * (MLA.kv_lora_rank + MLA.qk_pos_emb_head_dim)
     assert base["mla_q_latent"] == d * MLA.q_lora_rank
     assert "mla_q_latent" not in layer_tensors(mla_model(dataclasses.replace(MLA, q_lora_rank=None), activations=spec))
 
 
+def test_qk_layernorm_keeps_each_latents_norm_instead_of_the_latent():
+    """The local spec's torch norm upcasts: its fp32 input and output and 1/rms (8w + 4), and the bf16 output the
+    up projection keeps, in place of the latent (measured on the meta stack, exact)."""
+    normed = layer_tensors(mla_model(dataclasses.replace(MLA, qk_layernorm=True), activations=LOCAL_BF16))
+    assert normed["mla_q_latent"] == 8 * MLA.q_lora_rank + 4 + 2 * MLA.q_lora_rank
+    assert normed["mla_kv_latent"] == 8 * MLA.kv_lora_rank + 4 + 2 * MLA.kv_lora_rank
+
+
 def test_mla_moves_keys_and_values_at_their_own_head_dims_under_cp():
-    """The CP all-gather moves each head's key (q/k dim) and value (v dim): a wider v raises a CP group's time."""
+    """The CP all-gather moves each head's key (q/k dim) and value (v dim, unpadded by our attention)."""
     cluster = cluster_preset("h200", domain_size=8)
-    narrow = CostModel(mla_model(), cluster)
-    wide = CostModel(with_mla(v_head_dim=4 * MLA.v_head_dim), cluster)
+    narrow = CostModel(mla_model(transformer_impl="local"), cluster)
+    wide = CostModel(mla_model(dataclasses.replace(MLA, v_head_dim=4 * MLA.v_head_dim), transformer_impl="local"),
+                     cluster)
     assert wide.time._kv_bytes_per_token - narrow.time._kv_bytes_per_token \
         == HEADS * 3 * MLA.v_head_dim * 2 * LAYERS
 

@@ -3,13 +3,7 @@ device (dcp_megatron/core/memcheck.py), with and without a q latent and `--qk-la
 values at v's own head dim (megatron-core pads THD values to the q/k head dim) is off.
 
 One subprocess (megatron-core's model-parallel state and the patch set stay out of this test process)."""
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.unit.test_memcheck import run_driver
 
 DRIVER = r'''
 import json, sys
@@ -51,11 +45,7 @@ print("RESULT" + json.dumps(out))
 
 
 def test_mla_layers_counted_as_measured_and_padded_values_matter():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", DRIVER], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.split("RESULT", 1)[1])
+    result = run_driver(DRIVER)
     assert len(result) == 3
     for case, (counted, as_v) in result.items():
         assert abs(counted) <= 0.005, (case, counted)

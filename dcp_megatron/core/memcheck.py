@@ -84,7 +84,7 @@ def flash_like_attention_class():
         """Keeps what a flash-attention kernel keeps (the module docstring); computes nothing (meta tensors)."""
 
         def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                     softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                     softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
             super().__init__(config=config)
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -95,7 +95,7 @@ def flash_like_attention_class():
 
 
 def transformer_config(shape: ModelShape, relief: Recompute, *, fused_swiglu: bool):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     fields = dict(num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
                   num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim,
@@ -113,6 +113,12 @@ def transformer_config(shape: ModelShape, relief: Recompute, *, fused_swiglu: bo
         fields.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=relief.full_layers)
     elif relief.modules:
         fields.update(recompute_granularity="selective", recompute_modules=sorted(relief.modules))
+    if shape.mla is not None:     # plain RoPE: YaRN's tables move to CUDA
+        mla = shape.mla
+        fields.update(multi_latent_attention=True, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+                      qk_head_dim=mla.qk_head_dim, qk_pos_emb_head_dim=mla.qk_pos_emb_head_dim,
+                      v_head_dim=mla.v_head_dim, qk_layernorm=mla.qk_layernorm, rope_type="rope")
+        return MLATransformerConfig(**fields)
     return TransformerConfig(**fields)
 
 
@@ -121,16 +127,20 @@ def build_model(shape: ModelShape, relief: Recompute, *, fused_swiglu: bool):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts or None, normalization="RMSNorm")
+    mla = shape.mla is not None
+    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts or None, normalization="RMSNorm",
+                                    multi_latent_attention=mla, qk_layernorm=mla and shape.mla.qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = flash_like_attention_class()
     config = transformer_config(shape, relief, fused_swiglu=fused_swiglu)
-    with torch.device("meta"):
+    with torch.device("meta"):   # MLA's attention holds its own rotary embedding
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=shape.vocab_size,
-                         max_sequence_length=1 << 20, position_embedding_type="rope",
+                         max_sequence_length=1 << 20, position_embedding_type="none" if mla else "rope",
                          share_embeddings_and_output_weights=False)
     model.bfloat16()                           # what Float16Module does to the whole model under --bf16
     # RoPE's frequencies are computed on the CPU (a real table, small); the activations are meta
-    model.rotary_pos_emb.register_forward_hook(lambda module, args, out: out.to("meta"))
+    tables = [layer.self_attention.rotary_pos_emb for layer in model.decoder.layers] if mla else [model.rotary_pos_emb]
+    for table in tables:
+        table.register_forward_hook(lambda module, args, out: out.to("meta"))
     return model
 
 

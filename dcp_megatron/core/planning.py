@@ -16,6 +16,7 @@ from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.cost_profile import load_profile
 from dcp_megatron.planner.gpu_costs import GpuCosts
 from dcp_megatron.planner.memory_spec import CPU_FP32, ActivationSpec
+from dcp_megatron.planner.mla import MlaShape
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.policies import make_plan
@@ -26,7 +27,9 @@ GiB = 1024 ** 3
 def model_shape_from_args(args, *, vocab_size: int | None = None) -> ModelShape:
     """The planner's view of Megatron's model flags (after Megatron's validate_args filled defaults);
     `vocab_size` stands in for the padded vocabulary before Megatron has built the tokenizer."""
-    num_kv_heads = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    mla = mla_shape_from_args(args)
+    num_kv_heads = (args.num_query_groups if args.group_query_attention and mla is None
+                    else args.num_attention_heads)      # MLA: every head its own key and value
     return ModelShape(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_attention_heads,
         num_kv_heads=num_kv_heads, head_dim=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
@@ -38,7 +41,18 @@ def model_shape_from_args(args, *, vocab_size: int | None = None) -> ModelShape:
         moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
         # what the layers keep for backward depends on the spec and on sequence parallelism (planner/activations.py)
         transformer_impl="local" if getattr(args, "transformer_impl", None) == "local" else "transformer_engine",
-        sequence_parallel=bool(getattr(args, "sequence_parallel", False)), activations=activation_spec_of(args))
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        # MLA's head dims and latents, MTP's layers: their FLOPs, weights and saved tensors
+        mla=mla, mtp_num_layers=getattr(args, "mtp_num_layers", None) or 0, activations=activation_spec_of(args))
+
+
+def mla_shape_from_args(args) -> MlaShape | None:
+    """MLA's shape from --multi-latent-attention's flags (None without it)."""
+    if not getattr(args, "multi_latent_attention", False):
+        return None
+    return MlaShape(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+                    qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+                    qk_layernorm=bool(getattr(args, "qk_layernorm", False)))
 
 
 def activation_spec_of(args) -> ActivationSpec | None:

@@ -9,6 +9,10 @@ hidden dropout 0 (Llama-like; a dropout mask would add 1 B per hidden element):
   q, k, v after RoPE and its output (which linear_proj keeps as its input too: one tensor) and the softmax LSE
   (fp32 per head). Our CPU attention (runtime/cp_attention.py, local spec) also keeps its own copy of K/V
   (`kv_natural`; the all-gathered K/V of the group under CP, counted here at one rank's share).
+- multi-latent attention (planner/mla.py): q and k at the q/k head dim, v and the output at the value head dim
+  the kernel runs (THD pads values to the q/k dim on the GPU: multi_latent_attention.py; our CPU attention drops
+  the padding), linear_proj's trimmed copy of a padded output, the kv down projection's output and the q latent; an MTP layer (`mtp_layer_bytes`) adds a layer, its norms
+  and its projection's input on the last stage, beside its logits (cost_memory.py).
 - MLP side (dense): the pre-MLP norm keeps its input, linear_fc1 its input (the norm's output), the SwiGLU
   its input (fc1's output, 2·ffn wide), linear_fc2 its input (the activation's output, ffn wide).
 - MoE layer: the pre-MLP norm is a real module under either spec (the router reads its output): its input and
@@ -32,7 +36,8 @@ linear_proj still holds); `attn_proj` the attention output (needs `core_attn`); 
 """
 from __future__ import annotations
 
-from dcp_megatron.planner.memory_spec import spec_freed_by_recompute, spec_layer_tensors
+from dcp_megatron.planner.memory_spec import (attention_widths, spec_freed_by_recompute, spec_layer_tensors,
+                                              spec_mtp_extra_bytes, trimmed_output_width)
 from dcp_megatron.planner.model import ModelShape
 
 BF16 = 2
@@ -46,11 +51,14 @@ def layer_tensors(m: ModelShape) -> dict[str, float]:
         return spec_layer_tensors(m, m.activations)
     tp = m.tp
     hs = BF16 * m.hidden_size / (tp if m.sequence_parallel else 1)     # a residual-stream-shaped tensor
-    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    out = {"attn_norm_in": hs, "qkv_in": hs, "core_attn_in": BF16 * (q + 2 * kv) / tp,
-           "attn_out": BF16 * q / tp, "attn_lse": FP32 * m.num_heads / tp}
+    q, k, v, o = attention_widths(m)
+    out = {"attn_norm_in": hs, "qkv_in": hs, "core_attn_in": BF16 * (q + k + v) / tp,
+           "attn_out": BF16 * (o + trimmed_output_width(m)) / tp, "attn_lse": FP32 * m.num_heads / tp}
+    if m.mla is not None:
+        # a latent's norm fused into its up projection (TE's LayerNormLinear): its input and 1/rms
+        out.update(m.mla.latent_tensors(BF16, tp if m.sequence_parallel else 1, lambda width: BF16 * width + FP32))
     if m.transformer_impl == "local":
-        out["attn_kv_copy"] = BF16 * 2 * kv / tp
+        out["attn_kv_copy"] = BF16 * (k + v) / tp
     out["mlp_norm_in"] = hs
     if m.is_moe:
         width, k = (m.moe_ffn_hidden_size or m.ffn_hidden_size), m.moe_topk
@@ -67,6 +75,17 @@ def full_layer_bytes(m: ModelShape) -> float:
     """A fully recomputed layer keeps its input (the residual stream) per local token."""
     width = m.activations.dtype_bytes if m.activations is not None else BF16
     return width * m.hidden_size / (m.tp if m.sequence_parallel else 1)
+
+
+def mtp_layer_bytes(m: ModelShape) -> float:
+    """Bytes per local token one MTP layer keeps for backward besides its output layer: its transformer layer (no
+    relief counted: an upper bound), the embedding's and the hidden state's norm inputs and the projection's 2h
+    input (the module docstring's table for the norms)."""
+    if m.activations is not None:
+        extra = spec_mtp_extra_bytes(m, m.activations)
+    else:
+        extra = 4 * BF16 * m.hidden_size / (m.tp if m.sequence_parallel else 1)
+    return float(sum(layer_tensors(m).values())) + extra
 
 
 def freed_by_recompute(m: ModelShape, module: str) -> frozenset[str]:

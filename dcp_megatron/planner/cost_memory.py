@@ -7,6 +7,7 @@ memory = static state (bf16 weights 2 B + fp32 grads 4 B per parameter, Adam fp3
        + per local token: what the stage's layers keep for backward with the micro-batch's relief (activations.py,
          relief.py; full recompute of k layers keeps the layer input plus one layer's working set while it reruns)
          and the output layer at the cross-entropy peak (bf16 logits and their fp32 upcast, vocab/tp per token);
+         MTP layers add their layer and the output layer once more each, on the last stage (activations.py);
          with PP stage 0 holds pp micro-batches in flight (1F1B): max(pp·activations, activations + logits).
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 
 import numpy as np
 
-from dcp_megatron.planner.activations import full_layer_bytes, layer_tensors
+from dcp_megatron.planner.activations import full_layer_bytes, layer_tensors, mtp_layer_bytes
 from dcp_megatron.planner.param_sharding import static_state_bytes
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 from dcp_megatron.planner.memory_spec import spec_output_bytes, spec_rope_table_bytes
@@ -39,8 +40,10 @@ class MemoryModel:
         # a run spec's output layer (memory_spec.py) keeps per-token tensors beside its per-vocab ones
         per_vocab, per_token = (spec_output_bytes(model, model.activations) if model.activations
                                 else (OUTPUT_BYTES_PER_VOCAB, 0.0))
-        self._logit_bytes_per_token = (profile.get("output_bytes_per_vocab", per_vocab) * model.vocab_size / model.tp
-                                       + per_token)
+        output = profile.get("output_bytes_per_vocab", per_vocab) * model.vocab_size / model.tp + per_token
+        # MTP (last stage): its layers, and the output layer and loss once more each, alive at the main loss's peak
+        self._logit_bytes_per_token = ((1 + model.mtp_num_layers) * output
+                                       + model.mtp_num_layers * mtp_layer_bytes(model))
         # weights, gradients, optimizer states as the ZeRO stage shards them
         self.static_bytes = static_state_bytes(model, cluster) + gpu.static_bytes(model, cluster)
         self._none_bytes_per_token = self._bytes_per_local_token(NO_RECOMPUTE)

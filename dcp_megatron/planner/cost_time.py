@@ -51,7 +51,9 @@ class TimeModel:
         kv_heads_per_rank = max(m.num_kv_heads / m.tp, 1.0)
         self._heads_per_rank = max(m.num_heads // m.tp, 1)
         self._kv_heads_per_rank = max(m.num_kv_heads // m.tp, 1)
-        self._kv_bytes_per_token = 2 * kv_heads_per_rank * m.head_dim * 2 * self.layers_per_stage
+        # keys at the q/k head dim, values at the kernel's value head dim (MLA's differ), bf16
+        head_dims = m.score_head_dim + m.kernel_value_head_dim
+        self._kv_bytes_per_token = kv_heads_per_rank * head_dims * 2 * self.layers_per_stage
         self._latency_per_mb = cluster.collective_latency_s * self.layers_per_stage * CP_PASSES
 
     def _scaled(self, t, cp_sizes, recompute: Recompute):
@@ -179,7 +181,9 @@ class TimeModel:
             return np.full(np.broadcast(cp, local_tokens).shape, np.inf)
         ok = (cp > 1) & (heads % np.maximum(cp, 1) == 0)
         kv_moved = np.where(kv_heads % np.maximum(cp, 1) == 0, kv_heads, heads)
-        bytes_per_token = (2 * heads + 2 * kv_moved) * self.model.head_dim * 2 * self.layers_per_stage
+        # q and k at the q/k head dim, v and the output at the kernel's value head dim
+        head_dims = self.model.score_head_dim + self.model.kernel_value_head_dim
+        bytes_per_token = (heads + kv_moved) * head_dims * 2 * self.layers_per_stage
         sent = passes * bytes_per_token * local_tokens * (cp - 1) / np.maximum(cp, 1)
         return np.where(ok, sent / bw, np.inf)
 

@@ -66,20 +66,43 @@ def _norm(spec: ActivationSpec, hidden: float) -> float:
     return 2 * FP32 * hidden + FP32 if spec.norm == "torch" else spec.dtype_bytes * hidden + FP32
 
 
+def attention_widths(m) -> tuple[int, int, int, int]:
+    """(query, key, value, output) widths per token over all heads as the kernel keeps them: q and k at the q/k head
+    dim (MLA's no-rope + rope dims), v and the output at the kernel's value head dim; a value padded to the q/k dim
+    (MLA, THD) has its output trimmed after the kernel, a copy linear_proj keeps besides (`trimmed_output_width`)."""
+    heads, kv_heads, v = m.num_heads, m.num_kv_heads, m.kernel_value_head_dim
+    return heads * m.score_head_dim, kv_heads * m.score_head_dim, kv_heads * v, heads * v
+
+
+def trimmed_output_width(m) -> int:
+    """Width per token of the attention output linear_proj keeps apart from the kernel's: MLA's padded THD output
+    trimmed to the value head dim and reshaped (a copy); 0 when the kernel's output is linear_proj's input."""
+    return m.num_heads * m.value_head_dim if m.kernel_value_head_dim != m.value_head_dim else 0
+
+
+def _value_view(m, spec: ActivationSpec) -> bool:
+    """Whether the kept v is a view of linear_qkv's whole output: MLA splits v off the kv up projection's output
+    and copies it (`value.contiguous()`), freeing that output."""
+    return spec.value_view and m.mla is None
+
+
 def spec_layer_tensors(m, spec: ActivationSpec) -> dict[str, float]:
     """Bytes per local token per layer on one TP rank, by tensor name (the module docstring)."""
     d, tp = spec.dtype_bytes, m.tp
     sp = tp if m.sequence_parallel else 1
     h = m.hidden_size
-    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    q, k, v, o = attention_widths(m)
     out = {"attn_norm_in": _norm(spec, h) / sp, "qkv_in": d * h / sp}
-    if spec.rope == "torch":
-        out["rope_tables"] = 4 * m.head_dim * d
+    if m.mla is not None:
+        out.update(m.mla.latent_tensors(d, sp, lambda width: _norm(spec, width)))
+    if spec.rope == "torch":     # MLA ropes only the rope part of its heads
+        out["rope_tables"] = 4 * (m.mla.qk_pos_emb_head_dim if m.mla is not None else m.head_dim) * d
     if spec.attention == "flash":
-        out.update(core_attn_in=d * (q + kv + (q + 2 * kv if spec.value_view else kv)) / tp,
-                   attn_out=d * q / tp, attn_lse=FP32 * m.num_heads / tp)
+        out.update(core_attn_in=d * (q + k + (q + k + v if _value_view(m, spec) else v)) / tp,
+                   attn_out=d * (o + trimmed_output_width(m)) / tp, attn_lse=FP32 * m.num_heads / tp)
     else:
-        out.update(core_attn_in=d * q / tp, attn_kv_copy=d * 2 * q / tp, attn_out=2 * d * q / tp,
+        # ours (CP 1): q, and k and v repeated to every query head; each document's output and the concatenation
+        out.update(core_attn_in=d * q / tp, attn_kv_copy=d * (q + o) / tp, attn_out=2 * d * o / tp,
                    attn_lse=FP32 * m.num_heads / tp)
     out["mlp_norm_in"] = _norm(spec, h) / sp
     glu = 2 if spec.swiglu == "unfused" and m.gated_mlp else 0
@@ -97,13 +120,13 @@ def spec_layer_tensors(m, spec: ActivationSpec) -> dict[str, float]:
 def spec_freed_by_recompute(m, spec: ActivationSpec, module: str) -> tuple[frozenset[str], dict[str, float]]:
     """(tensors of `spec_layer_tensors` one recompute module frees, tensors its checkpoint keeps instead)."""
     d, sp = spec.dtype_bytes, (m.tp if m.sequence_parallel else 1)
-    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    q, k, v, o = attention_widths(m)
     if module == "core_attn":
         if spec.attention == "flash":     # q, k, v stay as the checkpoint's inputs, the output with linear_proj
             return frozenset({"attn_lse"}), {}
         # ours keeps copies; the checkpoint keeps q, k and v (the whole qkv block) and linear_proj the output
-        kept = {"attn_ckpt_qkv": d * (q + kv + (q + 2 * kv if spec.value_view else kv)) / m.tp,
-                "attn_ckpt_out": d * q / m.tp}
+        kept = {"attn_ckpt_qkv": d * (q + k + (q + k + v if _value_view(m, spec) else v)) / m.tp,
+                "attn_ckpt_out": d * o / m.tp}
         return frozenset({"core_attn_in", "attn_kv_copy", "attn_out", "attn_lse"}), kept
     if module == "mlp" and not m.is_moe:
         return frozenset({"fc1_out", "fc2_in"}), {}
@@ -151,3 +174,11 @@ def spec_output_bytes(m, spec: ActivationSpec) -> tuple[float, float]:
     held_inputs = 2 if d < FP32 else 1
     per_token = (_norm(spec, m.hidden_size) + held_inputs * d * m.hidden_size) / sp + INT64 + FP32
     return per_vocab, per_token
+
+
+def spec_mtp_extra_bytes(m, spec: ActivationSpec) -> float:
+    """Bytes per local token an MTP layer keeps beside its transformer layer and its output layer
+    (multi_token_prediction.py): the embedding's and the hidden state's norms, and the projection's input, the two
+    normed tensors concatenated (2h)."""
+    sp = m.tp if m.sequence_parallel else 1
+    return (2 * _norm(spec, m.hidden_size) + 2 * spec.dtype_bytes * m.hidden_size) / sp

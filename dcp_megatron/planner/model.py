@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dcp_megatron.planner.memory_spec import ActivationSpec
+from dcp_megatron.planner.mla import MlaShape
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +33,11 @@ class ModelShape:
     # The run's activation dtype and kernels, counted tensor by tensor (memory_spec.py); None: the table of
     # activations.py for `transformer_impl` (bf16, fused kernels)
     activations: ActivationSpec | None = None
+    # Multi-latent attention (planner/mla.py; Megatron's --multi-latent-attention): None, plain attention
+    mla: MlaShape | None = None
+    # Multi-token prediction (--mtp-num-layers): each one more transformer layer, its projection and norms, and
+    # the output layer and loss once more, on the last pipeline stage
+    mtp_num_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -47,6 +53,13 @@ class ModelShape:
                              f"got {self.transformer_impl!r}")
         if self.activations is not None and not isinstance(self.activations, ActivationSpec):
             raise ValueError(f"ModelShape.activations must be None or an ActivationSpec, got {self.activations!r}")
+        if self.mla is not None and not isinstance(self.mla, MlaShape):
+            raise ValueError(f"ModelShape.mla must be None or an MlaShape, got {self.mla!r}")
+        if self.mla is not None and self.num_kv_heads != self.num_heads:
+            raise ValueError(f"ModelShape.num_kv_heads={self.num_kv_heads} with MLA: every head has its own key and "
+                             f"value, set num_kv_heads = num_heads ({self.num_heads})")
+        if not isinstance(self.mtp_num_layers, int) or isinstance(self.mtp_num_layers, bool) or self.mtp_num_layers < 0:
+            raise ValueError(f"ModelShape.mtp_num_layers must be an int >= 0, got {self.mtp_num_layers!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.num_heads % self.tp:
@@ -88,9 +101,37 @@ class ModelShape:
         recompute) or a module only some ranks rerun breaks the gathers' pairing (docs/deepspeed.md)."""
         return self.zero_stage == 3
 
+    # ---- attention head dims -------------------------------------------------------------
+    @property
+    def score_head_dim(self) -> int:
+        """A query's and a key's head dim (what QK^T contracts over): MLA's no-rope + rope dims."""
+        return self.mla.q_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """A value's head dim (PV's and the output projection's): MLA's v_head_dim."""
+        return self.mla.v_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def kernel_value_head_dim(self) -> int:
+        """The value head dim the attention kernel runs at: megatron-core 0.19.2's MLA pads THD values with zeros to
+        the q/k head dim and trims the output after (multi_latent_attention.py, `_prepare_mla_core_attention_value`);
+        our CPU attention drops the zero columns again (docs/megatron.md)."""
+        if self.mla is None:
+            return self.head_dim
+        cpu = self.activations.attention == "cpu" if self.activations is not None else self.transformer_impl == "local"
+        return self.value_head_dim if cpu else self.score_head_dim
+
+    @property
+    def layers_with_mtp(self) -> int:
+        """Transformer layers a token runs through: the decoder's and the MTP layers'."""
+        return self.num_layers + self.mtp_num_layers
+
     # ---- parameter counts (whole model, before TP/PP split) ------------------------------
     @property
     def attn_params_per_layer(self) -> int:
+        if self.mla is not None:
+            return self.mla.attn_params(self.hidden_size, self.num_heads)
         q_out = self.num_heads * self.head_dim
         kv_out = 2 * self.num_kv_heads * self.head_dim
         return self.hidden_size * (q_out + kv_out) + q_out * self.hidden_size
@@ -122,19 +163,26 @@ class ModelShape:
     @property
     def expert_params(self) -> int:
         """All experts' weights over all layers (0 for a dense model): split over EP, not replicated."""
-        return self.num_layers * self.num_experts * self.expert_mlp_params if self.is_moe else 0
+        return self.layers_with_mtp * self.num_experts * self.expert_mlp_params if self.is_moe else 0
+
+    @property
+    def mtp_projection_params(self) -> int:
+        """The MTP layers' projections of [embedding, hidden state] (2h) to h."""
+        return self.mtp_num_layers * 2 * self.hidden_size * self.hidden_size
 
     @property
     def linear_params(self) -> int:
-        """Weights of the matmuls (layers + output layer), every expert counted."""
+        """Weights of the matmuls (layers, MTP layers + output layer, which MTP shares), every expert counted."""
         per_layer = self.attn_params_per_layer + self.mlp_params_per_layer
-        return self.num_layers * per_layer + self.hidden_size * self.vocab_size
+        return self.layers_with_mtp * per_layer + self.mtp_projection_params + self.hidden_size * self.vocab_size
 
     @property
     def active_linear_params(self) -> int:
-        """Weights one token multiplies (layers + output layer): linear_params with top-k of the experts."""
+        """Weights one token multiplies (layers, MTP layers + output layer, once more per MTP layer):
+        linear_params with top-k of the experts."""
         per_layer = self.attn_params_per_layer + self.active_mlp_params_per_layer
-        return self.num_layers * per_layer + self.hidden_size * self.vocab_size
+        return (self.layers_with_mtp * per_layer + self.mtp_projection_params
+                + (1 + self.mtp_num_layers) * self.hidden_size * self.vocab_size)
 
     def params_per_rank(self, params: int) -> float:
         """A count of the model's weights (experts among them counted in full) held by one rank: everything
@@ -145,7 +193,10 @@ class ModelShape:
 
     @property
     def num_params(self) -> int:
-        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
+        latent_norms = self.mla.norm_params if self.mla is not None else 0
+        # two per layer and the final one; an MTP layer's embedding, hidden-state and final norms besides
+        norms = (self.layers_with_mtp * (2 * self.hidden_size + latent_norms) + self.hidden_size
+                 + self.mtp_num_layers * 3 * self.hidden_size)
         return self.linear_params + self.hidden_size * self.vocab_size + norms  # + embedding
 
     # ---- FLOPs (forward + backward) ------------------------------------------------------
@@ -157,11 +208,12 @@ class ModelShape:
 
     @property
     def attn_flops_per_len2(self) -> float:
-        """Causal attention FLOPs per L^2 of one document, forward + backward.
+        """Causal attention FLOPs per L^2 of one document, forward + backward, MTP layers included.
 
-        QK^T and PV are 4·L²·d per head non-causal; causal halves that; backward is 2x
-        forward: 6·layers·heads·d_head."""
-        return 6.0 * self.num_layers * self.num_heads * self.head_dim
+        QK^T is 2·L²·d_qk and PV 2·L²·d_v per head non-causal (d_v as the kernel runs it: MLA's THD padding);
+        causal halves that; backward is 2x forward: 3·layers·heads·(d_qk + d_v) (6·layers·heads·d_head where the
+        two are equal)."""
+        return 3.0 * self.layers_with_mtp * self.num_heads * (self.score_head_dim + self.kernel_value_head_dim)
 
     def with_parallel(self, *, tp: int, pp: int, ep: int = 1) -> "ModelShape":
         return replace(self, tp=tp, pp=pp, ep=ep)
@@ -197,6 +249,15 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     # 12.9B active per token).
     "mixtral-8x7b": ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                                ffn_hidden_size=14336, vocab_size=32000, num_experts=8, moe_topk=2),
+    # DeepSeek-V3's layer (public config: MLA with a 1536 q / 512 kv latent, 128 heads of 128 + 64 rope q/k dims
+    # and 128 v dims; 256 experts of width 2048, top-8; one MTP layer) at 16 layers instead of 61, so that its
+    # weights fit an H200 at EP 64 (197B parameters, 11.2B active per token; 86 GB of static state per rank on a
+    # 64-GPU domain); every layer MoE (V3's three dense first layers and its shared expert are not modelled).
+    "deepseek-v3-like": ModelShape(num_layers=16, hidden_size=7168, num_heads=128, num_kv_heads=128, head_dim=128,
+                                   ffn_hidden_size=18432, vocab_size=129280, num_experts=256, moe_topk=8,
+                                   moe_ffn_hidden_size=2048, mtp_num_layers=1,
+                                   mla=MlaShape(q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+                                                qk_pos_emb_head_dim=64, v_head_dim=128, qk_layernorm=True)),
 }
 
 

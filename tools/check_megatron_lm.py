@@ -2,7 +2,7 @@
 """Train Megatron-LM's own, unmodified `pretrain_gpt.py` with and without `--dcp` through our launcher.
 
   .venv/bin/python tools/check_megatron_lm.py DIR [--iters 4] [--layout dp|tp2sp|pp2|mixtral|mixtral-samples|pp4vpp2|
-                                                              deepseek|deepseek-ep2]
+                                                              deepseek|deepseek-ep2|deepseek-mtp|deepseek-mtp-samples]
 
 DIR holds Megatron-LM's top-level `pretrain_gpt.py`, `gpt_builders.py` and `model_provider.py` (tag
 core_v0.19.0; public, not shipped here) and no `megatron/` package, so the installed megatron-core 0.19.2
@@ -18,7 +18,9 @@ _PLAIN_WITH_OUR_SCRIPT), `deepseek` (DeepSeek-V3's layers at tiny size, tests/su
 MLA, a dense first layer, 4 experts with sigmoid scores, expert bias, group-limited top-k and a shared expert; EP 1
 on 2 ranks, both runs) and `deepseek-ep2` (the same at EP 2 on 4 ranks, a 4-rank domain under --dcp). Their
 seq_aux_loss is per document under --dcp and per sample in the plain run (coefficient 1e-4: below the printed
-loss digits).
+loss digits). `deepseek-mtp` adds one multi-token-prediction layer (loss weight 0.1) and compares the logged
+`mtp_1 loss` too (per document under --dcp, per sample in the plain run); `deepseek-mtp-samples` is the same
+without --dataloader-inter-document-masking (a document is a sample: the same objective).
 """
 from __future__ import annotations
 

@@ -86,6 +86,7 @@ _CPU_PATCH_MODULES = (
     "training_arguments",
     "transformer_moe_router",
     "transformer_moe_moe_utils",
+    "transformer_multi_token_prediction",
 )
 
 # patches/ modules whose shims are built at apply time (`cpu_patches()`: they wrap upstream functions).

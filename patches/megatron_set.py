@@ -9,6 +9,7 @@
 - GPT model: a middle pipeline stage's packed params get the micro-batch's CP size and group;
 - transformer attention: a packed micro-batch's RoPE uses its CP group, and its selective recompute holds in replays;
 - multi-latent attention: the same for MLA, whose forward also refuses a CP size in the params and cuts RoPE's table;
+- multi-token prediction: its shift runs per document on the micro-batch's CP group, its loss is weighted per document;
 - transformer layer + MoE router: an MoE router's balancing losses are per document of the micro-batch;
 - tensor-parallel layers: every run, an expert's output projection on a TP group of one skips the no-op
   all-reduce whose view output the expert MLP's in-place bias add trips on (EP 1 MoE with biases);
@@ -24,7 +25,8 @@ from patches.compat import cpu_compat_patches, needs_cpu_compat
 from patches import (core_dist_checkpointing_filesystem_async, core_utils, extensions_transformer_engine,
                      models_gpt_gpt_model, pipeline_parallel_fine_grained_activation_offload, tensor_parallel_layers,
                      tensor_parallel_random, training_arguments, training_checkpointing, training_training, transformer_attention,
-                     transformer_moe_router, transformer_multi_latent_attention, transformer_transformer_layer)
+                     transformer_moe_router, transformer_multi_latent_attention, transformer_multi_token_prediction,
+                     transformer_transformer_layer)
 from patches.registry import PatchRegistry
 
 
@@ -35,6 +37,7 @@ def megatron_patch_registry(*, installed_version: str | None = None) -> PatchReg
     patches = cpu_compat_patches() if needs_cpu_compat() else ()
     patches += (training_arguments.dcp_patches(specs) + training_training.dcp_patches(specs) + core_utils.dcp_patches()
                 + transformer_attention.dcp_patches() + transformer_multi_latent_attention.dcp_patches()
+                + transformer_multi_token_prediction.dcp_patches()
                 + extensions_transformer_engine.dcp_patches()
                 + training_checkpointing.dcp_patches() + core_dist_checkpointing_filesystem_async.dcp_patches()
                 + transformer_transformer_layer.dcp_patches() + transformer_moe_router.dcp_patches()

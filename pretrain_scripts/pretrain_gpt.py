@@ -25,7 +25,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
-    get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+    get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs, get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec, get_gpt_mtp_block_spec)
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer  # noqa: E402
 from megatron.core.utils import (  # noqa: E402
@@ -58,12 +59,23 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
                                         normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        mtp_block_spec=_mtp_block_spec(args, config, spec, use_te, vp_stage),
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, vp_stage=vp_stage,
         pg_collection=pg_collection)
+
+
+def _mtp_block_spec(args, config, spec, use_te: bool, vp_stage):
+    """--mtp-num-layers: MTP layers built like the decoder's last layer (an MoE layer when the last one is)."""
+    if args.mtp_num_layers is None:
+        return None
+    if args.num_experts:
+        spec = get_gpt_decoder_layer_specs(config, use_transformer_engine=use_te, normalization=args.normalization,
+                                           qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)[-1]
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te, vp_stage=vp_stage)
 
 
 def datasets_provider(num_samples, vp_stage=None):
@@ -105,7 +117,9 @@ def get_batch(data_iterator):
         broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
         broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
         tp_rank=mpu.get_tensor_model_parallel_rank(), micro_batch_size=args.micro_batch_size,
-        seq_length=args.seq_length, mtp_on_this_rank=False,
+        seq_length=args.seq_length,
+        # MTP layers sit on the last stage (no --pipeline-model-parallel-layout here): it also needs the tokens
+        mtp_on_this_rank=bool(args.mtp_num_layers) and mpu.is_pipeline_last_stage(),
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage())
     batch = flatten_batch_for_packed_sequences(batch)
@@ -142,8 +156,7 @@ def refuse_flags_this_script_ignores(args) -> None:
     """Flags Megatron-LM's gpt_builders.py honours and this script does not: exit 2 rather than build another model."""
     unsupported = (("--spec", args.spec), ("--yaml-cfg", getattr(args, "yaml_cfg", None)),
                    ("--experimental-attention-variant", getattr(args, "experimental_attention_variant", None)),
-                   ("--heterogeneous-layers-config-path", getattr(args, "heterogeneous_layers_config_path", None)),
-                   ("--mtp-num-layers", getattr(args, "mtp_num_layers", None)))
+                   ("--heterogeneous-layers-config-path", getattr(args, "heterogeneous_layers_config_path", None)))
     for flag, value in unsupported:
         if value is not None:
             print(f"pretrain_gpt.py: {flag} is not supported by dcp-megatron's script (it would build a different "

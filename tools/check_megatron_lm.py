@@ -2,7 +2,7 @@
 """Train Megatron-LM's own, unmodified `pretrain_gpt.py` with and without `--dcp` through our launcher.
 
   .venv/bin/python tools/check_megatron_lm.py DIR [--iters 4] [--layout dp|tp2sp|pp2|mixtral|mixtral-samples|pp4vpp2|
-                                                              deepseek|deepseek-ep2]
+                                                              deepseek|deepseek-ep2|deepseek-mtp|deepseek-mtp-samples]
 
 DIR holds Megatron-LM's top-level `pretrain_gpt.py`, `gpt_builders.py` and `model_provider.py` (tag
 core_v0.19.0; public, not shipped here) and no `megatron/` package, so the installed megatron-core 0.19.2
@@ -18,7 +18,9 @@ _PLAIN_WITH_OUR_SCRIPT), `deepseek` (DeepSeek-V3's layers at tiny size, tests/su
 MLA, a dense first layer, 4 experts with sigmoid scores, expert bias, group-limited top-k and a shared expert; EP 1
 on 2 ranks, both runs) and `deepseek-ep2` (the same at EP 2 on 4 ranks, a 4-rank domain under --dcp). Their
 seq_aux_loss is per document under --dcp and per sample in the plain run (coefficient 1e-4: below the printed
-loss digits).
+loss digits). `deepseek-mtp` adds one multi-token-prediction layer (loss weight 0.1) and compares the logged
+`mtp_1 loss` too (per document under --dcp, per sample in the plain run); `deepseek-mtp-samples` is the same
+without --dataloader-inter-document-masking (a document is a sample: the same objective).
 """
 from __future__ import annotations
 
@@ -52,9 +54,12 @@ _PP4_VPP2 = ("--pipeline-model-parallel-size 4 --num-layers 8 --num-layers-per-v
              "--eval-iters 0").split()
 
 _SAMPLES = tuple(flag for flag in LLAMA_TINY if flag != "--dataloader-inter-document-masking")
-# layouts trained on whole samples (no --dataloader-inter-document-masking)
-_ON_SAMPLES = {"mixtral-samples"}
 _DEEPSEEK = [*DEEPSEEK_FLAGS, "--moe-token-dispatcher-type", "alltoall"]
+# DeepSeek-V3's one multi-token-prediction layer (its loss weight 0.1)
+_MTP = ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1"]
+_DEEPSEEK_SAMPLES = tuple(flag for flag in DEEPSEEK_TINY if flag != "--dataloader-inter-document-masking")
+# layouts trained on whole samples (no --dataloader-inter-document-masking): their base flags
+_ON_SAMPLES = {"mixtral-samples": _SAMPLES, "deepseek-mtp-samples": _DEEPSEEK_SAMPLES}
 
 # layout: (flags of both runs, --dcp budget flags, ranks of the --dcp run, ranks of the plain run)
 _LAYOUTS = {
@@ -67,6 +72,8 @@ _LAYOUTS = {
     "pp4vpp2": (_PP4_VPP2, ["--dcp-memory-budget-gb", "0.009", "--dcp-recompute", "selective,full"], 8, 4),
     "deepseek": (_DEEPSEEK, ["--dcp-memory-budget-gb", "0.005"], 2, 2),
     "deepseek-ep2": ([*_DEEPSEEK, "--expert-model-parallel-size", "2"], ["--dcp-memory-budget-gb", "0.005"], 4, 4),
+    "deepseek-mtp": ([*_DEEPSEEK, *_MTP], ["--dcp-memory-budget-gb", "0.005"], 2, 2),
+    "deepseek-mtp-samples": ([*_DEEPSEEK, *_MTP], ["--dcp-memory-budget-gb", "0.005"], 2, 2),
 }
 
 
@@ -90,18 +97,30 @@ def main(argv=None) -> int:
     plain_script = OUR_SCRIPT if args.layout in _PLAIN_WITH_OUR_SCRIPT else script
     for label, run_script, extra, nproc in (("plain", plain_script, layout, plain_ranks),
                                             ("dcp", script, [*layout, "--dcp", *budget], dcp_ranks)):
-        base = _SAMPLES if args.layout in _ON_SAMPLES else DEEPSEEK_TINY if args.layout.startswith("deepseek") \
-            else LLAMA_TINY
+        base = _ON_SAMPLES.get(args.layout) or (DEEPSEEK_TINY if args.layout.startswith("deepseek") else LLAMA_TINY)
         runs[label] = run = run_training(run_script, extra, nproc=nproc, iters=args.iters, base=base,
                                          timeout_s=1200).check()
         print(f"{label:5s} loss trace: {run.loss_trace()}")
+        for name, trace in sorted(run.moe_metrics.items()):
+            if name.startswith("mtp_"):
+                print(f"{label:5s} {name} trace: {[trace[i] for i in sorted(trace)]}")
     for step, info in sorted(runs["dcp"].dcp_steps.items()):
         print(f"  dcp step {step}: {info['policy']} cp sizes {info['cp_sizes']} micro-batches/rank "
               f"{'/'.join(map(str, info['counts']))} recompute {info['recompute']}")
-    plain, dcp = runs["plain"].loss_trace(), runs["dcp"].loss_trace()
-    worst = max(abs(a - b) / abs(b) for a, b in zip(dcp, plain)) if plain and len(plain) == len(dcp) else float("inf")
+    worst = _worst(runs["plain"].loss_trace(), runs["dcp"].loss_trace())
     print(f"max relative loss difference: {worst:.2e}")
+    for name, plain_trace in sorted(runs["plain"].moe_metrics.items()):
+        if name.startswith("mtp_"):
+            dcp_trace = runs["dcp"].moe_metrics.get(name, {})
+            mtp_worst = _worst([plain_trace[i] for i in sorted(plain_trace)], [dcp_trace[i] for i in sorted(dcp_trace)])
+            print(f"max relative {name} difference: {mtp_worst:.2e}")
+            worst = max(worst, mtp_worst)
     return 0 if worst <= 1e-5 else 1
+
+
+def _worst(plain: list[float], dcp: list[float]) -> float:
+    """The largest relative difference of two traces (inf unless both have the same, non-zero, length)."""
+    return max(abs(a - b) / abs(b) for a, b in zip(dcp, plain)) if plain and len(plain) == len(dcp) else float("inf")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ _MOE = dict(num_experts=4, moe_router_load_balancing_type="aux_loss", expert_mod
      "--pipeline-model-parallel-size 4 needs --dataloader-inter-document-masking"),
     (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
           dataloader_inter_document_masking=False), "and virtual pipeline stages needs --dataloader-inter-document"),
-    (dict(mtp_num_layers=1), "--mtp-num-layers 1 is not supported with --dcp"),
     (dict(_MOE, moe_router_load_balancing_type=["global_aux_loss"]),
      "--moe-router-load-balancing-type global_aux_loss cannot be exact under --dcp"),
     (dict(_MOE, moe_router_load_balancing_type="quantile_balancing"),

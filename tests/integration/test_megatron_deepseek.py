@@ -1,6 +1,6 @@
 """`--dcp` with DeepSeek-V3-style layers inside megatron.training (tests/support/megatron_runs.DEEPSEEK_FLAGS: MLA
 with a value head dim unlike the query's, a dense first layer, then MoE with sigmoid scores, the expert bias,
-group-limited top-k, top-k scaling and a shared expert; CPU, gloo, fp32).
+group-limited top-k, top-k scaling and a shared expert, and one multi-token-prediction layer; CPU, gloo, fp32).
 
 2-rank domains at EP 1 and EP 2 (plans mixing CP 1 and CP 2) against one rank training the same global batch with
 `--dcp` (CP 1, its own packing), all from one set of initial weights (a 1-rank checkpoint): the loss and balancing
@@ -22,7 +22,9 @@ pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
 
 ITERS = 3
 TOLERANCE = 1e-5
-EP1 = [*DEEPSEEK_FLAGS, "--moe-token-dispatcher-type", "alltoall"]
+# with DeepSeek-V3's one MTP layer (built like the last, MoE, layer; its loss weight 0.1)
+EP1 = [*DEEPSEEK_FLAGS, "--moe-token-dispatcher-type", "alltoall", "--mtp-num-layers", "1",
+       "--mtp-loss-scaling-factor", "0.1"]
 EP2 = [*EP1, "--expert-model-parallel-size", "2"]
 BUDGET = ["--dcp-memory-budget-gb", "0.005"]
 
@@ -71,8 +73,9 @@ def test_deepseek_layers_under_dcp_train_one_ranks_step_and_expert_bias(runs, la
     assert sorted(dcp.losses) == sorted(one_rank.losses) == list(range(1, ITERS + 1))
     for step, loss in one_rank.losses.items():
         assert dcp.losses[step] == pytest.approx(loss, rel=TOLERANCE), ("lm loss", step)
-        logged = one_rank.moe_metrics["seq_load_balancing_loss"][step]
-        assert dcp.moe_metrics["seq_load_balancing_loss"][step] == pytest.approx(logged, rel=TOLERANCE), step
+        for metric in ("seq_load_balancing_loss", "mtp_1 loss"):
+            logged = one_rank.moe_metrics[metric][step]
+            assert dcp.moe_metrics[metric][step] == pytest.approx(logged, rel=TOLERANCE), (metric, step)
     _assert_same_gradients(runs.root, layout, "one_rank", steps=list(range(1, ITERS + 1)))
     biases = []
     for step in range(1, ITERS + 1):

@@ -55,7 +55,7 @@ CPU_FLAGS = (
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+)")
 _ITERATION_NUMBER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
-_MOE_METRIC = re.compile(r"\| ((?:seq_)?load_balancing_loss|z_loss): ([0-9.E+-]+)")
+_MOE_METRIC = re.compile(r"\| ((?:seq_)?load_balancing_loss|z_loss|mtp_\d+ loss): ([0-9.E+-]+)")
 _EVAL = re.compile(r"validation loss at iteration (\d+) (?:on validation set )?\| lm loss value: ([0-9.E+-]+)")
 _DCP = re.compile(r" dcp iteration\s+(\d+) \| plan (\S+): .*?cp sizes (\S+) \| micro-batches/rank (\S+) .*?"
                   r"recompute (\S+) \| predicted \(ms\): ([0-9.]+) \| forward-backward \(ms\): ([0-9.]+)")
@@ -78,7 +78,7 @@ class RunResult:
     grad_norms: dict[int, float] = field(default_factory=dict)
     dcp_steps: dict[int, dict] = field(default_factory=dict)
     eval_losses: dict[int, float] = field(default_factory=dict)
-    moe_metrics: dict[str, dict[int, float]] = field(default_factory=dict)   # MoE router losses logged per step
+    moe_metrics: dict[str, dict[int, float]] = field(default_factory=dict)   # MoE router and MTP losses per step
 
     @property
     def z_losses(self) -> dict[int, float]:

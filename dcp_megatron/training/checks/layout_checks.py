@@ -13,8 +13,8 @@ checks and before anything is built: every refusal is one line naming the flag t
   backward on recomputing ranks only, so it is taken out of --dcp-recompute's choices.
 - MoE with TP > 1 (Megatron requires sequence parallelism there): each TP rank routes its share of the rows;
   the per-document token counts are summed over the TP group and the micro-batch's CP group in turn.
-- Multi-token prediction (`--mtp-num-layers`): its layers shift labels and hidden states along the packed rows
-  and run their own routers; not yet carried through DCP's per-micro-batch groups and documents: refused.
+- Multi-token prediction (`--mtp-num-layers`) runs: its shift and loss follow each micro-batch's CP group and
+  documents (patches/transformer_multi_token_prediction.py).
 - Sharded weights (`--use-megatron-fsdp`, `--use-torch-fsdp2`): every module's forward and backward all-gather
   its weights over the DP x CP group, so every rank would have to run the same micro-batches in lockstep (as
   ZeRO-3 does under DeepSpeed); megatron-core 0.19.2's implementations need CUDA (Megatron-FSDP creates
@@ -70,12 +70,6 @@ def check_dcp_layout(args: argparse.Namespace) -> None:
              "whole domain per micro-batch, which ranks running different micro-batch counts cannot join; use "
              "aux_loss, seq_aux_loss, sinkhorn or none"),
         )
-    refusals += (
-        (bool(getattr(args, "mtp_num_layers", None)),
-         f"--mtp-num-layers {getattr(args, 'mtp_num_layers', None)} is not supported with --dcp: multi-token "
-         "prediction shifts labels along the packed rows of a micro-batch, which DCP does not yet carry over its "
-         "per-micro-batch CP groups; drop --mtp-num-layers or --dcp"),
-    )
     for refused, message in refusals:
         if refused:
             raise DcpUsageError(message)

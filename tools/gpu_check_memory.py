@@ -15,7 +15,6 @@ FP8 is not measured here (the train_fp8 step trains under a budget; its peak per
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -56,7 +55,11 @@ def counted_model(shape: dict, *, cuda: bool):
 
 
 def probe(out_dir: str, *, cuda: bool = True) -> int:
+    import dataclasses
+
     import torch
+
+    from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY
 
     sys.path.insert(0, os.path.join(REPO, "tools"))
     import gpu_check_offload as harness
@@ -81,10 +84,6 @@ def probe(out_dir: str, *, cuda: bool = True) -> int:
             batches = harness._batches(((relief.offload, relief.full_layers if relief.kind == "full" else 0),),
                                        device, relief=True, docs=docs, vocab=shape["vocab"])
             if relief.modules:   # a recompute_modules relief: the facts carry it as the plan would
-                import dataclasses
-
-                from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY
-
                 batches[0][MICROBATCH_KEY] = dataclasses.replace(batches[0][MICROBATCH_KEY], recompute=relief)
             _, _, peak = harness._run_step(model, batches, cuda=cuda)
             row = {"relief": str(relief), "counted_bytes": int(counted)}
@@ -95,19 +94,12 @@ def probe(out_dir: str, *, cuda: bool = True) -> int:
         result["passed"] = bool(result["reliefs"]) and all(r.get("within_margin", True)
                                                            for r in result["reliefs"].values())
     finally:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
-        registry.remove()
-    with open(os.path.join(out_dir, "memory.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps(result), flush=True)
-    return 0 if result["passed"] else 1
+        harness.teardown(registry)
+    return harness.write_report(out_dir, "memory.json", result)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, REPO)
-    if len(sys.argv) == 3 and sys.argv[1] == "--cpu-smoke":
-        sys.exit(probe(sys.argv[2], cuda=False))
-    sys.exit(probe(sys.argv[1]))
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import gpu_check_offload
+
+    gpu_check_offload.main(probe)

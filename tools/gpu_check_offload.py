@@ -192,19 +192,35 @@ def probe(out_dir: str, *, cuda: bool = True) -> int:
                           peak_fell_by=peak_none - peak_offload, memory_passed=peak_offload < peak_none)
         result["passed"] = bool(parity and result.get("memory_passed", not cuda))
     finally:
-        from megatron.core import parallel_state
+        teardown(registry)
+    return write_report(out_dir, "offload.json", result)
 
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
-        registry.remove()
-    with open(os.path.join(out_dir, "offload.json"), "w") as f:
+
+def teardown(registry) -> None:
+    """Undo _setup: model-parallel state, the process group, the patch set."""
+    import torch
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    registry.remove()
+
+
+def write_report(out_dir: str, name: str, result: dict) -> int:
+    """The probe's JSON report (also printed); exit status 0 when it passed."""
+    with open(os.path.join(out_dir, name), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result), flush=True)
     return 0 if result["passed"] else 1
 
 
-if __name__ == "__main__":
+def main(probe_function) -> None:
+    """`python TOOL DIR` on a GPU, `python TOOL --cpu-smoke DIR` for the harness's plumbing on CPU."""
     sys.path.insert(0, REPO)
     if len(sys.argv) == 3 and sys.argv[1] == "--cpu-smoke":
-        sys.exit(probe(sys.argv[2], cuda=False))
-    sys.exit(probe(sys.argv[1]))
+        sys.exit(probe_function(sys.argv[2], cuda=False))
+    sys.exit(probe_function(sys.argv[1]))
+
+
+if __name__ == "__main__":
+    main(probe)

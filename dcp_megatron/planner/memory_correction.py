@@ -131,7 +131,8 @@ class MemoryCorrection:
         return MemoryScale(factors=dict(self.factors), default=max([1.0, *self.factors.values()]))
 
 
-def describe_scale(scale: MemoryScale, margin: float) -> str:
-    """`memory x1.05 (none), x1.30 (mlp), others x1.30, margin 5%`: the factors in use, for the log line."""
+def describe_scale(scale: MemoryScale, margin: float, updates: int) -> str:
+    """`memory x1.05 (none), x1.30 (mlp), others x1.30, margin 5%, 2 updates`: the factors in use and how many
+    measured steps (a probe counts one) made them, for the log line."""
     shown = ", ".join(f"x{factor:.2f} ({relief})" for relief, factor in sorted(scale.factors.items()))
-    return f"memory {shown or 'as counted'}, others x{scale.default:.2f}, margin {margin:.0%}"
+    return f"memory {shown or 'as counted'}, others x{scale.default:.2f}, margin {margin:.0%}, {updates} updates"

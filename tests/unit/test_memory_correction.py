@@ -59,9 +59,9 @@ def test_buckets_are_the_plans_reliefs_and_the_log_names_the_factors_and_margin(
                                                              MicroBatch((), recompute=Recompute("full", 2)))),
                                                 Group(1, 1, (MicroBatch(((1, 32),)),)))),))
     assert relief_buckets(plan) == ["mlp", "none"]
-    assert (describe_scale(MemoryScale({"none": 1.3, "mlp": 1.05}, 1.3), 0.05)
-            == "memory x1.05 (mlp), x1.30 (none), others x1.30, margin 5%")
-    assert describe_scale(NO_MEMORY_SCALE, 0.05) == "memory as counted, others x1.00, margin 5%"
+    assert (describe_scale(MemoryScale({"none": 1.3, "mlp": 1.05}, 1.3), 0.05, 2)
+            == "memory x1.05 (mlp), x1.30 (none), others x1.30, margin 5%, 2 updates")
+    assert describe_scale(NO_MEMORY_SCALE, 0.05, 0) == "memory as counted, others x1.00, margin 5%, 0 updates"
 
 
 def test_the_scale_multiplies_the_activation_bytes_of_its_relief_only():
@@ -95,3 +95,38 @@ def test_a_count_found_low_makes_the_plan_take_more_relief_or_bigger_groups():
 
     assert worst(plain, doubled) > budget >= worst(corrected, doubled)
     assert corrected.est_step_time_s > plain.est_step_time_s       # the relief or the bigger groups cost time
+
+
+def test_a_probe_of_a_deliberately_halved_count_corrects_it_upward():
+    """The planner counts half of what runs (COST's count halved); a probe of each relief's largest micro-batch
+    measures the true bytes: the corrected plan takes more relief or bigger CP groups, and fits the true count."""
+    from dcp_megatron.runtime.measured_memory import PEAK, counted_bytes
+    from dcp_megatron.training.memory_probe_run import probe_lengths, probe_reliefs
+
+    halved = COST.with_memory_scale(MemoryScale({}, default=0.5))
+    correction = MemoryCorrection()
+    reliefs = probe_reliefs(halved)
+    readings = []
+    for relief in reliefs:
+        lengths = probe_lengths(halved.max_local_tokens(relief), 131_072)
+        readings.append(MemoryReading(str(relief), counted_bytes(halved, lengths, 1, relief, PEAK),
+                                      measured_bytes=counted_bytes(COST, lengths, 1, relief, PEAK)))
+    buckets = sorted(str(r) for r in reliefs)
+    scale = correction.update(correction.bucket_ratios(readings, buckets), buckets)
+    assert all(factor == pytest.approx(2 * 1.05) for factor in scale.factors.values())
+    corrected = halved.with_memory_scale(scale)
+    batch = [(i, n) for i, n in enumerate([131_072, 65_536, 32_768, 16_384, 8192, 4096] * 4)]
+    before = make_plan("dcp", batch, halved, max_seq_len=131_072)
+    after = make_plan("dcp", batch, corrected, max_seq_len=131_072)
+
+    def relief_and_groups(plan):
+        mbs = [(group.size, mb) for wave in plan.waves for group in wave.groups for mb in group.microbatches
+               if mb.sequences]
+        return (sum(COST.bytes_per_local_token(NO_RECOMPUTE) - COST.bytes_per_local_token(mb.recompute)
+                    for _, mb in mbs) / len(mbs), max(size for size, _ in mbs),
+                max(COST.microbatch_memory(mb.lengths, size, recompute=mb.recompute) for size, mb in mbs))
+
+    freed_before, largest_before, worst_before = relief_and_groups(before)
+    freed_after, largest_after, worst_after = relief_and_groups(after)
+    assert freed_after > freed_before or largest_after > largest_before
+    assert worst_before > COST.cluster.mem_budget_bytes >= worst_after      # the true count: only the corrected fits

@@ -73,7 +73,7 @@ def step_scalars(plan: StepPlan, *, measured_s: float, planning_s: float, expose
                 TAG_PREFIX + "planning_s": float(planning_s),
                 TAG_PREFIX + "exposed_planning_s": float(exposed_planning_s)})
     if memory_scale is not None:
-        out[TAG_PREFIX + "memory_scale_max"] = float(max(memory_scale.default, *memory_scale.factors.values()))
+        out[TAG_PREFIX + "memory_scale_max"] = float(max([memory_scale.default, *memory_scale.factors.values()]))
         out[TAG_PREFIX + "memory_margin"] = float(memory_margin)
         out.update({f"{TAG_PREFIX}memory_scale_{relief}": float(v) for relief, v in sorted(memory_scale.factors.items())})
     return out

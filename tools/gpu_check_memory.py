@@ -106,9 +106,9 @@ def probe(out_dir: str, *, cuda: bool = True) -> int:
         rows = result["reliefs"]
         correction = MemoryCorrection()
         buckets = sorted(row["relief"] for row in rows.values())
-        scale = correction.update(correction.bucket_ratios(
-            [MemoryReading(r["relief"], r["probe"]["counted_bytes"], r["probe"]["measured_bytes"]) for r in rows.values()],
-            buckets), buckets)
+        readings = [MemoryReading(r["relief"], r["probe"]["counted_bytes"], r["probe"]["measured_bytes"])
+                    for r in rows.values()]
+        scale = correction.update(correction.bucket_ratios(readings, buckets), buckets)
         for row in rows.values():
             row["probe"]["factor"] = scale.of(row["relief"])
         result["probe_factors"] = {"margin": correction.margin, **{r: scale.of(r) for r in buckets}}

@@ -34,7 +34,8 @@ def dcp_iteration_line(record, *, forward_backward_s: float, domain_rank: int, c
             f"(before the schedule {record.before_run_s * 1000:.1f}) | planning (ms): {planned.plan_s * 1000:.1f} "
             f"{'ahead' if planned.ahead else 'at step start'}, exposed {planned.exposed_s * 1000:.1f} | "
             f"step-time error {errors[-1]:.0%} (last {len(errors)}: mean "
-            f"{sum(errors) / len(errors):.0%}){_factors_text(corrections)} | {memory + ' | ' if memory else ''}rank {domain_rank} "
+            f"{sum(errors) / len(errors):.0%}){_factors_text(corrections)} | "
+            f"{memory + ' | ' if memory else ''}rank {domain_rank} "
             f"ran {record.num_batches} micro-batches, cp sizes {list(record.cp_sizes)} |")
 
 

@@ -129,7 +129,8 @@ class PlannedStepLoop:
         self._planner = PlanAhead(self._plan_function) if config.plan_ahead else None
         self._ahead: Share | None = None     # the next step, read (and being planned) during this one
         self._current: Share | None = None   # the step being run: a rerun of it reuses its share and plan
-        self._measured: tuple[int, Any, tuple[float, ...]] | None = None   # (iteration, plan, durations) to fold
+        # (iteration, plan, durations, memory readings or None) of the last step, to fold
+        self._measured: tuple[int, Any, tuple[float, ...], tuple | None] | None = None
         self._steps_accepted = 0
         # the memory count's correction: calibrated by a probe, refined from the first steps' readings
         self._memory_correction = MemoryCorrection()
@@ -282,10 +283,10 @@ class PlannedStepLoop:
             cost = cost.with_memory_scale(refined_memory_scale(
                 self._memory_correction, self._base_cost, plan, domain_rank=self.pool.domain_rank,
                 measured=list(memory), kind=self.memory_kind, device=self.device))
-            self._cost = cost
-            self.check_longest_fits()
         self._cost = cost
         self._steps_accepted += 1
+        if memory is not None:
+            self.check_longest_fits()
 
     def _this_steps_share(self, engine: StepEngine, iteration: int, num_samples: int) -> Share:
         """This step's share and plan: read and planned ahead during the last step, or now.

@@ -75,5 +75,6 @@ def step_scalars(plan: StepPlan, *, measured_s: float, planning_s: float, expose
     if memory_scale is not None:
         out[TAG_PREFIX + "memory_scale_max"] = float(max([memory_scale.default, *memory_scale.factors.values()]))
         out[TAG_PREFIX + "memory_margin"] = float(memory_margin)
-        out.update({f"{TAG_PREFIX}memory_scale_{relief}": float(v) for relief, v in sorted(memory_scale.factors.items())})
+        out.update({f"{TAG_PREFIX}memory_scale_{relief}": float(v)
+                    for relief, v in sorted(memory_scale.factors.items())})
     return out

@@ -105,8 +105,8 @@ class DcpForwardBackward:
                 from dcp_megatron.training.memory_probe_run import probe_memory
 
                 probe_memory(self.loop, forward_step_func, model if isinstance(model, list) else [model],
-                             schedule=self.inner, seq_length=self.config.seq_length, vocab_size=self.model_shape.vocab_size,
-                             is_logging_rank=self.is_logging_rank)
+                             schedule=self.inner, seq_length=self.config.seq_length,
+                             vocab_size=self.model_shape.vocab_size, is_logging_rank=self.is_logging_rank)
         iteration = self._iteration()
         engine = _MegatronStep(self, forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                                seq_length=seq_length, schedule_kwargs=kwargs)

@@ -18,7 +18,8 @@ def test_each_light_relief_and_full_recompute_of_every_layer_is_probed():
 
 
 @pytest.mark.parametrize("max_local, seq_length, expected", [
-    (20_001, 8192, (8192, 8192, 3616)), (8192, 8192, (8192,)), (5, 8192, (4,)), (1, 8192, ()), (100, 33, (32, 32, 32, 4))])
+    (20_001, 8192, (8192, 8192, 3616)), (8192, 8192, (8192,)), (5, 8192, (4,)), (1, 8192, ()),
+    (100, 33, (32, 32, 32, 4))])
 def test_probe_documents_fill_the_planners_largest_micro_batch_at_cp1(max_local, seq_length, expected):
     lengths = probe_lengths(max_local, seq_length)
     assert lengths == expected

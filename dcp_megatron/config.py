@@ -46,6 +46,11 @@ class DcpConfig:
     train_iters: int | None = None   # the last step: nothing to read ahead after it
     iterations_to_skip: frozenset[int] = frozenset()   # --iterations-to-skip: Megatron reads those steps itself
     refine: bool = True              # correct the cost model from measured times (planner/refine.py)
+    # correct the memory count from each micro-batch's measured bytes in the first `memory_refine_steps` steps
+    # (planner/memory_correction.py), and probe the largest micro-batch of each relief before step 1; None: on GPU
+    memory_refine: bool | None = None
+    memory_refine_steps: int = 5
+    memory_probe: bool | None = None
     cp_attention: tuple[str, ...] = ("allgather",)   # CP attention flavours per micro-batch (+ "ulysses")
     row_multiple: int = 1            # each micro-batch's local rows padded to a multiple (FP8 GEMM shapes)
     fp8: bool = False                # linear GEMMs in FP8 (the cost model's FP8 rate and weight copies)
@@ -84,6 +89,8 @@ class DcpConfig:
         if bad or not self.cp_attention:
             raise DcpUsageError(f"--dcp-cp-attention: unknown {bad or 'empty list'}; give a comma list from "
                                 f"{','.join(CP_ATTENTION_CHOICES)}")
+        if self.memory_refine_steps < 1:
+            raise DcpUsageError(f"--dcp-memory-refine-steps must be >= 1, got {self.memory_refine_steps}")
         if self.row_multiple < 1:
             raise DcpUsageError(f"--dcp-row-alignment must be >= 1, got {self.row_multiple}")
         if self.seq_length < 1:

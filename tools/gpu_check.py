@@ -17,7 +17,9 @@ Steps (each its own process, so one failure cannot take the report down; the rep
                  no relief (<= 1e-2 relative), and the peak allocated memory of an all-offload step below none's.
   memory         the planner's memory count on the TE spec (bf16) against the allocator (tools/gpu_check_memory.py):
                  one micro-batch per relief (none, module recompute, full 1/2/4, offload), its peak allocated
-                 bytes above the step's start vs the count; passes when each is within the safety margin.
+                 bytes above the step's start vs the count; passes when each is within the safety margin. Its
+                 log and memory.json also hold the memory probe's table (what --dcp-memory-probe reads before step
+                 1 per relief: counted vs measured, and the factor it would set).
   profile_bf16, profile_fp8
                  `dcp-profile` of a mid-sized model on the TE spec: GEMM rate, attention times by length;
                  written to PROFILES/h200_bf16.json and h200_fp8.json, merged into PROFILES/h200.json

@@ -10,8 +10,13 @@ DCP's own step path, warmed up once; per relief, the peak allocated device memor
 (weights, gradients and optimizer-free state already allocated: what the activation count stands for) against
 the planner's count for the same shape and tokens. The table (counted, measured, measured / counted) goes to
 memory.json; `within_margin` per relief: measured <= counted / (1 - the cluster's safety margin).
+Each row's `probe` is the same micro-batch as the memory probe before step 1 reads it (runtime/measured_memory.py:
+on GPU the allocator's peak above what was allocated at its forward, on CPU the bytes saved for backward) against
+the count of that quantity, and the factor the probe would set (planner/memory_correction.py: measured / counted
+plus the margin, raised only); `probe_factors` lists them and the step prints the table.
 FP8 is not measured here (the train_fp8 step trains under a budget; its peak per relief is not read yet).
-`--cpu-smoke DIR` runs the plumbing on CPU with the local spec (counts only: nothing is measured on a CPU).
+`--cpu-smoke DIR` runs the plumbing on CPU with the local spec (the peak is not measured on a CPU; the probe's
+saved bytes are).
 """
 from __future__ import annotations
 
@@ -60,6 +65,8 @@ def probe(out_dir: str, *, cuda: bool = True) -> int:
     import torch
 
     from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY
+    from dcp_megatron.planner.memory_correction import MemoryCorrection, MemoryReading
+    from dcp_megatron.runtime.measured_memory import PEAK, SAVED, counted_bytes
 
     sys.path.insert(0, os.path.join(REPO, "tools"))
     import gpu_check_offload as harness
@@ -85,17 +92,43 @@ def probe(out_dir: str, *, cuda: bool = True) -> int:
                                        device, relief=True, docs=docs, vocab=shape["vocab"])
             if relief.modules:   # a recompute_modules relief: the facts carry it as the plan would
                 batches[0][MICROBATCH_KEY] = dataclasses.replace(batches[0][MICROBATCH_KEY], recompute=relief)
-            _, _, peak = harness._run_step(model, batches, cuda=cuda)
+            readings: list = []
+            _, _, peak = harness._run_step(model, batches, cuda=cuda, readings=readings)
             row = {"relief": str(relief), "counted_bytes": int(counted)}
+            kind = PEAK if cuda else SAVED
+            probe_counted = counted_bytes(cost, docs[0], 1, relief, kind)
+            row["probe"] = {"kind": kind, "counted_bytes": int(probe_counted), "measured_bytes": int(readings[0]),
+                            "measured_over_counted": readings[0] / probe_counted}
             if cuda:
                 row.update(measured_bytes=int(peak), measured_over_counted=peak / counted,
                            within_margin=peak <= counted / (1 - cost.cluster.mem_safety_frac))
             result["reliefs"][name] = row
+        rows = result["reliefs"]
+        correction = MemoryCorrection()
+        buckets = sorted(row["relief"] for row in rows.values())
+        readings = [MemoryReading(r["relief"], r["probe"]["counted_bytes"], r["probe"]["measured_bytes"])
+                    for r in rows.values()]
+        scale = correction.update(correction.bucket_ratios(readings, buckets), buckets)
+        for row in rows.values():
+            row["probe"]["factor"] = scale.of(row["relief"])
+        result["probe_factors"] = {"margin": correction.margin, **{r: scale.of(r) for r in buckets}}
+        print(probe_table(rows), flush=True)
         result["passed"] = bool(result["reliefs"]) and all(r.get("within_margin", True)
                                                            for r in result["reliefs"].values())
     finally:
         harness.teardown(registry)
     return harness.write_report(out_dir, "memory.json", result)
+
+
+def probe_table(rows: dict) -> str:
+    """The memory probe's counted vs measured bytes per relief, one line each."""
+    lines = [f"{'relief':<16} {'probe reads':<12} {'counted MiB':>12} {'measured MiB':>13} {'ratio':>6} {'factor':>7}"]
+    for name, row in rows.items():
+        probe_row = row["probe"]
+        lines.append(f"{name:<16} {probe_row['kind']:<12} {probe_row['counted_bytes'] / 2 ** 20:>12.2f} "
+                     f"{probe_row['measured_bytes'] / 2 ** 20:>13.2f} {probe_row['measured_over_counted']:>6.2f} "
+                     f"{probe_row['factor']:>7.2f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

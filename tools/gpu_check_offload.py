@@ -123,8 +123,9 @@ def _forward_step(data_iterator, model):
     return losses, loss_func
 
 
-def _run_step(model, batches, *, cuda: bool) -> tuple[float, dict, int]:
-    """One DCP step (the run's own path, _MegatronStep.run_batches): the loss, the gradients, the peak bytes."""
+def _run_step(model, batches, *, cuda: bool, readings: list | None = None) -> tuple[float, dict, int]:
+    """One DCP step (the run's own path, _MegatronStep.run_batches): the loss, the gradients, the peak bytes;
+    `readings`: each micro-batch's bytes as the memory probe reads them (runtime/measured_memory.py) appended."""
     import torch
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
@@ -133,7 +134,8 @@ def _run_step(model, batches, *, cuda: bool) -> tuple[float, dict, int]:
     for p in model.parameters():
         if p.grad is not None:
             p.grad.zero_()
-    owner = SimpleNamespace(inner=forward_backward_no_pipelining, has_gpu=cuda, model_shape=SimpleNamespace(pp=1))
+    owner = SimpleNamespace(inner=forward_backward_no_pipelining, has_gpu=cuda, model_shape=SimpleNamespace(pp=1),
+                            loop=SimpleNamespace(measures_memory=lambda: readings is not None))
     step = _MegatronStep(owner, forward_step_func=_forward_step, data_iterator=None, model=model,
                          seq_length=16384, schedule_kwargs={})
     if cuda:
@@ -141,6 +143,8 @@ def _run_step(model, batches, *, cuda: bool) -> tuple[float, dict, int]:
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
     ran = step.run_batches(batches, share=None)
+    if readings is not None:
+        readings.extend(ran.memory_bytes)
     peak = 0
     if cuda:
         torch.cuda.synchronize()

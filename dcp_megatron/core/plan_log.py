@@ -22,17 +22,20 @@ def plan_summary(plan: StepPlan) -> str:
             f"recompute {recompute}")
 
 
-def dcp_iteration_line(record, *, forward_backward_s: float, domain_rank: int, corrections: dict) -> str:
+def dcp_iteration_line(record, *, forward_backward_s: float, domain_rank: int, corrections: dict,
+                       memory: str = "") -> str:
     """The ` dcp iteration` log line both engines print for a step (`record`: the loop's StepRecord): its plan,
     the predicted and measured time (`forward_backward_s`: the engine's own measure of the step), planning time,
-    the step-time error, the cost model's measured corrections and what this rank ran."""
+    the step-time error, the cost model's measured corrections, the memory count's (`memory`:
+    memory_correction.describe_scale) and what this rank ran."""
     plan, planned, errors = record.plan, record.planned, record.step_time_errors
     return (f" dcp iteration {record.iteration:8d} | {plan_summary(plan)} | predicted (ms): "
             f"{plan.est_step_time_s * 1000:.1f} | forward-backward (ms): {forward_backward_s * 1000:.1f} "
             f"(before the schedule {record.before_run_s * 1000:.1f}) | planning (ms): {planned.plan_s * 1000:.1f} "
             f"{'ahead' if planned.ahead else 'at step start'}, exposed {planned.exposed_s * 1000:.1f} | "
             f"step-time error {errors[-1]:.0%} (last {len(errors)}: mean "
-            f"{sum(errors) / len(errors):.0%}){_factors_text(corrections)} | rank {domain_rank} "
+            f"{sum(errors) / len(errors):.0%}){_factors_text(corrections)} | "
+            f"{memory + ' | ' if memory else ''}rank {domain_rank} "
             f"ran {record.num_batches} micro-batches, cp sizes {list(record.cp_sizes)} |")
 
 

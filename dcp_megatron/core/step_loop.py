@@ -20,7 +20,9 @@ megatron.training and DeepSpeed; an engine supplies only what is its own (`StepE
    out-of-memory there becomes `MicrobatchOutOfMemory` naming the micro-batch (core/out_of_memory.py);
 6. **refine**: once the engine has moved past a step (the next step starts: a rerun of it must see the same
    cost model), its measured micro-batch times correct the cost model identically on every rank (one
-   all-reduce, `runtime/measured_cost.py`);
+   all-reduce, `runtime/measured_cost.py`), and in the first steps its micro-batches' measured bytes correct the
+   memory count (one MAX all-reduce, `runtime/measured_memory.py`; an engine's probe before step 1 calibrates it
+   through `calibrate_memory`);
 7. **record**: the plan JSON (`dump_plans`) and a `StepRecord` the engine writes as its scalars and log line.
 """
 from __future__ import annotations
@@ -39,9 +41,11 @@ from dcp_megatron.core.out_of_memory import MicrobatchOutOfMemory, TrackedBatche
 from dcp_megatron.core.plan_dump import PlanDumper
 from dcp_megatron.core.planning import check_longest_fits, check_same_plan, plan_global_batch
 from dcp_megatron.planner.ahead import PlanAhead, PlannedStep, plan_synchronously
+from dcp_megatron.planner.memory_correction import MemoryCorrection, MemoryReading, MemoryScale, describe_scale
 from dcp_megatron.planner.refine import TimeCorrection, relative_error
 from dcp_megatron.runtime.group_pool import GroupPool, plan_blocks
 from dcp_megatron.runtime.measured_cost import refined_cost
+from dcp_megatron.runtime.measured_memory import PEAK, SAVED, fold_readings, refined_memory_scale
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class RanBatches:
 
     durations: tuple[float, ...]  # seconds per micro-batch this rank timed (the cost model's refinement input)
     result: Any                   # the engine's own result, returned by `step` (Megatron's losses, a StepOutcome)
+    memory_bytes: tuple[float, ...] | None = None   # each micro-batch's measured bytes, in plan order, when asked
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,7 @@ class PlannedStepLoop:
 
     def __init__(self, *, config: DcpConfig, pool: GroupPool, cost, device, is_logging_rank: bool,
                  refine: bool = True, pad_multiple: int = 1, equal_rows: bool = False,
-                 plan_function: Callable | None = None) -> None:
+                 plan_function: Callable | None = None, measure_memory: bool = False) -> None:
         check_longest_fits(config, cost)
         self.config = config
         self.pool = pool
@@ -124,8 +129,13 @@ class PlannedStepLoop:
         self._planner = PlanAhead(self._plan_function) if config.plan_ahead else None
         self._ahead: Share | None = None     # the next step, read (and being planned) during this one
         self._current: Share | None = None   # the step being run: a rerun of it reuses its share and plan
-        self._measured: tuple[int, Any, tuple[float, ...]] | None = None   # (iteration, plan, durations) to fold
+        # (iteration, plan, durations, memory readings or None) of the last step, to fold
+        self._measured: tuple[int, Any, tuple[float, ...], tuple | None] | None = None
         self._steps_accepted = 0
+        # the memory count's correction: calibrated by a probe, refined from the first steps' readings
+        self._memory_correction = MemoryCorrection()
+        self._memory_steps_left = config.memory_refine_steps if measure_memory else 0
+        self.memory_kind = PEAK if torch.device(device).type == "cuda" else SAVED
         self._errors: list[float] = []
         self.last_record: StepRecord | None = None
 
@@ -147,6 +157,40 @@ class PlannedStepLoop:
     def corrections(self) -> dict:
         """The measured corrections the cost model carries now: {(cp size, relief name): factor}."""
         return dict(self._correction.factors) if self._correction is not None else {}
+
+    @property
+    def memory_scale(self) -> MemoryScale:
+        """The factors the memory count carries now (planner/memory_correction.py)."""
+        return self._memory_correction.scale()
+
+    @property
+    def memory_ratios(self) -> dict[str, float]:
+        """The last measured / counted bytes per relief (the worst rank's), as folded into the memory count."""
+        return dict(self._memory_correction.ratios)
+
+    @property
+    def memory_margin(self) -> float:
+        return self._memory_correction.margin
+
+    def memory_text(self) -> str:
+        """The memory count's factors, margin and updates, for the log line."""
+        correction = self._memory_correction
+        return describe_scale(correction.scale(), correction.margin, correction.updates)
+
+    def measures_memory(self) -> bool:
+        """Whether the engine measures each micro-batch's memory in the step it runs next (the first steps)."""
+        return self._memory_steps_left > 0
+
+    def calibrate_memory(self, readings: list[MemoryReading], buckets: list[str]) -> MemoryScale:
+        """Fold measured readings (a probe's) into the memory count before any plan is made: a MAX all-reduce over
+        the world, so every rank must call it with the same `buckets`. Then `check_longest_fits`."""
+        scale = fold_readings(self._memory_correction, readings, buckets, device=self.device)
+        self._cost = self._cost.with_memory_scale(scale)
+        return scale
+
+    def check_longest_fits(self) -> None:
+        """A --seq-length document must fit the corrected count too (DcpUsageError naming the flags)."""
+        check_longest_fits(self.config, self._cost)
 
     def ahead_position(self) -> Any:
         """The data position before the step read ahead (None when none is)."""
@@ -201,7 +245,12 @@ class PlannedStepLoop:
                 trace.detach()
         measured_s = time.perf_counter() - started
         self._errors = (self._errors + [relative_error(plan.est_step_time_s, measured_s)])[-10:]
-        self._measured = (iteration, plan, tuple(ran.durations))   # a rerun of this step replaces its times
+        memory = None
+        if self._memory_steps_left > 0:
+            self._memory_steps_left -= 1
+            memory = tuple(ran.memory_bytes or ())
+        # a rerun of this step replaces its times and readings
+        self._measured = (iteration, plan, tuple(ran.durations), memory)
         if self._dumper is not None:
             self._dumper.write(iteration, plan)
         record = StepRecord(iteration=iteration, share=share, plan=plan, planned=planned, num_batches=len(batches),
@@ -222,12 +271,22 @@ class PlannedStepLoop:
         if measured is None or measured[0] == iteration:
             return
         self._measured = None
+        _, plan, durations, memory = measured
+        cost = self._cost
         if self._correction is not None and self._steps_accepted > 0:  # the first step pays one-off start-up costs
             # over the world: TP peers and stages must plan alike too, so every rank gets the same sums
-            self._cost = refined_cost(self._correction, self._base_cost, measured[1],
-                                      domain_rank=self.pool.domain_rank, durations=list(measured[2]),
-                                      device=self.device)
+            cost = refined_cost(self._correction, self._base_cost, plan, domain_rank=self.pool.domain_rank,
+                                durations=list(durations), device=self.device)
+            if not self.memory_scale.is_identity:   # the time model is rebuilt from the base: keep the memory factors
+                cost = cost.with_memory_scale(self.memory_scale)
+        if memory is not None:   # a step that measured memory (the same steps on every rank): one MAX all-reduce
+            cost = cost.with_memory_scale(refined_memory_scale(
+                self._memory_correction, self._base_cost, plan, domain_rank=self.pool.domain_rank,
+                measured=list(memory), kind=self.memory_kind, device=self.device))
+        self._cost = cost
         self._steps_accepted += 1
+        if memory is not None:
+            self.check_longest_fits()
 
     def _this_steps_share(self, engine: StepEngine, iteration: int, num_samples: int) -> Share:
         """This step's share and plan: read and planned ahead during the last step, or now.

@@ -46,6 +46,8 @@ _BLOCK_KEYS = {
     "gpus_per_node": ("gpus_per_node", int),
     "plan_ahead": ("plan_ahead", bool),
     "refine": ("refine", bool),
+    "memory_refine": ("memory_refine", bool),
+    "memory_refine_steps": ("memory_refine_steps", int),
     "cp_attention": ("cp_attention", list),
 }
 # Under DeepSpeed the planner may pick Ulysses per micro-batch unless told otherwise.

@@ -48,6 +48,7 @@ class StepOutcome:
     durations: tuple[float, ...]   # seconds per micro-batch (forward + backward), all but the step's last
     seconds: float                 # the whole step, the optimizer's update included
     grad_norm: float | None        # of the reduced gradient, before clipping (None: not known)
+    memory_bytes: tuple[float, ...] | None = None   # each micro-batch's measured bytes, when asked
 
 
 def check_wave_reliefs(plan, iteration: int) -> None:
@@ -75,10 +76,11 @@ def _reduction_scopes(engine, count: int):
 
 
 def run_planned_step(engine, batches: list[dict], *, forward_loss, num_tokens: int,
-                     world_size: int) -> StepOutcome:
+                     world_size: int, memory=None) -> StepOutcome:
     """Forward/backward every micro-batch of this rank, then `engine.step()` (a collective over the world).
 
-    `forward_loss(engine, batch)` -> (sum of the batch's masked token losses, its valid token count)."""
+    `forward_loss(engine, batch)` -> (sum of the batch's masked token losses, its valid token count); `memory`:
+    runtime/measured_memory.py's reading of each micro-batch (read before the update allocates anything)."""
     if num_tokens < 1:
         raise ValueError(f"a step needs at least one token to train, got {num_tokens}")
     started = time.perf_counter()
@@ -94,12 +96,16 @@ def run_planned_step(engine, batches: list[dict], *, forward_loss, num_tokens: i
             sync()
             marks.append(time.perf_counter())
             with scope:
-                loss_sum, valid = forward_loss(engine, batch)
+                if memory is not None:   # the forward alone under it (a reading ends at the next one, or below)
+                    loss_sum, valid = memory.run_forward(lambda saved, batch=batch: forward_loss(engine, batch))
+                else:
+                    loss_sum, valid = forward_loss(engine, batch)
                 engine.backward(loss_sum * scale, scale_wrt_gas=False)
             local += torch.stack([loss_sum.detach().double(), torch.tensor(float(valid), dtype=torch.float64,
                                                                              device=device)])
     sync()
     marks.append(time.perf_counter())
+    memory_bytes = tuple(memory.finish()) if memory is not None else None
     dist.all_reduce(local)   # before the update: a step that lost tokens or went non-finite must not apply
     total_loss, total_tokens = local.tolist()
     if int(round(total_tokens)) != num_tokens:
@@ -117,7 +123,8 @@ def run_planned_step(engine, batches: list[dict], *, forward_loss, num_tokens: i
     timed = durations[:-1] if engine.zero_optimization_stage() == 0 else durations
     return StepOutcome(loss=total_loss / num_tokens, num_tokens=num_tokens, num_microbatches=len(batches),
                        cp_sizes=tuple(sorted({b[MICROBATCH_KEY].cp_size for b in batches})),
-                       durations=timed, seconds=time.perf_counter() - started, grad_norm=grad_norm)
+                       durations=timed, seconds=time.perf_counter() - started, grad_norm=grad_norm,
+                       memory_bytes=memory_bytes)
 
 
 def _reduced_grad_norm(engine) -> float:

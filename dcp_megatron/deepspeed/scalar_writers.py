@@ -12,13 +12,14 @@ from dcp_megatron.runtime.step_scalars import step_scalars
 
 
 def write_step_to_monitor(monitor, plan: StepPlan, *, step: int, measured_s: float, planned, base_cost,
-                          refining: bool) -> bool:
+                          refining: bool, memory_scale=None, memory_margin: float = 0.0) -> bool:
     """One step's scalars; False (nothing computed) when the engine has no monitor enabled.
     `planned` is the step's PlannedStep (planning and exposed planning time)."""
     if monitor is None or not getattr(monitor, "enabled", False):
         return False
     unrefined_s = rescored(plan, base_cost).est_step_time_s if refining else plan.est_step_time_s
     scalars = step_scalars(plan, measured_s=measured_s, planning_s=planned.plan_s,
-                           exposed_planning_s=planned.exposed_s, predicted_unrefined_s=unrefined_s)
+                           exposed_planning_s=planned.exposed_s, predicted_unrefined_s=unrefined_s,
+                           memory_scale=memory_scale, memory_margin=memory_margin)
     monitor.write_events([(tag, value, step) for tag, value in scalars.items()])
     return True

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from dcp_megatron.config import DcpConfig
 from dcp_megatron.core.step_loop import PlannedStepLoop, RanBatches, Share, StepRecord
 from dcp_megatron.deepspeed.engine_step import StepOutcome, check_wave_reliefs, run_planned_step
+from dcp_megatron.runtime.measured_memory import memory_readings
 from dcp_megatron.deepspeed.scalar_writers import write_step_to_monitor
 
 _LOSS_MASK = 2   # column of a document row holding the loss mask (global_batch.ROW_FIELDS)
@@ -36,8 +37,9 @@ class DcpSteps:
         self.pool = pool
         self.model_config = model_config
         self.forward_loss = forward_loss
+        memory_refine = torch.device(device).type == "cuda" if config.memory_refine is None else config.memory_refine
         self.loop = PlannedStepLoop(config=config, pool=pool, cost=cost, device=device,
-                                    is_logging_rank=is_logging_rank)
+                                    is_logging_rank=is_logging_rank, measure_memory=memory_refine)
         self._next_iteration = 1
         self.last_plan = None
         self.last_planning = None   # PlannedStep of the last step: planning and exposed time
@@ -99,13 +101,15 @@ class _DeepSpeedStep:
         tokens = share.local.rows[:, _LOSS_MASK].sum().reshape(1).to(torch.int64)
         if pool.domain_size > 1:   # the global batch's loss tokens: the per-token loss scale
             dist.all_reduce(tokens, group=pool.domain_group)
+        memory = (memory_readings(cuda=torch.cuda.is_available(), parameters=self.engine.module.parameters())
+                  if self.owner.loop.measures_memory() else None)
         outcome = run_planned_step(self.engine, batches, forward_loss=self.owner.forward_loss,
-                                   num_tokens=int(tokens),
-                                   world_size=pool.domain_size)
-        return RanBatches(durations=outcome.durations, result=outcome)
+                                   num_tokens=int(tokens), world_size=pool.domain_size, memory=memory)
+        return RanBatches(durations=outcome.durations, result=outcome, memory_bytes=outcome.memory_bytes)
 
     def record(self, record: StepRecord) -> None:
         loop = self.owner.loop
         write_step_to_monitor(getattr(self.engine, "monitor", None), record.plan, step=record.iteration,
                               measured_s=record.ran.result.seconds, planned=record.planned,
-                              base_cost=loop.base_cost, refining=loop.refining)
+                              base_cost=loop.base_cost, refining=loop.refining, memory_scale=loop.memory_scale,
+                              memory_margin=loop.memory_margin)

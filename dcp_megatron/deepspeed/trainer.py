@@ -32,7 +32,8 @@ def log_step(training, outcome, *, iteration: int, train_iters: int, consumed: i
           f"lm loss: {outcome.loss:.6E} |{norm} learning rate: {lr:.6E} | step time (ms): "
           f"{outcome.seconds * 1000:.1f} |", flush=True)
     print(dcp_iteration_line(steps.loop.last_record, forward_backward_s=outcome.seconds,
-                             domain_rank=steps.pool.domain_rank, corrections=steps.corrections), flush=True)
+                             domain_rank=steps.pool.domain_rank, corrections=steps.corrections,
+                             memory=steps.loop.memory_text()), flush=True)
 
 
 def log_validation(training, where: str) -> None:

@@ -67,6 +67,16 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--dcp-no-refine", action="store_true",
                        help="keep the cost model as given (default: correct it every step from measured "
                             "micro-batch times; PP 1 only)")
+    group.add_argument("--dcp-memory-refine", action="store_true",
+                       help="correct the memory count from each micro-batch's measured bytes in the first steps "
+                            "(default on GPU; on CPU, saved-for-backward bytes)")
+    group.add_argument("--dcp-no-memory-refine", action="store_true", help="keep the memory count as counted")
+    group.add_argument("--dcp-memory-refine-steps", type=int, default=None, metavar="N",
+                       help="the first N steps measure each micro-batch's memory (default 5)")
+    group.add_argument("--dcp-memory-probe", action="store_true",
+                       help="before step 1, run the largest micro-batch of each relief once and correct the memory "
+                            "count from it (default on GPU)")
+    group.add_argument("--dcp-no-memory-probe", action="store_true", help="no memory probe before step 1")
     group.add_argument("--dcp-cp-attention", default=None,
                        help="comma list of CP attention flavours the planner may choose per micro-batch from "
                             "allgather,ulysses (ulysses: DeepSpeed script only; default there: both)")
@@ -121,7 +131,17 @@ def dcp_flag_settings(args: argparse.Namespace) -> dict:
             "gpus_per_node": args.dcp_gpus_per_node,
             "plan_ahead": False if getattr(args, "dcp_sync_planning", False) else None,
             "refine": False if getattr(args, "dcp_no_refine", False) else None,
+            "memory_refine": _on_off(args, "dcp_memory_refine", "dcp_no_memory_refine"),
+            "memory_refine_steps": getattr(args, "dcp_memory_refine_steps", None),
+            "memory_probe": _on_off(args, "dcp_memory_probe", "dcp_no_memory_probe"),
             "cp_attention": parse_comma_list(getattr(args, "dcp_cp_attention", None))}
+
+
+def _on_off(args: argparse.Namespace, on: str, off: str) -> bool | None:
+    """A pair of --x / --no-x flags: True, False, or None when neither was given (the run's default)."""
+    if getattr(args, off, False):
+        return False
+    return True if getattr(args, on, False) else None
 
 
 def dcp_config_from_args(args: argparse.Namespace) -> DcpConfig:

@@ -41,6 +41,7 @@ from dcp_megatron.planner.cost_memory import MemoryModel
 from dcp_megatron.planner.cost_profile import PROFILE_SCALARS, RECOMPUTE_KINDS, check_cp_attention, check_profile
 from dcp_megatron.planner.cost_time import TimeModel
 from dcp_megatron.planner.gpu_costs import GpuCosts
+from dcp_megatron.planner.memory_correction import NO_MEMORY_SCALE, MemoryScale
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.moe_cost import MoeComm
 from dcp_megatron.planner.padding import local_tokens, padded_length
@@ -63,7 +64,8 @@ class CostModel:
 
     def __init__(self, model: ModelShape, cluster: ClusterSpec, *, profile: dict | None = None,
                  allowed_recompute=RECOMPUTE_KINDS, time_scale: dict | None = None,
-                 cp_attention: tuple[str, ...] = ("allgather",), gpu: GpuCosts = GpuCosts()) -> None:
+                 cp_attention: tuple[str, ...] = ("allgather",), gpu: GpuCosts = GpuCosts(),
+                 memory_scale: MemoryScale = NO_MEMORY_SCALE) -> None:
         if not isinstance(model, ModelShape):
             raise ValueError(f"CostModel needs a ModelShape, got {type(model).__name__}")
         if not isinstance(cluster, ClusterSpec):
@@ -80,6 +82,10 @@ class CostModel:
         bad = {k: v for k, v in self.time_scale.items() if not (math.isfinite(v) and v > 0)}
         if bad:
             raise ValueError(f"time_scale factors must be positive and finite, got {bad}")
+        # Measured memory (planner/memory_correction.py): activation bytes per local token x factor per relief name.
+        if not isinstance(memory_scale, MemoryScale):
+            raise ValueError(f"memory_scale must be a MemoryScale, got {type(memory_scale).__name__}")
+        self.memory_scale = memory_scale
         self._memo: dict = {}                          # see `memoised`
         if profile is not None:
             check_profile(profile)
@@ -105,7 +111,8 @@ class CostModel:
                               cp_attention=self.cp_attention, prefer_ulysses=self.prefer_ulysses,
                               time_scale=self.time_scale, attention_times=(profile or {}).get("attention_times", ()))
         self.memory = MemoryModel(m, cluster, gpu=gpu, light=light, full_options=full,
-                                  layers_per_stage=self.layers_per_stage, profile=profile or {})
+                                  layers_per_stage=self.layers_per_stage, profile=profile or {},
+                                  memory_scale=memory_scale)
         self.relief = ReliefChoice(self.time, self.memory, light=light, full_options=full,
                                    allowed_recompute=self.allowed_recompute)
         self.static_bytes = self.memory.static_bytes
@@ -126,9 +133,16 @@ class CostModel:
 
     def with_time_scale(self, time_scale: dict) -> "CostModel":
         """The same cost model with micro-batch times scaled per (cp size, relief name: str(Recompute))."""
+        return self._with(time_scale=time_scale, memory_scale=self.memory_scale)
+
+    def with_memory_scale(self, memory_scale: MemoryScale) -> "CostModel":
+        """The same cost model with activation bytes scaled per relief name (memory_correction.py)."""
+        return self._with(time_scale=self.time_scale, memory_scale=memory_scale)
+
+    def _with(self, *, time_scale: dict, memory_scale: MemoryScale) -> "CostModel":
         model, cluster, profile = self._init_args
         return CostModel(model, cluster, profile=profile, allowed_recompute=self.allowed_recompute,
-                         time_scale=time_scale, gpu=self.gpu,
+                         time_scale=time_scale, gpu=self.gpu, memory_scale=memory_scale,
                          cp_attention=("ulysses",) if self.prefer_ulysses else self.cp_attention)
 
     def memoised(self, key, make):

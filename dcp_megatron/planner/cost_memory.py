@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from dcp_megatron.planner.activations import full_layer_bytes, layer_tensors, mtp_layer_bytes
+from dcp_megatron.planner.memory_correction import NO_MEMORY_SCALE, MemoryScale
 from dcp_megatron.planner.param_sharding import static_state_bytes
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 from dcp_megatron.planner.memory_spec import spec_output_bytes, spec_rope_table_bytes
@@ -30,8 +31,10 @@ class MemoryModel:
     """Micro-batch bytes per rank; CostModel builds it and hands out its methods."""
 
     def __init__(self, model, cluster, *, gpu, light: list[Recompute], full_options: list[Recompute],
-                 layers_per_stage: int, profile: dict) -> None:
+                 layers_per_stage: int, profile: dict, memory_scale: MemoryScale = NO_MEMORY_SCALE) -> None:
         self.model, self.cluster = model, cluster
+        # measured corrections (memory_correction.py): activation bytes per local token x factor per relief
+        self.memory_scale = memory_scale
         self.layers_per_stage = layers_per_stage
         self._max_local: dict[Recompute, int] = {}    # memoised per recompute policy
         self._bytes_per_token: dict[Recompute, float] = {}
@@ -91,9 +94,12 @@ class MemoryModel:
     def held_bytes_per_local_token(self, recompute: Recompute) -> float:
         """Bytes per local token saved for backward during one stage's forward (no pipelining): what the
         profiler measures; the peak adds the recomputed layer's working set (`bytes_per_local_token`)."""
-        return self._held_per_layer(recompute) + self._logit_bytes_per_token
+        return (self._held_per_layer(recompute) + self._logit_bytes_per_token) * self.memory_scale.of(str(recompute))
 
     def _bytes_per_local_token(self, recompute: Recompute) -> float:
+        return self._counted_bytes_per_local_token(recompute) * self.memory_scale.of(str(recompute))
+
+    def _counted_bytes_per_local_token(self, recompute: Recompute) -> float:
         if self.model.activations is not None:     # the loss's peak or a layer's backward, whichever is higher
             held = self._held_per_layer(recompute)
             peak = stage_peak_bytes(self.model, recompute, held=held, none_bytes=self._layer_bytes_none,

@@ -19,6 +19,8 @@ rank; measured times are the writing rank's own.
 | dcp/lower_bound_ratio | predicted step time / the batch's lower bound |
 | dcp/tokens, dcp/tokens_padded | the step's document tokens, and pad tokens added for CP (2c) / SP splits |
 | dcp/fallback | 1 when dcp chose a baseline's plan as is |
+| dcp/memory_scale_max, dcp/memory_scale_{relief} | the memory count's largest factor, and each measured relief's |
+| dcp/memory_margin | the headroom the memory correction keeps above measured bytes (0.05: 5%) |
 | dcp/seeded | 1 when dcp chose a baseline's layout with its own reliefs (`extra.seeded_from`); both 0: dcp's own layout |
 """
 from __future__ import annotations
@@ -59,8 +61,10 @@ def plan_scalars(plan: StepPlan, *, pad_multiple: int = 1) -> dict[str, float]:
 
 
 def step_scalars(plan: StepPlan, *, measured_s: float, planning_s: float, exposed_planning_s: float,
-                 predicted_unrefined_s: float, pad_multiple: int = 1) -> dict[str, float]:
-    """`plan_scalars` plus the step's measured and planning times."""
+                 predicted_unrefined_s: float, pad_multiple: int = 1, memory_scale=None,
+                 memory_margin: float = 0.0) -> dict[str, float]:
+    """`plan_scalars` plus the step's measured and planning times, and the memory count's factors
+    (`memory_scale`: planner/memory_correction.MemoryScale, when the engine corrects it)."""
     out = plan_scalars(plan, pad_multiple=pad_multiple)
     out.update({TAG_PREFIX + "predicted_unrefined_s": float(predicted_unrefined_s),
                 TAG_PREFIX + "measured_step_s": float(measured_s),
@@ -68,4 +72,9 @@ def step_scalars(plan: StepPlan, *, measured_s: float, planning_s: float, expose
                 if measured_s > 0 else 0.0,
                 TAG_PREFIX + "planning_s": float(planning_s),
                 TAG_PREFIX + "exposed_planning_s": float(exposed_planning_s)})
+    if memory_scale is not None:
+        out[TAG_PREFIX + "memory_scale_max"] = float(max([memory_scale.default, *memory_scale.factors.values()]))
+        out[TAG_PREFIX + "memory_margin"] = float(memory_margin)
+        out.update({f"{TAG_PREFIX}memory_scale_{relief}": float(v)
+                    for relief, v in sorted(memory_scale.factors.items())})
     return out

@@ -46,6 +46,11 @@ def refuse_conflicting_flags(args: argparse.Namespace) -> None:
     if getattr(args, "dcp_check_plans", False) and getattr(args, "dcp_no_check_plans", False):
         raise DcpUsageError("--dcp-check-plans and --dcp-no-check-plans contradict each other: give one (the check "
                             "is on by default)")
+    for name in ("memory_refine", "memory_probe"):
+        if getattr(args, f"dcp_{name}", False) and getattr(args, f"dcp_no_{name}", False):
+            flag = name.replace("_", "-")
+            raise DcpUsageError(f"--dcp-{flag} and --dcp-no-{flag} contradict each other: give one (on by default "
+                                "on GPU)")
     check_dcp_layout(args)   # pipeline depth, virtual stages, MoE
     if not args.calculate_per_token_loss:
         # Ranks run different numbers of micro-batches: only a per-token loss (global sum / global

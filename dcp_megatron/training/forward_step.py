@@ -94,7 +94,7 @@ class DcpForwardStep:
     """The user's forward step fed this rank's DCP micro-batches in plan order (module docstring)."""
 
     def __init__(self, forward_step_func, batches: list[dict], *, model_chunks, config,
-                 cuda_events: bool = False) -> None:
+                 cuda_events: bool = False, memory=None, record_saved_bytes: bool = True) -> None:
         functools.update_wrapper(self, forward_step_func)  # Megatron inspects the step's parameters
         self._forward_step = forward_step_func
         # Virtual pipeline stages: the interleaved schedule runs every micro-batch once per model chunk, each
@@ -106,7 +106,12 @@ class DcpForwardStep:
         self._clock = Clock(cuda=cuda_events)
         self._marks: list = []    # when each forward started
         self.num_run = 0          # forward steps run, over all model chunks
-        self._saved_bytes_dir = os.environ.get(SAVED_BYTES_ENV)
+        self._saved_bytes_dir = os.environ.get(SAVED_BYTES_ENV) if record_saved_bytes else None
+        self._memory = memory     # runtime/measured_memory.py's reading of each micro-batch, or None
+
+    def memory_readings(self) -> list[float]:
+        """Each micro-batch's measured bytes, in order (empty when not measured); call after the schedule."""
+        return self._memory.finish() if self._memory is not None else []
 
     def durations(self) -> list[float]:
         """Seconds from each micro-batch's forward to the next one's: its forward and backward under
@@ -136,25 +141,35 @@ class DcpForwardStep:
         hook = facts_on_model_calls(model, facts)
         token = _RUNNING_BATCH.set(batch)
         try:
-            if self._saved_bytes_dir:
-                return self._measured_forward(batch, model, *args, **kwargs)
-            return self._forward_step(iter([batch]), model, *args, **kwargs)
+            return self._run(batch, model, *args, **kwargs)
         finally:
             _RUNNING_BATCH.reset(token)
             hook.remove()
             switch_offload(self._model_chunks, self._config, frozenset())
 
-    def _measured_forward(self, batch: dict, model, *args, **kwargs):
-        """The forward step under `SavedBytes`, its bytes appended to this rank's record (the test hook)."""
-        facts = batch[MICROBATCH_KEY]
-        saved = SavedBytes(exclude=[p for chunk in self._model_chunks for p in chunk.parameters()])
-        with saved:
+    def _run(self, batch: dict, model, *args, **kwargs):
+        """The user's forward step, measured where asked (the memory reading, the test hook's saved bytes)."""
+        def forward(saved):
+            if saved is None and self._saved_bytes_dir:
+                saved = SavedBytes(exclude=[p for chunk in self._model_chunks for p in chunk.parameters()])
+                with saved:
+                    out = self._forward_step(iter([batch]), model, *args, **kwargs)
+                self._write_saved_bytes(batch, saved)
+                saved.release()
+                return out
             out = self._forward_step(iter([batch]), model, *args, **kwargs)
+            if saved is not None and self._saved_bytes_dir:
+                self._write_saved_bytes(batch, saved)
+            return out
+
+        return self._memory.run_forward(forward) if self._memory is not None else forward(None)
+
+    def _write_saved_bytes(self, batch: dict, saved: SavedBytes) -> None:
+        """The forward's saved bytes appended to this rank's record (the test hook)."""
+        facts = batch[MICROBATCH_KEY]
         record = {"wave": facts.wave_index, "microbatch": facts.microbatch_index, "cp_size": facts.cp_size,
                   "local_tokens": int(batch["tokens"].shape[-1]), "documents": len(facts.padded_lengths),
                   "recompute": facts.recompute.to_json(), "saved_bytes": sum(saved.bytes_by_bucket().values())}
-        saved.release()
         rank = torch.distributed.get_rank()
         with open(os.path.join(self._saved_bytes_dir, f"saved_bytes_rank{rank}.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
-        return out

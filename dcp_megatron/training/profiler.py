@@ -117,7 +117,7 @@ def _progress(done: int, total: int, started: float, *, final: bool = False) -> 
         print(text, file=sys.stderr, flush=True)
 
 
-def _documents(lengths: tuple[int, ...], vocab_size: int, seed: int) -> list[torch.Tensor]:
+def synthetic_documents(lengths: tuple[int, ...], vocab_size: int, seed: int) -> list[torch.Tensor]:
     """Random [L, 3] rows (token, label, loss mask 1), the same on every rank (TP peers must agree)."""
     generator = torch.Generator().manual_seed(seed)
     docs = []
@@ -150,7 +150,7 @@ class _GridRunner:
     def batch(self, point: GridPoint, seed: int) -> dict:
         rank, cp = self.pool.domain_rank, point.cp_size
         first = rank - rank % cp
-        return build_batch(_documents(point.lengths, self.vocab_size, seed), cp_size=cp, cp_rank=rank - first,
+        return build_batch(synthetic_documents(point.lengths, self.vocab_size, seed), cp_size=cp, cp_rank=rank - first,
                            group=self.pool.group(first, cp) if cp > 1 else None, recompute=point.recompute,
                            wave_index=0, device=self.device, pad_multiple=self.pad_multiple,
                            row_multiple=self.row_multiple)

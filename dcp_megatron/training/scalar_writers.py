@@ -19,12 +19,13 @@ def megatron_writers_present() -> bool:
 
 
 def write_step(plan: StepPlan, *, iteration: int, measured_s: float, planning_s: float, exposed_planning_s: float,
-               base_cost, refining: bool, pad_multiple: int = 1) -> None:
+               base_cost, refining: bool, pad_multiple: int = 1, memory_scale=None, memory_margin: float = 0.0) -> None:
     """One training step's scalars. `base_cost` is the cost model as configured: with online
     refinement on, the plan (scored by the refined model) is also scored by it."""
     unrefined_s = rescored(plan, base_cost).est_step_time_s if refining else plan.est_step_time_s
     scalars = step_scalars(plan, measured_s=measured_s, planning_s=planning_s, exposed_planning_s=exposed_planning_s,
-                           predicted_unrefined_s=unrefined_s, pad_multiple=pad_multiple)
+                           predicted_unrefined_s=unrefined_s, pad_multiple=pad_multiple, memory_scale=memory_scale,
+                           memory_margin=memory_margin)
     write_to_megatron_writers(scalars, iteration)
 
 

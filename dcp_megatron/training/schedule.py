@@ -42,6 +42,7 @@ from dcp_megatron.core.offload import offload_built, own_warmup_every_step
 from dcp_megatron.core.recompute import restore_recompute, snapshot_recompute
 from dcp_megatron.core.step_loop import PlannedStepLoop, RanBatches, Share, StepRecord
 from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.runtime.measured_memory import memory_readings
 from dcp_megatron.training.batch_schedule import next_step_num_microbatches
 from dcp_megatron.training.forward_step import DcpForwardStep
 from dcp_megatron.training.scalar_writers import megatron_writers_present, write_step
@@ -72,11 +73,14 @@ class DcpForwardBackward:
         pool = build_group_pool(tp_size=self.model_shape.tp, pp_size=self.model_shape.pp, timeout=self.timeout)
         cost = build_cost_model(self.config, self.model_shape, domain_size=pool.domain_size, has_gpu=self.has_gpu)
         device = torch.device("cuda", torch.cuda.current_device()) if self.has_gpu else torch.device("cpu")
-        # refinement times micro-batches of one stage: with PP a micro-batch's time is spread over stages
+        # refinement times micro-batches of one stage: with PP a micro-batch's time is spread over stages (and
+        # several micro-batches are in flight: one reading per micro-batch needs PP 1 too)
+        memory_refine = self.has_gpu if self.config.memory_refine is None else self.config.memory_refine
         self.loop = PlannedStepLoop(config=self.config, pool=pool, cost=cost, device=device,
                                     is_logging_rank=self.is_logging_rank, refine=self.model_shape.pp == 1,
                                     pad_multiple=self.model_shape.tp if self.sequence_parallel else 1,
-                                    equal_rows=self.equal_rows_per_wave)
+                                    equal_rows=self.equal_rows_per_wave,
+                                    measure_memory=memory_refine and self.model_shape.pp == 1)
         group = parallel_state.get_model_parallel_group()
         ranks = torch.distributed.get_process_group_ranks(group)
         # TP rank 0 of the first stage reads the data (Megatron builds datasets there).
@@ -96,6 +100,13 @@ class DcpForwardBackward:
                               micro_batch_size=micro_batch_size, forward_only=True, **kwargs)
         if self.loop is None:
             self._setup()
+            probe = self.has_gpu if self.config.memory_probe is None else self.config.memory_probe
+            if probe and self.model_shape.pp == 1:   # before any plan is made: the count calibrated by a probe
+                from dcp_megatron.training.memory_probe_run import probe_memory
+
+                probe_memory(self.loop, forward_step_func, model if isinstance(model, list) else [model],
+                             schedule=self.inner, seq_length=self.config.seq_length,
+                             vocab_size=self.model_shape.vocab_size, is_logging_rank=self.is_logging_rank)
         iteration = self._iteration()
         engine = _MegatronStep(self, forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                                seq_length=seq_length, schedule_kwargs=kwargs)
@@ -176,8 +187,11 @@ class _MegatronStep:
         """Megatron's own schedule over this rank's micro-batches, recompute switched per micro-batch."""
         config, chunks = self.model_config, self.model_chunks
         saved = snapshot_recompute(chunks), config.variable_seq_lengths
+        loop = self.owner.loop
+        memory = (memory_readings(cuda=self.owner.has_gpu, parameters=[p for c in chunks for p in c.parameters()])
+                  if loop.measures_memory() and len(chunks) == 1 else None)
         step = DcpForwardStep(self.forward_step_func, batches, model_chunks=chunks, config=config,
-                              cuda_events=self.owner.has_gpu)
+                              cuda_events=self.owner.has_gpu, memory=memory)
         # With PP, stages send activations of each micro-batch's own length: shapes go with them.
         config.variable_seq_lengths = config.variable_seq_lengths or self.owner.model_shape.pp > 1
         if offload_built(config):   # GPU: this step's micro-batches and offload sets are its own
@@ -193,14 +207,17 @@ class _MegatronStep:
         if step.num_run != len(batches) * len(chunks):
             raise AssertionError(f"the schedule ran {step.num_run} forward steps for this rank's {len(batches)} DCP "
                                  f"micro-batches on {len(chunks)} model chunks")
-        return RanBatches(durations=tuple(step.durations()), result=losses_reduced)
+        return RanBatches(durations=tuple(step.durations()), result=losses_reduced,
+                          memory_bytes=tuple(step.memory_readings()) if memory is not None else None)
 
     def record(self, record: StepRecord) -> None:
         owner, loop, plan, planned = self.owner, self.owner.loop, record.plan, record.planned
         if owner._writes_scalars:
             write_step(plan, iteration=record.iteration, measured_s=record.measured_s, planning_s=planned.plan_s,
                        exposed_planning_s=planned.exposed_s, base_cost=loop.base_cost, refining=loop.refining,
-                       pad_multiple=loop.pad_multiple)
+                       pad_multiple=loop.pad_multiple, memory_scale=loop.memory_scale,
+                       memory_margin=loop.memory_margin)
         if owner.is_logging_rank and record.iteration % owner.config.log_interval == 0:
             print(dcp_iteration_line(record, forward_backward_s=record.measured_s, domain_rank=loop.pool.domain_rank,
-                                     corrections=loop.corrections), flush=True)
+                                     corrections=loop.corrections,
+                                     memory=loop.memory_text()), flush=True)

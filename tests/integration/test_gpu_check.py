@@ -171,6 +171,15 @@ def test_the_memory_step_passes_on_its_probes_verdict_and_its_plumbing_runs_on_c
                            env={**os.environ, "PYTHONPATH": gpu_check.REPO})
     assert smoke.returncode == 0, smoke.stderr[-3000:]
     with open(tmp_path / "smoke" / "memory.json") as f:
-        counted = {name: row["counted_bytes"] for name, row in json.load(f)["reliefs"].items()}
+        report = json.load(f)
+    counted = {name: row["counted_bytes"] for name, row in report["reliefs"].items()}
+    # the memory probe's table: each relief's micro-batch read as the probe reads it (saved bytes on CPU), against
+    # the count of that quantity, and the factor the probe would set from it
+    for name, row in report["reliefs"].items():
+        probe = row["probe"]
+        assert probe["kind"] == "saved" and probe["measured_bytes"] > 0 and probe["counted_bytes"] > 0, name
+        ratio = probe["measured_bytes"] / probe["counted_bytes"]
+        assert probe["factor"] == report["probe_factors"][row["relief"]] == pytest.approx(max(1.0, ratio * 1.05))
+    assert "relief           probe reads" in smoke.stdout
     assert list(counted) == ["none", "mlp", "core_attn", "core_attn+mlp", "full1", "full2"]
     assert counted["none"] > counted["mlp"] > counted["core_attn+mlp"] and counted["full2"] < counted["full1"]

@@ -38,6 +38,8 @@ TOLERANCE = 1e-5
 # leaves the uninterrupted trace even without --dcp (docs/megatron.md, "Not yet").
 RESUME_BASE = [flag for flag in LLAMA_TINY if flag != "--use-distributed-optimizer"]
 RESUME_FLAGS = ["--eval-interval", "1"]
+PROBED_BUDGET = ["--dcp-memory-budget-gb", "0.008"]
+MEMORY_STEPS = 3     # the probed run's steps that measure memory
 LATE_AGENT_S = 10   # the two-agent run's second torchrun agent starts this much later than the first
 
 
@@ -134,6 +136,13 @@ _RUNS = {
     # command resumed from the checkpoint of the step before (core/out_of_memory.py).
     "dcp_out_of_memory": lambda root, script: _out_of_memory_run(root, resumed=False),
     "dcp_out_of_memory_resumed": lambda root, script: _out_of_memory_run(root, resumed=True),
+    # The memory probe before step 1 and the online memory refinement of the first MEMORY_STEPS steps, on CPU (the
+    # bytes saved for backward): dcp_launcher's run otherwise, at a budget a --seq-length document still fits once
+    # the count is corrected.
+    "dcp_memory_probed": lambda root, script: run_training(
+        script, ["--dcp", *PROBED_BUDGET, *RESUME_FLAGS, "--dcp-no-refine", "--dcp-memory-probe", "--dcp-memory-refine",
+                 "--dcp-memory-refine-steps", str(MEMORY_STEPS), "--dcp-dump-plans", str(root / "plans_probed"),
+                 "--tensorboard-dir", str(root / "tb_probed")], iters=ITERS, base=RESUME_BASE),
     # Megatron's static layout (CP 2 for every document, one recompute setting) run by the same runtime.
     "static_cp2": lambda root, script: run_training(
         script, ["--dcp", "--dcp-policy", "static", *SMALL_BUDGET], iters=ITERS),
@@ -466,3 +475,56 @@ def test_an_out_of_memory_stops_the_step_and_the_resumed_run_plans_under_it(runs
             assert resumed.losses[step] == pytest.approx(full.losses[step], rel=TOLERANCE), ("training", step)
     assert {**stopped.grad_norms, **resumed.grad_norms}.keys() == full.grad_norms.keys()
 
+
+
+_PROBE_LINE = re.compile(r" dcp memory probe \| relief (\S+) \| (\d+) documents, (\d+) tokens at CP 1 \| saved for "
+                         r"backward: counted ([0-9.]+) GiB, measured ([0-9.]+) GiB on this rank \(x[0-9.]+; worst rank "
+                         r"x([0-9.]+)\) \| factor x([0-9.]+)")
+_MEMORY = re.compile(r" dcp iteration\s+(\d+) \|.*\| memory (.*?), others x([0-9.]+), margin (\d+)%, (\d+) updates \|")
+
+
+def test_memory_probe_and_online_refinement_leave_training_as_without_them(runs, work):
+    """The probe's forward-backward passes before step 1 and the first steps' memory readings change plans (the
+    corrected count), never training: the loss trace is the one-rank reference's, the weights (validation loss after
+    every step) the unprobed run's, and where a step's plan is the unprobed run's its loss is exactly its loss."""
+    root, _ = work
+    probed, unprobed = runs("dcp_memory_probed"), runs("dcp_launcher")
+    _assert_same_trace(probed.loss_trace(), runs("reference").loss_trace(), "dcp_memory_probed")
+    assert sorted(probed.eval_losses) == sorted(unprobed.eval_losses)
+    for step, loss in unprobed.eval_losses.items():
+        assert probed.eval_losses[step] == pytest.approx(loss, rel=TOLERANCE), ("validation", step)
+    for step, norm in runs("reference").grad_norms.items():
+        assert probed.grad_norms[step] == pytest.approx(norm, rel=2e-3, abs=2e-3), step
+    for step in range(1, ITERS + 1):
+        name = f"step_{step:07d}.json"
+        if (root / "plans_probed" / name).read_text() == (root / "plans" / name).read_text():
+            assert probed.losses[step] == unprobed.losses[step], step
+
+
+def test_memory_probe_calibrates_the_count_before_step_1_and_the_first_steps_refine_it(runs, work):
+    """One probe line per relief on the menu (the largest micro-batch the count allows, counted vs measured), its
+    factor the worst rank's measured / counted plus the 5% margin (none lower than as counted), before step 1;
+    then the first MEMORY_STEPS steps' readings are folded in, one update per step, stated in the log line and
+    the dcp/memory_* scalars."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root, _ = work
+    output = runs("dcp_memory_probed").output
+    probes = {m[1]: m for m in _PROBE_LINE.finditer(output)}
+    assert set(probes) == {"none", "selective", "mlp", "core_attn+mlp", "full2"}, output[-3000:]
+    assert output.index(" dcp memory probe |") < output.index(" dcp iteration        1 |")
+    for relief, m in probes.items():
+        assert float(m[5]) > 0 and float(m[4]) > 0
+        assert float(m[7]) == pytest.approx(max(1.0, float(m[6]) * 1.05), abs=0.011), relief
+    steps = {int(m[1]): m for m in _MEMORY.finditer(output)}
+    assert sorted(steps) == list(range(1, ITERS + 1))
+    # the probe is one update; step k's readings are folded when step k + 1 starts; none after MEMORY_STEPS
+    assert [int(steps[i][5]) for i in sorted(steps)] == [min(i, MEMORY_STEPS + 1) for i in range(1, ITERS + 1)]
+    assert all(steps[i][4] == "5" for i in steps)
+    events = EventAccumulator(str(root / "tb_probed"), size_guidance={"scalars": 0})
+    events.Reload()
+    for step, m in steps.items():
+        factors = [float(f) for f in re.findall(r"x([0-9.]+) \(", m[2])]
+        assert factors and {e.step: e.value for e in events.Scalars("dcp/memory_scale_max")}[step] == pytest.approx(
+            max(factors + [float(m[3])]), abs=0.006)
+        assert {e.step: e.value for e in events.Scalars("dcp/memory_margin")}[step] == pytest.approx(0.05)

@@ -1,0 +1,40 @@
+"""The memory probe's micro-batches: one per relief kind on the menu, each the largest the planner allows."""
+import pytest
+
+from dcp_megatron.planner.cluster import cluster_preset
+from dcp_megatron.planner.cost import CostModel
+from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.padding import local_tokens
+from dcp_megatron.training.memory_probe_run import ProbeRow, probe_lengths, probe_line, probe_reliefs
+
+COST = CostModel(model_preset("llama3-8b"), cluster_preset("h200", domain_size=8),
+                 allowed_recompute=("none", "selective", "mlp", "full"))
+
+
+def test_each_light_relief_and_full_recompute_of_every_layer_is_probed():
+    names = [str(r) for r in probe_reliefs(COST)]
+    assert names[0] == "none" and names[-1] == f"full{COST.layers_per_stage}"
+    assert {"selective", "mlp"} <= set(names) and sum(n.startswith("full") for n in names) == 1
+
+
+@pytest.mark.parametrize("max_local, seq_length, expected", [
+    (20_001, 8192, (8192, 8192, 3616)), (8192, 8192, (8192,)), (5, 8192, (4,)), (1, 8192, ()),
+    (100, 33, (32, 32, 32, 4))])
+def test_probe_documents_fill_the_planners_largest_micro_batch_at_cp1(max_local, seq_length, expected):
+    lengths = probe_lengths(max_local, seq_length)
+    assert lengths == expected
+    assert sum(int(local_tokens(n, 1)) for n in lengths) <= max_local
+
+
+def test_the_largest_allowed_micro_batch_fits_and_two_more_tokens_would_not():
+    for relief in probe_reliefs(COST):
+        lengths = probe_lengths(COST.max_local_tokens(relief), 131_072)
+        assert COST.microbatch_memory(list(lengths), 1, recompute=relief) <= COST.cluster.mem_budget_bytes
+        assert COST.microbatch_memory([*lengths, 2], 1, recompute=relief) > COST.cluster.mem_budget_bytes, relief
+
+
+def test_the_probe_line_names_the_relief_counted_measured_and_factor():
+    line = probe_line(ProbeRow("mlp", (1024, 512), counted_bytes=2 * 1024 ** 3, measured_bytes=3 * 1024 ** 3),
+                      worst_ratio=1.6, factor=1.68, kind="peak")
+    assert line == (" dcp memory probe | relief mlp | 2 documents, 1536 tokens at CP 1 | peak above the static state: "
+                    "counted 2.0000 GiB, measured 3.0000 GiB on this rank (x1.50; worst rank x1.60) | factor x1.68")

@@ -15,7 +15,7 @@ from dcp_megatron.planner.cluster import cluster_preset
 from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.cost_profile import load_profile
 from dcp_megatron.planner.gpu_costs import GpuCosts
-from dcp_megatron.planner.memory_spec import CPU_FP32, ActivationSpec
+from dcp_megatron.planner.memory_spec import CPU_FP32, LOCAL_BF16, TRANSFORMER_ENGINE, ActivationSpec
 from dcp_megatron.planner.mla import MlaShape
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import StepPlan
@@ -56,13 +56,17 @@ def mla_shape_from_args(args) -> MlaShape | None:
 
 
 def activation_spec_of(args) -> ActivationSpec | None:
-    """What the run keeps for backward, where the planner has measured it: `--dcp-cpu-memory-count` on a CPU run
-    (fp32, the local spec) is counted as CPU_FP32 (memory_spec.py), so its budget is bytes; None: the bf16 table."""
+    """What the run keeps for backward (memory_spec.py): Transformer Engine's spec for --transformer-impl
+    transformer_engine, the local spec's LOCAL_BF16 on a GPU; `--dcp-cpu-memory-count` on a CPU run (fp32, the
+    local spec) is counted as CPU_FP32, so its budget is bytes; other CPU runs in TE's bf16 count, the units
+    their budgets are set in."""
     import torch
 
-    cpu_fp32_local = (getattr(args, "transformer_impl", None) == "local" and not torch.cuda.is_available()
-                      and not getattr(args, "bf16", False) and not getattr(args, "fp16", False))
-    return CPU_FP32 if cpu_fp32_local and getattr(args, "dcp_cpu_memory_count", False) else None
+    local = getattr(args, "transformer_impl", None) == "local"
+    if local and torch.cuda.is_available():
+        return LOCAL_BF16
+    cpu_fp32_local = local and not getattr(args, "bf16", False) and not getattr(args, "fp16", False)
+    return CPU_FP32 if cpu_fp32_local and getattr(args, "dcp_cpu_memory_count", False) else TRANSFORMER_ENGINE
 
 
 def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:

@@ -128,8 +128,12 @@ def spec_freed_by_recompute(m, spec: ActivationSpec, module: str) -> tuple[froze
         kept = {"attn_ckpt_qkv": d * (q + k + (q + k + v if _value_view(m, spec) else v)) / m.tp,
                 "attn_ckpt_out": d * o / m.tp}
         return frozenset({"core_attn_in", "attn_kv_copy", "attn_out", "attn_lse"}), kept
-    if module == "mlp" and not m.is_moe:
-        return frozenset({"fc1_out", "fc2_in"}), {}
+    if module == "mlp" and not m.is_moe:  # TE's fc1 holds the norm (read): the checkpoint frees its output too
+        return frozenset({"fc1_out", "fc2_in"} | ({"fc1_in"} if spec.norm == "te" else set())), {}
+    if module == "layernorm" and spec.norm == "te":
+        # read: a dense layer's norms are fused into the linears (IdentityOps, nothing to recompute); an MoE
+        # layer's pre-MLP norm is its own module (the router reads it): its output goes, its input stays held
+        return frozenset({"router_in"} if m.is_moe else ()), {}
     if module == "layernorm":             # read: CheckpointWithoutOutput keeps the norm's input, drops its output
         names = {"attn_norm_in", "qkv_in", "mlp_norm_in"} | ({"router_in"} if m.is_moe else {"fc1_in"})
         return frozenset(names), {"norm_ckpt_in": 2 * d * m.hidden_size / sp}

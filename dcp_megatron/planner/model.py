@@ -3,8 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dcp_megatron.planner.memory_spec import ActivationSpec
+from dcp_megatron.planner.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE, ActivationSpec
 from dcp_megatron.planner.mla import MlaShape
+
+
+# The spec of a shape that names none: TE's (read from its sources) for a TE run; for "local", the local spec at
+# bf16 widths with our CPU attention (what a CPU run is counted in unless it passes its own spec)
+DEFAULT_SPECS = {"transformer_engine": TRANSFORMER_ENGINE, "local": replace(LOCAL_BF16, attention="cpu")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,12 +31,12 @@ class ModelShape:
     moe_ffn_hidden_size: int | None = None   # one expert's FFN width; None: ffn_hidden_size
     # ZeRO stage over the DCP domain (param_sharding.py); None: the cluster's distributed_optimizer (1 or 0)
     zero_stage: int | None = None
-    # What the layers keep for backward (planner/activations.py): megatron-core's --transformer-impl and
+    # What the layers keep for backward (memory_spec.py): megatron-core's --transformer-impl and
     # --sequence-parallel (norm inputs and outputs are split over tp only with it)
     transformer_impl: str = "transformer_engine"   # or "local" (our CPU runs)
     sequence_parallel: bool = True
-    # The run's activation dtype and kernels, counted tensor by tensor (memory_spec.py); None: the table of
-    # activations.py for `transformer_impl` (bf16, fused kernels)
+    # The run's activation dtype and kernels, counted tensor by tensor (memory_spec.py); None: the default spec
+    # of `transformer_impl` (`activation_spec`)
     activations: ActivationSpec | None = None
     # Multi-latent attention (planner/mla.py; Megatron's --multi-latent-attention): None, plain attention
     mla: MlaShape | None = None
@@ -83,6 +88,11 @@ class ModelShape:
             raise ValueError(f"ModelShape.ep={self.ep} does not divide num_experts={self.num_experts}")
 
     @property
+    def activation_spec(self) -> ActivationSpec:
+        """The spec the memory count uses: the shape's own, else its transformer_impl's default."""
+        return self.activations if self.activations is not None else DEFAULT_SPECS[self.transformer_impl]
+
+    @property
     def is_moe(self) -> bool:
         return bool(self.num_experts)
 
@@ -119,8 +129,7 @@ class ModelShape:
         our CPU attention drops the zero columns again (docs/megatron.md)."""
         if self.mla is None:
             return self.head_dim
-        cpu = self.activations.attention == "cpu" if self.activations is not None else self.transformer_impl == "local"
-        return self.value_head_dim if cpu else self.score_head_dim
+        return self.value_head_dim if self.activation_spec.attention == "cpu" else self.score_head_dim
 
     @property
     def layers_with_mtp(self) -> int:

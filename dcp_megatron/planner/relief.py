@@ -117,7 +117,7 @@ def stage_peak_bytes(model, recompute: Recompute, *, held: float, none_bytes: fl
     last layer's backward holds everything and what its recomputed modules bring back, with the gradients
     (memory_spec.py); block recompute reruns the first k layers last, when only their k inputs are left, one of
     them rerun whole beside its input."""
-    mlp_grad, norm_grad = spec_gradient_bytes(model, model.activations)
+    mlp_grad, norm_grad = spec_gradient_bytes(model, model.activation_spec)
     if recompute.kind == "full":
         k = recompute.full_layers
         last = held + max(mlp_grad, norm_grad) if k < layers else 0.0

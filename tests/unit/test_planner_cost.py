@@ -92,16 +92,20 @@ def test_pipeline_stage_time_and_recompute_depth():
 def test_output_layer_counts_bf16_logits_and_their_fp32_upcast():
     """At the cross-entropy peak the last stage holds the output layer's bf16 logits (2 B) and the fp32 copy
     vocab_parallel_cross_entropy makes of them (4 B) per vocab/tp entry per local token; with PP > 1 stage 0's
-    in-flight activations can be the larger term, as before. Llama-3-8B: vocab 128,256, hidden 4,096, 32 layers."""
+    in-flight activations can be the larger term, as before. Beside them, per token: the final norm (TE: its input
+    and 1/rms), its output and the decoder's input GPTModel holds (bf16), the int64 labels and the fp32 loss.
+    Llama-3-8B: vocab 128,256, hidden 4,096, 32 layers."""
+    h = 4096
     for tp in (1, 2):
         cost = CostModel(model_preset("llama3-8b", tp=tp), cluster_preset("h200", domain_size=8))
-        layers = 32 * sum(layer_tensors(model_preset("llama3-8b", tp=tp)).values())   # activations.py
-        assert cost.bytes_per_local_token(NO_RECOMPUTE) == layers + 6 * 128_256 / tp
-        assert cost.held_bytes_per_local_token(NO_RECOMPUTE) == layers + 6 * 128_256 / tp
+        layers = 32 * sum(layer_tensors(model_preset("llama3-8b", tp=tp)).values())
+        per_token = (2 * h + 4 + 2 * 2 * h) / tp + 8 + 4
+        assert cost.bytes_per_local_token(NO_RECOMPUTE) == layers + 6 * 128_256 / tp + per_token
+        assert cost.held_bytes_per_local_token(NO_RECOMPUTE) == layers + 6 * 128_256 / tp + per_token
     measured = CostModel(model_preset("llama3-8b"), cluster_preset("h200", domain_size=8),
                          profile={"output_bytes_per_vocab": 4.0})      # a profile (e.g. fp32 on CPU) still overrides
     layers = 32 * sum(layer_tensors(model_preset("llama3-8b")).values())
-    assert measured.bytes_per_local_token(NO_RECOMPUTE) == layers + 4 * 128_256
+    assert measured.bytes_per_local_token(NO_RECOMPUTE) == layers + 4 * 128_256 + 2 * h + 4 + 2 * 2 * h + 12
 
 
 def test_profile_overrides_constants(tmp_path):

@@ -34,9 +34,12 @@ class MemoryModel:
         self._bytes_per_token: dict[Recompute, float] = {}
         self._init_layer_bytes(model, light, profile.get("activation_bytes_per_hidden", {}))
         self._rope_table_bytes = spec_rope_table_bytes(model)
-        # the output layer (memory_spec.py) keeps per-token tensors beside its per-vocab ones
+        # the output layer (memory_spec.py) keeps per-token tensors beside its per-vocab ones; a profile's measured
+        # factor holds everything outside the layers (profile_fit.py), so it replaces both
         per_vocab, per_token = spec_output_bytes(model, model.activation_spec)
-        output = profile.get("output_bytes_per_vocab", per_vocab) * model.vocab_size / model.tp + per_token
+        if "output_bytes_per_vocab" in profile:
+            per_vocab, per_token = profile["output_bytes_per_vocab"], 0.0
+        output = per_vocab * model.vocab_size / model.tp + per_token
         # MTP (last stage): its layers, and the output layer and loss once more each, alive at the main loss's peak
         self._logit_bytes_per_token = ((1 + model.mtp_num_layers) * output
                                        + model.mtp_num_layers * mtp_layer_bytes(model))

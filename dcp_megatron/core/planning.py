@@ -15,7 +15,8 @@ from dcp_megatron.planner.cluster import cluster_preset
 from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.cost_profile import load_profile
 from dcp_megatron.planner.gpu_costs import GpuCosts
-from dcp_megatron.planner.memory_spec import CPU_FP32, LOCAL_BF16, TRANSFORMER_ENGINE, ActivationSpec
+from dcp_megatron.planner.memory_spec import (CPU_FP32, LOCAL_BF16, TRANSFORMER_ENGINE, TRANSFORMER_ENGINE_FP8,
+                                              ActivationSpec)
 from dcp_megatron.planner.mla import MlaShape
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import StepPlan
@@ -55,16 +56,18 @@ def mla_shape_from_args(args) -> MlaShape | None:
                     qk_layernorm=bool(getattr(args, "qk_layernorm", False)))
 
 
-def activation_spec_of(args) -> ActivationSpec | None:
+def activation_spec_of(args) -> ActivationSpec:
     """What the run keeps for backward (memory_spec.py): Transformer Engine's spec for --transformer-impl
-    transformer_engine, the local spec's LOCAL_BF16 on a GPU; `--dcp-cpu-memory-count` on a CPU run (fp32, the
-    local spec) is counted as CPU_FP32, so its budget is bytes; other CPU runs in TE's bf16 count, the units
-    their budgets are set in."""
+    transformer_engine (its FP8 linears' under --fp8-format), the local spec's LOCAL_BF16 on a GPU;
+    `--dcp-cpu-memory-count` on a CPU run (fp32, the local spec) is counted as CPU_FP32, so its budget is bytes;
+    other CPU runs in TE's bf16 count, the units their budgets are set in."""
     import torch
 
     local = getattr(args, "transformer_impl", None) == "local"
     if local and torch.cuda.is_available():
         return LOCAL_BF16
+    if not local and getattr(args, "fp8", None) is not None:
+        return TRANSFORMER_ENGINE_FP8
     cpu_fp32_local = local and not getattr(args, "bf16", False) and not getattr(args, "fp16", False)
     return CPU_FP32 if cpu_fp32_local and getattr(args, "dcp_cpu_memory_count", False) else TRANSFORMER_ENGINE
 

@@ -40,19 +40,28 @@ class ActivationSpec:
     swiglu: str = "fused"         # "fused" (bias_swiglu keeps its input) or "unfused" (mlp.py's glu)
     attention: str = "flash"      # "flash" (q, k, v, O, LSE) or "cpu" (our PackedCoreAttention)
     value_view: bool = True       # the attention keeps v as a view of linear_qkv's whole output
+    fp8_linears: bool = False     # TE's Float8 linears (--fp8-format) keep their input quantized, 1 B (read)
 
     def __post_init__(self) -> None:
         choices = {"dtype_bytes": (2, 4), "norm": ("torch", "te"), "rope": ("torch", "fused"),
-                   "swiglu": ("fused", "unfused"), "attention": ("flash", "cpu"), "value_view": (True, False)}
+                   "swiglu": ("fused", "unfused"), "attention": ("flash", "cpu"), "value_view": (True, False),
+                   "fp8_linears": (True, False)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ActivationSpec.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.fp8_linears and self.norm != "te":
+            raise ValueError("ActivationSpec.fp8_linears counts Transformer Engine's FP8 linears: set norm='te' too")
 
 
 # What megatron-core's TE spec keeps, read from Transformer Engine's sources (docs/cost_model.md), not measured:
 # LayerNormLinear's input, output and 1/rms; fused RoPE; FusedAttnFunc's q, k, v (TE copies megatron-core's
 # strided v, so the qkv block is freed), output and softmax statistics
 TRANSFORMER_ENGINE = ActivationSpec(norm="te", rope="fused", swiglu="fused", attention="flash", value_view=False)
+# The same under --fp8-format (read from TE's Linear / LayerNormLinear / GroupedLinear, not measured): each linear
+# saves its input quantized for the weight gradient, 1 B per element (and a per-tensor fp32 scale), instead of the
+# bf16 tensor; linear_proj's is a copy beside the bf16 output the attention kernel keeps
+TRANSFORMER_ENGINE_FP8 = ActivationSpec(norm="te", rope="fused", swiglu="fused", attention="flash", value_view=False,
+                                        fp8_linears=True)
 # What tools/memcheck.py measured: the local spec in bf16 with a flash-attention kernel
 LOCAL_BF16 = ActivationSpec(norm="torch", rope="torch", swiglu="fused", attention="flash", value_view=True)
 # What our CPU runs are (fp32, the local spec, core/core_attention.py; SwiGLU through megatron-core's bias_swiglu
@@ -89,17 +98,20 @@ def _value_view(m, spec: ActivationSpec) -> bool:
 def spec_layer_tensors(m, spec: ActivationSpec) -> dict[str, float]:
     """Bytes per local token per layer on one TP rank, by tensor name (the module docstring)."""
     d, tp = spec.dtype_bytes, m.tp
+    lin = 1 if spec.fp8_linears else d      # what a linear keeps of its input per element
     sp = tp if m.sequence_parallel else 1
     h = m.hidden_size
     q, k, v, o = attention_widths(m)
-    out = {"attn_norm_in": _norm(spec, h) / sp, "qkv_in": d * h / sp}
+    out = {"attn_norm_in": _norm(spec, h) / sp, "qkv_in": lin * h / sp}
     if m.mla is not None:
         out.update(m.mla.latent_tensors(d, sp, lambda width: _norm(spec, width)))
     if spec.rope == "torch":     # MLA ropes only the rope part of its heads
         out["rope_tables"] = 4 * (m.mla.qk_pos_emb_head_dim if m.mla is not None else m.head_dim) * d
     if spec.attention == "flash":
+        # linear_proj's input is the kernel's output (kept once) unless trimmed (a copy) or quantized (FP8 copy)
+        proj_in = lin * (trimmed_output_width(m) or o) if spec.fp8_linears else d * trimmed_output_width(m)
         out.update(core_attn_in=d * (q + k + (q + k + v if _value_view(m, spec) else v)) / tp,
-                   attn_out=d * (o + trimmed_output_width(m)) / tp, attn_lse=FP32 * m.num_heads / tp)
+                   attn_out=(d * o + proj_in) / tp, attn_lse=FP32 * m.num_heads / tp)
     else:
         # ours (CP 1): q, and k and v repeated to every query head; each document's output and the concatenation
         out.update(core_attn_in=d * q / tp, attn_kv_copy=d * (q + o) / tp, attn_out=2 * d * o / tp,
@@ -109,11 +121,11 @@ def spec_layer_tensors(m, spec: ActivationSpec) -> dict[str, float]:
     if m.is_moe:
         width, k, e = (m.moe_ffn_hidden_size or m.ffn_hidden_size), m.moe_topk, m.num_experts
         out.update(router_in=d * h / sp, router_state=INT64 * e + 20 * k + k * d,
-                   expert_fc1_in=k * d * h / tp, expert_fc1_out=k * d * (2 if m.gated_mlp else 1) * width / tp,
-                   expert_fc2_in=k * d * (1 + glu) * width / tp)
+                   expert_fc1_in=k * lin * h / tp, expert_fc1_out=k * d * (2 if m.gated_mlp else 1) * width / tp,
+                   expert_fc2_in=k * (lin + d * glu) * width / tp)
     else:
-        out.update(fc1_in=d * h / sp, fc1_out=d * (2 if m.gated_mlp else 1) * m.ffn_hidden_size / tp,
-                   fc2_in=d * (1 + glu) * m.ffn_hidden_size / tp)
+        out.update(fc1_in=lin * h / sp, fc1_out=d * (2 if m.gated_mlp else 1) * m.ffn_hidden_size / tp,
+                   fc2_in=(lin + d * glu) * m.ffn_hidden_size / tp)
     return out
 
 

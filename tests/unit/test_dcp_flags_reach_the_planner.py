@@ -80,13 +80,15 @@ def test_cpu_memory_count_reaches_the_model_shape_of_a_cpu_fp32_local_run_only(r
 
 
 def test_a_gpu_run_counts_with_the_spec_of_the_layers_it_runs(monkeypatch):
-    """A GPU run is counted with the spec it builds: TE's for --transformer-impl transformer_engine, the local
-    spec's bf16 count for local."""
+    """A GPU run is counted with the spec it builds: TE's for --transformer-impl transformer_engine (its FP8
+    linears' under --fp8-format), the local spec's bf16 count for local."""
     import torch
 
     from dcp_megatron.core.planning import activation_spec_of
-    from dcp_megatron.planner.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE
+    from dcp_megatron.planner.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE, TRANSFORMER_ENGINE_FP8
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert activation_spec_of(argparse.Namespace(transformer_impl="transformer_engine", bf16=True)) == TRANSFORMER_ENGINE
+    te = dict(transformer_impl="transformer_engine", bf16=True)
+    assert activation_spec_of(argparse.Namespace(**te, fp8=None)) == TRANSFORMER_ENGINE
+    assert activation_spec_of(argparse.Namespace(**te, fp8="hybrid")) == TRANSFORMER_ENGINE_FP8
     assert activation_spec_of(argparse.Namespace(transformer_impl="local", bf16=True)) == LOCAL_BF16

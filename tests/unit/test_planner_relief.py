@@ -64,6 +64,24 @@ def test_a_shape_is_counted_with_its_own_spec_else_its_transformer_impls():
     assert sum(layer_tensors(dataclasses.replace(m, activations=LOCAL_BF16)).values()) == sum(local.values())
 
 
+def test_fp8_linears_keep_their_inputs_at_one_byte_and_linear_projs_its_own_copy():
+    """Under --fp8-format TE's linears keep their input quantized (1 B): the norms' outputs linear_qkv and fc1
+    read, fc2's input; linear_proj keeps a 1 B copy of the attention output beside the kernel's bf16 one; the
+    experts' inputs likewise. Everything else is the bf16 TE count."""
+    from dcp_megatron.planner.memory_spec import TRANSFORMER_ENGINE_FP8
+
+    m = model_preset("llama3-8b")
+    h, f, q = 4096, 14336, 4096
+    bf16, fp8 = layer_tensors(m), layer_tensors(dataclasses.replace(m, activations=TRANSFORMER_ENGINE_FP8))
+    assert fp8["qkv_in"] == fp8["fc1_in"] == h and fp8["fc2_in"] == f and fp8["attn_out"] == 2 * q + q
+    assert sum(bf16.values()) - sum(fp8.values()) == 2 * h + f - q
+    moe = model_preset("mixtral-8x7b")
+    moe_fp8 = layer_tensors(dataclasses.replace(moe, activations=TRANSFORMER_ENGINE_FP8))
+    assert moe_fp8["expert_fc1_in"] == 2 * h and moe_fp8["expert_fc2_in"] == 2 * f     # top-2 copies, 1 B each
+    with pytest.raises(ValueError, match="norm='te'"):
+        dataclasses.replace(TRANSFORMER_ENGINE_FP8, norm="torch")
+
+
 def test_a_long_document_gets_mlp_recompute_not_full_layers():
     """An attention-heavy micro-batch (a long document) that fits with MLP recompute takes it rather than the
     fewest full layers that fit (those rerun the attention too); the old menu had only full layers for it.

@@ -7,8 +7,8 @@ from dcp_megatron.planner.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE, Act
 from dcp_megatron.planner.mla import MlaShape
 
 
-# The spec of a shape that names none: TE's (read from its sources) for a TE run; for "local", the local spec at
-# bf16 widths with our CPU attention (what a CPU run is counted in unless it passes its own spec)
+# The spec of a shape that names none: TE's (read from its sources) for a TE run; for "local", the local spec's
+# measured count at bf16 widths with our CPU attention (runs pass their own: core/planning.activation_spec_of)
 DEFAULT_SPECS = {"transformer_engine": TRANSFORMER_ENGINE, "local": replace(LOCAL_BF16, attention="cpu")}
 
 

@@ -31,16 +31,18 @@ def model_shape_from_args(args, *, vocab_size: int | None = None) -> ModelShape:
     mla = mla_shape_from_args(args)
     num_kv_heads = (args.num_query_groups if args.group_query_attention and mla is None
                     else args.num_attention_heads)      # MLA: every head its own key and value
+    is_moe = bool(getattr(args, "num_experts", None))
     return ModelShape(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_attention_heads,
         num_kv_heads=num_kv_heads, head_dim=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
         vocab_size=vocab_size or args.padded_vocab_size, gated_mlp=bool(args.swiglu),
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-        ep=getattr(args, "expert_model_parallel_size", 1) if getattr(args, "num_experts", None) else 1,
+        ep=getattr(args, "expert_model_parallel_size", 1) if is_moe else 1,
         # MoE: router + top-k experts in FLOPs, experts / ep in memory, EP all-to-alls (planner/moe_cost.py)
         num_experts=getattr(args, "num_experts", None), moe_topk=getattr(args, "moe_router_topk", None) or 2,
         moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
-        # what the layers keep for backward depends on the spec and on sequence parallelism (planner/activations.py)
+        moe_shared_expert_size=getattr(args, "moe_shared_expert_intermediate_size", None) if is_moe else None,
+        # what the layers keep for backward depends on the spec and on sequence parallelism (planner/memory_spec.py)
         transformer_impl="local" if getattr(args, "transformer_impl", None) == "local" else "transformer_engine",
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         # MLA's head dims and latents, MTP's layers: their FLOPs, weights and saved tensors

@@ -22,7 +22,8 @@ head_dim, f the FFN width, E experts, k top-k:
   SwiGLU (mlp.py's `glu`) also keeps silu's output and the linear half plus its offset (2 d f).
 - MoE (local SequentialMLP, alltoall dispatcher, balanced routing): the norm and its output (the router's
   input), the router's state (fp32 logits' top-k probabilities, int64 indices and routing map, the permuted
-  probabilities: 8E + 20k + k d), the experts' permuted input k d h, fc1's outputs 2 k d f, their activations k d f.
+  probabilities: 8E + 20k + k d), the experts' permuted input k d h, fc1's outputs 2 k d f, their activations k d f;
+  a shared expert of width s (read): fc1's output 2 d s and fc2's input d s, its input being the router's.
 """
 from __future__ import annotations
 
@@ -123,6 +124,12 @@ def spec_layer_tensors(m, spec: ActivationSpec) -> dict[str, float]:
         out.update(router_in=d * h / sp, router_state=INT64 * e + 20 * k + k * d,
                    expert_fc1_in=k * lin * h / tp, expert_fc1_out=k * d * (2 if m.gated_mlp else 1) * width / tp,
                    expert_fc2_in=k * (lin + d * glu) * width / tp)
+        if m.moe_shared_expert_size:     # its fc1 reads the router's input (kept once; under FP8 its own copy)
+            shared = m.moe_shared_expert_size
+            out.update(shared_fc1_out=d * (2 if m.gated_mlp else 1) * shared / tp,
+                       shared_fc2_in=(lin + d * glu) * shared / tp)
+            if spec.fp8_linears:
+                out["shared_fc1_in"] = lin * h / sp
     else:
         out.update(fc1_in=lin * h / sp, fc1_out=d * (2 if m.gated_mlp else 1) * m.ffn_hidden_size / tp,
                    fc2_in=(lin + d * glu) * m.ffn_hidden_size / tp)
@@ -152,7 +159,8 @@ def spec_freed_by_recompute(m, spec: ActivationSpec, module: str) -> tuple[froze
     if module == "moe_act" and m.is_moe:
         return frozenset({"expert_fc2_in"}), {}
     if module == "moe" and m.is_moe:
-        return frozenset({"router_state", "expert_fc1_in", "expert_fc1_out", "expert_fc2_in"}), {}
+        return frozenset({"router_state", "expert_fc1_in", "expert_fc1_out", "expert_fc2_in", "shared_fc1_in",
+                          "shared_fc1_out", "shared_fc2_in"}), {}
     return frozenset(), {}
 
 

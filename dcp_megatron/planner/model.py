@@ -29,6 +29,9 @@ class ModelShape:
     num_experts: int | None = None        # 0 / None: a dense model
     moe_topk: int = 2                     # experts each token is routed to
     moe_ffn_hidden_size: int | None = None   # one expert's FFN width; None: ffn_hidden_size
+    # --moe-shared-expert-intermediate-size: a dense MLP of this width every token of an MoE layer runs beside its
+    # routed experts (held whole on every rank, split over tp only); None: none
+    moe_shared_expert_size: int | None = None
     # ZeRO stage over the DCP domain (param_sharding.py); None: the cluster's distributed_optimizer (1 or 0)
     zero_stage: int | None = None
     # What the layers keep for backward (memory_spec.py): megatron-core's --transformer-impl and
@@ -78,6 +81,12 @@ class ModelShape:
         width = self.moe_ffn_hidden_size
         if width is not None and (not isinstance(width, int) or width <= 0):
             raise ValueError(f"ModelShape.moe_ffn_hidden_size must be None or a positive int, got {width!r}")
+        shared = self.moe_shared_expert_size
+        if shared is not None and (not isinstance(shared, int) or shared <= 0):
+            raise ValueError(f"ModelShape.moe_shared_expert_size must be None or a positive int, got {shared!r}")
+        if shared is not None and not self.is_moe:
+            raise ValueError("ModelShape.moe_shared_expert_size needs experts: set num_experts (a dense model's MLP "
+                             "is ffn_hidden_size)")
         if not self.is_moe:
             if self.ep > 1:
                 raise ValueError(f"ModelShape.ep={self.ep} needs experts: set num_experts (a dense model has no EP)")
@@ -152,22 +161,27 @@ class ModelShape:
         return (3 if self.gated_mlp else 2) * self.hidden_size * width
 
     @property
+    def shared_expert_params(self) -> int:
+        """A layer's shared expert's weights (0 without one)."""
+        return (3 if self.gated_mlp else 2) * self.hidden_size * (self.moe_shared_expert_size or 0)
+
+    @property
     def router_params_per_layer(self) -> int:
         return self.hidden_size * self.num_experts if self.is_moe else 0
 
     @property
     def mlp_params_per_layer(self) -> int:
-        """Stored MLP weights of a layer: the dense MLP, or the router and every expert."""
+        """Stored MLP weights of a layer: the dense MLP, or the router, every expert and the shared one."""
         if not self.is_moe:
             return self.expert_mlp_params
-        return self.router_params_per_layer + self.num_experts * self.expert_mlp_params
+        return self.router_params_per_layer + self.num_experts * self.expert_mlp_params + self.shared_expert_params
 
     @property
     def active_mlp_params_per_layer(self) -> int:
-        """MLP weights one token multiplies: the dense MLP, or the router and its top-k experts."""
+        """MLP weights one token multiplies: the dense MLP, or the router, its top-k experts and the shared one."""
         if not self.is_moe:
             return self.expert_mlp_params
-        return self.router_params_per_layer + self.moe_topk * self.expert_mlp_params
+        return self.router_params_per_layer + self.moe_topk * self.expert_mlp_params + self.shared_expert_params
 
     @property
     def expert_params(self) -> int:
@@ -259,12 +273,13 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     "mixtral-8x7b": ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                                ffn_hidden_size=14336, vocab_size=32000, num_experts=8, moe_topk=2),
     # DeepSeek-V3's layer (public config: MLA with a 1536 q / 512 kv latent, 128 heads of 128 + 64 rope q/k dims
-    # and 128 v dims; 256 experts of width 2048, top-8; one MTP layer) at 16 layers instead of 61, so that its
-    # weights fit an H200 at EP 64 (197B parameters, 11.2B active per token; 86 GB of static state per rank on a
-    # 64-GPU domain); every layer MoE (V3's three dense first layers and its shared expert are not modelled).
+    # and 128 v dims; 256 experts of width 2048, top-8, and one shared expert of width 2048; one MTP layer) at 16
+    # layers instead of 61, so that its weights fit an H200 at EP 64 (198B parameters, 11.9B active per token;
+    # 91 GB of static state per rank on a 64-GPU domain); every layer MoE (V3's three dense first layers are not
+    # modelled).
     "deepseek-v3-like": ModelShape(num_layers=16, hidden_size=7168, num_heads=128, num_kv_heads=128, head_dim=128,
                                    ffn_hidden_size=18432, vocab_size=129280, num_experts=256, moe_topk=8,
-                                   moe_ffn_hidden_size=2048, mtp_num_layers=1,
+                                   moe_ffn_hidden_size=2048, moe_shared_expert_size=2048, mtp_num_layers=1,
                                    mla=MlaShape(q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
                                                 qk_pos_emb_head_dim=64, v_head_dim=128, qk_layernorm=True)),
 }

@@ -73,6 +73,34 @@ def test_tiny_moe_static_and_activation_memory_by_hand():
     assert sharded.bytes_per_local_token(Recompute("full", 2)) == 2 * 16 + layer + mlp_grad
 
 
+def test_a_shared_expert_is_a_dense_mlp_every_token_runs_beside_its_experts():
+    """--moe-shared-expert-intermediate-size 6 on TINY_MOE (plain MLPs): 2 x 8 x 6 = 96 weights a layer, stored and
+    multiplied by every token, not split over EP; it keeps fc1's output and fc2's input (2 B x 6 each; its input is
+    the router's, kept once), which `moe` recompute frees with the experts'; FP8 adds its own 1 B input copy."""
+    from dcp_megatron.planner.activations import layer_tensors
+    from dcp_megatron.planner.memory_spec import TRANSFORMER_ENGINE_FP8
+    from dcp_megatron.planner.param_sharding import largest_gathered_params
+
+    shared = dataclasses.replace(TINY_MOE, moe_shared_expert_size=6)
+    assert shared.shared_expert_params == 96
+    assert shared.mlp_params_per_layer - TINY_MOE.mlp_params_per_layer == 96
+    assert shared.linear_flops_per_token - TINY_MOE.linear_flops_per_token == 6.0 * 2 * 96
+    assert shared.expert_params == TINY_MOE.expert_params          # not an EP-split expert
+    assert largest_gathered_params(dataclasses.replace(shared, ep=2)) - \
+        largest_gathered_params(dataclasses.replace(TINY_MOE, ep=2)) == 96
+    added = {k: v for k, v in layer_tensors(shared).items() if k not in layer_tensors(TINY_MOE)}
+    assert added == {"shared_fc1_out": 12, "shared_fc2_in": 12}
+    cluster = tiny_cluster(4)
+    moe = Recompute("selective", modules=frozenset({"moe"}))
+    with_shared, without = (CostModel(m, cluster, allowed_recompute=MENU_NAMES) for m in (shared, TINY_MOE))
+    assert with_shared.layer_bytes_per_local_token(moe) == without.layer_bytes_per_local_token(moe)
+    assert with_shared.layer_bytes_per_local_token(NO_RECOMPUTE) - without.layer_bytes_per_local_token(NO_RECOMPUTE) \
+        == 2 * 24
+    assert layer_tensors(dataclasses.replace(shared, activations=TRANSFORMER_ENGINE_FP8))["shared_fc1_in"] == 8
+    with pytest.raises(ValueError, match="needs experts"):
+        dataclasses.replace(TINY_MOE, num_experts=None, moe_shared_expert_size=6)
+
+
 def test_all_to_all_seconds_by_hand():
     """EP 2 on the tiny cluster (10 GB/s in a node, 1 us per collective): per local token, layer and pass
     8/1 x top-2 x 2 B x 1/2 = 16 B; 2 layers x (4 passes + 2 per recomputed layer)."""
@@ -230,7 +258,10 @@ def test_megatron_adapter_passes_the_moe_flags():
     assert (shape.num_experts, shape.moe_topk, shape.ep, shape.expert_mlp_params) == (4, 1, 2, 3 * 64 * 256)
     shape = model_shape_from_args(argparse.Namespace(**{**vars(args), "moe_ffn_hidden_size": 96}))
     assert shape.expert_mlp_params == 3 * 64 * 96
-    dense = model_shape_from_args(argparse.Namespace(**{**vars(args), "num_experts": None}))
+    shared = model_shape_from_args(argparse.Namespace(**{**vars(args), "moe_shared_expert_intermediate_size": 32}))
+    assert shared.shared_expert_params == 3 * 64 * 32
+    dense = model_shape_from_args(argparse.Namespace(**{**vars(args), "num_experts": None,
+                                                         "moe_shared_expert_intermediate_size": 32}))
     assert not dense.is_moe and dense.ep == 1 and dense.linear_flops_per_token == 6.0 * dense.linear_params
 
 

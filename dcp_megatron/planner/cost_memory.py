@@ -33,7 +33,9 @@ class MemoryModel:
         self._max_local: dict[Recompute, int] = {}    # memoised per recompute policy
         self._bytes_per_token: dict[Recompute, float] = {}
         self._init_layer_bytes(model, light, profile.get("activation_bytes_per_hidden", {}))
-        self._rope_table_bytes = spec_rope_table_bytes(model)
+        # a measured "full" factor holds the RoPE table its checkpoints keep
+        measured = profile.get("activation_bytes_per_hidden", {})
+        self._rope_table_bytes = 0.0 if "full" in measured else spec_rope_table_bytes(model)
         # the output layer (memory_spec.py) keeps per-token tensors beside its per-vocab ones; a profile's measured
         # factor holds everything outside the layers (profile_fit.py), so it replaces both
         per_vocab, per_token = spec_output_bytes(model, model.activation_spec)
@@ -57,7 +59,7 @@ class MemoryModel:
         unit = m.hidden_size / m.tp
         tensors = layer_tensors(m)
         none = float(sum(tensors.values()))
-        scale = measured["none"] * unit / none if "none" in measured else 1.0
+        scale = self._scale = measured["none"] * unit / none if "none" in measured else 1.0
         self._layer_bytes = {r: held_bytes_per_layer(m, r, tensors) * scale for r in set(light) | {NO_RECOMPUTE}}
         if "selective" in measured:
             self._layer_bytes[SELECTIVE] = measured["selective"] * unit
@@ -95,9 +97,15 @@ class MemoryModel:
     def _bytes_per_local_token(self, recompute: Recompute) -> float:
         """The loss's peak or a layer's backward, whichever is higher; with PP, pp micro-batches in flight."""
         held = self._held_per_layer(recompute)
+        relief = self._layer_bytes_none       # unused for full recompute
+        if recompute.kind != "full":           # the relief's modules: its offloads come back for backward
+            modules_only = Recompute(recompute.kind, modules=recompute.modules)
+            relief = self._layer_bytes.get(modules_only)
+            if relief is None:
+                relief = held_bytes_per_layer(self.model, modules_only) * self._scale
         peak = stage_peak_bytes(self.model, recompute, held=held, none_bytes=self._layer_bytes_none,
-                                full_bytes=self._layer_bytes_full, output_bytes=self._logit_bytes_per_token,
-                                layers=self.layers_per_stage)
+                                relief_bytes=relief, full_bytes=self._layer_bytes_full,
+                                output_bytes=self._logit_bytes_per_token, layers=self.layers_per_stage)
         return max(self.model.pp * (peak - self._logit_bytes_per_token), peak)
 
     def memory_from_tokens(self, local_tokens: float, recompute: Recompute) -> int:

@@ -155,3 +155,20 @@ def test_bad_arguments_raise_clear_errors():
         cluster_preset("h200", domain_size=0)
     with pytest.raises(ValueError, match="collective_latency_s must be >= 0 seconds, got -1"):
         dataclasses.replace(tiny_cluster(4), collective_latency_s=-1.0)
+
+
+def test_a_profiles_measured_factors_scale_the_spec_count_and_nothing_else_moves_the_peak():
+    """A profile's factors per hidden unit replace the layers' count (none 70, a recomputed layer 8, its RoPE table
+    among them) and its output factor everything outside the layers: without relief the peak is the loss's, the
+    layers' saved bytes and the output, with no backward term left over from the unscaled spec."""
+    from dcp_megatron.planner.cluster import cpu_cluster
+    from dcp_megatron.planner.model import ModelShape
+
+    shape = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_hidden_size=128,
+                       vocab_size=256)
+    profile = {"activation_bytes_per_hidden": {"none": 70.0, "selective": 66.0, "full": 8.0},
+               "output_bytes_per_vocab": 5.0}
+    cost = CostModel(shape, cpu_cluster(2), profile=profile)
+    assert cost.bytes_per_local_token(NO_RECOMPUTE) == cost.held_bytes_per_local_token(NO_RECOMPUTE) == \
+        2 * 70 * 64 + 5 * 256
+    assert cost.layer_bytes_per_local_token(Recompute("full", 1)) == 70 * 64 + 8 * 64

@@ -15,7 +15,8 @@ from dcp_megatron.planner.cluster import cluster_preset
 from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.cost_profile import load_profile
 from dcp_megatron.planner.gpu_costs import GpuCosts
-from dcp_megatron.planner.memory_spec import CPU_FP32, ActivationSpec
+from dcp_megatron.planner.memory_spec import (CPU_FP32, LOCAL_BF16, TRANSFORMER_ENGINE, TRANSFORMER_ENGINE_FP8,
+                                              ActivationSpec)
 from dcp_megatron.planner.mla import MlaShape
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import StepPlan
@@ -30,16 +31,18 @@ def model_shape_from_args(args, *, vocab_size: int | None = None) -> ModelShape:
     mla = mla_shape_from_args(args)
     num_kv_heads = (args.num_query_groups if args.group_query_attention and mla is None
                     else args.num_attention_heads)      # MLA: every head its own key and value
+    is_moe = bool(getattr(args, "num_experts", None))
     return ModelShape(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_attention_heads,
         num_kv_heads=num_kv_heads, head_dim=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
         vocab_size=vocab_size or args.padded_vocab_size, gated_mlp=bool(args.swiglu),
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-        ep=getattr(args, "expert_model_parallel_size", 1) if getattr(args, "num_experts", None) else 1,
+        ep=getattr(args, "expert_model_parallel_size", 1) if is_moe else 1,
         # MoE: router + top-k experts in FLOPs, experts / ep in memory, EP all-to-alls (planner/moe_cost.py)
         num_experts=getattr(args, "num_experts", None), moe_topk=getattr(args, "moe_router_topk", None) or 2,
         moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
-        # what the layers keep for backward depends on the spec and on sequence parallelism (planner/activations.py)
+        moe_shared_expert_size=getattr(args, "moe_shared_expert_intermediate_size", None) if is_moe else None,
+        # what the layers keep for backward depends on the spec and on sequence parallelism (planner/memory_spec.py)
         transformer_impl="local" if getattr(args, "transformer_impl", None) == "local" else "transformer_engine",
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         # MLA's head dims and latents, MTP's layers: their FLOPs, weights and saved tensors
@@ -55,14 +58,20 @@ def mla_shape_from_args(args) -> MlaShape | None:
                     qk_layernorm=bool(getattr(args, "qk_layernorm", False)))
 
 
-def activation_spec_of(args) -> ActivationSpec | None:
-    """What the run keeps for backward, where the planner has measured it: `--dcp-cpu-memory-count` on a CPU run
-    (fp32, the local spec) is counted as CPU_FP32 (memory_spec.py), so its budget is bytes; None: the bf16 table."""
+def activation_spec_of(args) -> ActivationSpec:
+    """What the run keeps for backward (memory_spec.py): Transformer Engine's spec for --transformer-impl
+    transformer_engine (its FP8 linears' under --fp8-format), the local spec's LOCAL_BF16 on a GPU;
+    `--dcp-cpu-memory-count` on a CPU run (fp32, the local spec) is counted as CPU_FP32, so its budget is bytes;
+    other CPU runs in TE's bf16 count, the units their budgets are set in."""
     import torch
 
-    cpu_fp32_local = (getattr(args, "transformer_impl", None) == "local" and not torch.cuda.is_available()
-                      and not getattr(args, "bf16", False) and not getattr(args, "fp16", False))
-    return CPU_FP32 if cpu_fp32_local and getattr(args, "dcp_cpu_memory_count", False) else None
+    local = getattr(args, "transformer_impl", None) == "local"
+    if local and torch.cuda.is_available():
+        return LOCAL_BF16
+    if not local and getattr(args, "fp8", None) is not None:
+        return TRANSFORMER_ENGINE_FP8
+    cpu_fp32_local = local and not getattr(args, "bf16", False) and not getattr(args, "fp16", False)
+    return CPU_FP32 if cpu_fp32_local and getattr(args, "dcp_cpu_memory_count", False) else TRANSFORMER_ENGINE
 
 
 def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:

@@ -4,11 +4,11 @@ memory = static state (bf16 weights 2 B + fp32 grads 4 B per parameter, Adam fp3
          sharded over the domain with the distributed optimizer; all /(tp·pp), an MoE's experts /(tp·pp·ep);
          ZeRO-2 / ZeRO-3 shard gradients / weights too: param_sharding.py; FP8 copies and communicator
          buffers: gpu_costs.py)
-       + per local token: what the stage's layers keep for backward with the micro-batch's relief (activations.py,
-         relief.py; full recompute of k layers keeps the layer input plus one layer's working set while it reruns)
-         and the output layer at the cross-entropy peak (bf16 logits and their fp32 upcast, vocab/tp per token);
-         MTP layers add their layer and the output layer once more each, on the last stage (activations.py);
-         with PP stage 0 holds pp micro-batches in flight (1F1B): max(pp·activations, activations + logits).
+       + per local token: what the stage's layers keep for backward with the micro-batch's relief (the model's
+         ActivationSpec, memory_spec.py; relief.py), at the higher of the loss's peak (the output layer's logits
+         and their fp32 upcast, vocab/tp per token) and a layer's backward (its gradients beside what it
+         recomputes); MTP layers add their layer and the output layer once more each, on the last stage;
+         with PP stage 0 holds pp micro-batches in flight (1F1B).
 """
 from __future__ import annotations
 
@@ -23,9 +23,6 @@ from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 from dcp_megatron.planner.memory_spec import spec_output_bytes, spec_rope_table_bytes
 from dcp_megatron.planner.relief import held_bytes_per_layer, offload_kept_bytes, stage_peak_bytes
 
-# bf16 logits + the fp32 copy vocab_parallel_cross_entropy makes of them (alive together), per vocab/tp unit
-OUTPUT_BYTES_PER_VOCAB = 2 + 4
-
 
 class MemoryModel:
     """Micro-batch bytes per rank; CostModel builds it and hands out its methods."""
@@ -39,11 +36,15 @@ class MemoryModel:
         self._max_local: dict[Recompute, int] = {}    # memoised per recompute policy
         self._bytes_per_token: dict[Recompute, float] = {}
         self._init_layer_bytes(model, light, profile.get("activation_bytes_per_hidden", {}))
-        self._rope_table_bytes = spec_rope_table_bytes(model) if model.activations else 0.0
-        # a run spec's output layer (memory_spec.py) keeps per-token tensors beside its per-vocab ones
-        per_vocab, per_token = (spec_output_bytes(model, model.activations) if model.activations
-                                else (OUTPUT_BYTES_PER_VOCAB, 0.0))
-        output = profile.get("output_bytes_per_vocab", per_vocab) * model.vocab_size / model.tp + per_token
+        # a measured "full" factor holds the RoPE table its checkpoints keep
+        measured = profile.get("activation_bytes_per_hidden", {})
+        self._rope_table_bytes = 0.0 if "full" in measured else spec_rope_table_bytes(model)
+        # the output layer (memory_spec.py) keeps per-token tensors beside its per-vocab ones; a profile's measured
+        # factor holds everything outside the layers (profile_fit.py), so it replaces both
+        per_vocab, per_token = spec_output_bytes(model, model.activation_spec)
+        if "output_bytes_per_vocab" in profile:
+            per_vocab, per_token = profile["output_bytes_per_vocab"], 0.0
+        output = per_vocab * model.vocab_size / model.tp + per_token
         # MTP (last stage): its layers, and the output layer and loss once more each, alive at the main loss's peak
         self._logit_bytes_per_token = ((1 + model.mtp_num_layers) * output
                                        + model.mtp_num_layers * mtp_layer_bytes(model))
@@ -55,13 +56,13 @@ class MemoryModel:
         self._none_max_local = self.max_local_tokens(NO_RECOMPUTE)
 
     def _init_layer_bytes(self, m, light, measured: dict) -> None:
-        """Bytes per local token one layer keeps, per light relief and fully recomputed (activations.py); a
+        """Bytes per local token one layer keeps, per light relief and fully recomputed (the spec's count); a
         profile's measured factors (per hidden/tp unit) scale the table to its "none", and replace core-attention
         recompute's ("selective") and a recomputed layer's ("full")."""
         unit = m.hidden_size / m.tp
         tensors = layer_tensors(m)
         none = float(sum(tensors.values()))
-        scale = measured["none"] * unit / none if "none" in measured else 1.0
+        scale = self._scale = measured["none"] * unit / none if "none" in measured else 1.0
         self._layer_bytes = {r: held_bytes_per_layer(m, r, tensors) * scale for r in set(light) | {NO_RECOMPUTE}}
         if "selective" in measured:
             self._layer_bytes[SELECTIVE] = measured["selective"] * unit
@@ -100,16 +101,18 @@ class MemoryModel:
         return self._counted_bytes_per_local_token(recompute) * self.memory_scale.of(str(recompute))
 
     def _counted_bytes_per_local_token(self, recompute: Recompute) -> float:
-        if self.model.activations is not None:     # the loss's peak or a layer's backward, whichever is higher
-            held = self._held_per_layer(recompute)
-            peak = stage_peak_bytes(self.model, recompute, held=held, none_bytes=self._layer_bytes_none,
-                                    full_bytes=self._layer_bytes_full, output_bytes=self._logit_bytes_per_token,
-                                    layers=self.layers_per_stage)
-            return max(self.model.pp * (peak - self._logit_bytes_per_token), peak)
-        # full recompute: one layer's working set (a non-recomputed layer's activations) while it reruns
-        working = self._layer_bytes_none if recompute.kind == "full" else 0.0
-        act = self._held_per_layer(recompute) + working
-        return max(self.model.pp * act, act + self._logit_bytes_per_token)
+        """The loss's peak or a layer's backward, whichever is higher; with PP, pp micro-batches in flight."""
+        held = self._held_per_layer(recompute)
+        relief = self._layer_bytes_none       # unused for full recompute
+        if recompute.kind != "full":           # the relief's modules: its offloads come back for backward
+            modules_only = Recompute(recompute.kind, modules=recompute.modules)
+            relief = self._layer_bytes.get(modules_only)
+            if relief is None:
+                relief = held_bytes_per_layer(self.model, modules_only) * self._scale
+        peak = stage_peak_bytes(self.model, recompute, held=held, none_bytes=self._layer_bytes_none,
+                                relief_bytes=relief, full_bytes=self._layer_bytes_full,
+                                output_bytes=self._logit_bytes_per_token, layers=self.layers_per_stage)
+        return max(self.model.pp * (peak - self._logit_bytes_per_token), peak)
 
     def memory_from_tokens(self, local_tokens: float, recompute: Recompute) -> int:
         return self.static_bytes + int(math.ceil(local_tokens * self.bytes_per_local_token(recompute)))

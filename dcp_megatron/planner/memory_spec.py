@@ -22,7 +22,8 @@ head_dim, f the FFN width, E experts, k top-k:
   SwiGLU (mlp.py's `glu`) also keeps silu's output and the linear half plus its offset (2 d f).
 - MoE (local SequentialMLP, alltoall dispatcher, balanced routing): the norm and its output (the router's
   input), the router's state (fp32 logits' top-k probabilities, int64 indices and routing map, the permuted
-  probabilities: 8E + 20k + k d), the experts' permuted input k d h, fc1's outputs 2 k d f, their activations k d f.
+  probabilities: 8E + 20k + k d), the experts' permuted input k d h, fc1's outputs 2 k d f, their activations k d f;
+  a shared expert of width s (read): fc1's output 2 d s and fc2's input d s, its input being the router's.
 """
 from __future__ import annotations
 
@@ -40,19 +41,28 @@ class ActivationSpec:
     swiglu: str = "fused"         # "fused" (bias_swiglu keeps its input) or "unfused" (mlp.py's glu)
     attention: str = "flash"      # "flash" (q, k, v, O, LSE) or "cpu" (our PackedCoreAttention)
     value_view: bool = True       # the attention keeps v as a view of linear_qkv's whole output
+    fp8_linears: bool = False     # TE's Float8 linears (--fp8-format) keep their input quantized, 1 B (read)
 
     def __post_init__(self) -> None:
         choices = {"dtype_bytes": (2, 4), "norm": ("torch", "te"), "rope": ("torch", "fused"),
-                   "swiglu": ("fused", "unfused"), "attention": ("flash", "cpu"), "value_view": (True, False)}
+                   "swiglu": ("fused", "unfused"), "attention": ("flash", "cpu"), "value_view": (True, False),
+                   "fp8_linears": (True, False)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ActivationSpec.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.fp8_linears and self.norm != "te":
+            raise ValueError("ActivationSpec.fp8_linears counts Transformer Engine's FP8 linears: set norm='te' too")
 
 
 # What megatron-core's TE spec keeps, read from Transformer Engine's sources (docs/cost_model.md), not measured:
 # LayerNormLinear's input, output and 1/rms; fused RoPE; FusedAttnFunc's q, k, v (TE copies megatron-core's
 # strided v, so the qkv block is freed), output and softmax statistics
 TRANSFORMER_ENGINE = ActivationSpec(norm="te", rope="fused", swiglu="fused", attention="flash", value_view=False)
+# The same under --fp8-format (read from TE's Linear / LayerNormLinear / GroupedLinear, not measured): each linear
+# saves its input quantized for the weight gradient, 1 B per element (and a per-tensor fp32 scale), instead of the
+# bf16 tensor; linear_proj's is a copy beside the bf16 output the attention kernel keeps
+TRANSFORMER_ENGINE_FP8 = ActivationSpec(norm="te", rope="fused", swiglu="fused", attention="flash", value_view=False,
+                                        fp8_linears=True)
 # What tools/memcheck.py measured: the local spec in bf16 with a flash-attention kernel
 LOCAL_BF16 = ActivationSpec(norm="torch", rope="torch", swiglu="fused", attention="flash", value_view=True)
 # What our CPU runs are (fp32, the local spec, core/core_attention.py; SwiGLU through megatron-core's bias_swiglu
@@ -89,17 +99,20 @@ def _value_view(m, spec: ActivationSpec) -> bool:
 def spec_layer_tensors(m, spec: ActivationSpec) -> dict[str, float]:
     """Bytes per local token per layer on one TP rank, by tensor name (the module docstring)."""
     d, tp = spec.dtype_bytes, m.tp
+    lin = 1 if spec.fp8_linears else d      # what a linear keeps of its input per element
     sp = tp if m.sequence_parallel else 1
     h = m.hidden_size
     q, k, v, o = attention_widths(m)
-    out = {"attn_norm_in": _norm(spec, h) / sp, "qkv_in": d * h / sp}
+    out = {"attn_norm_in": _norm(spec, h) / sp, "qkv_in": lin * h / sp}
     if m.mla is not None:
         out.update(m.mla.latent_tensors(d, sp, lambda width: _norm(spec, width)))
     if spec.rope == "torch":     # MLA ropes only the rope part of its heads
         out["rope_tables"] = 4 * (m.mla.qk_pos_emb_head_dim if m.mla is not None else m.head_dim) * d
     if spec.attention == "flash":
+        # linear_proj's input is the kernel's output (kept once) unless trimmed (a copy) or quantized (FP8 copy)
+        proj_in = lin * (trimmed_output_width(m) or o) if spec.fp8_linears else d * trimmed_output_width(m)
         out.update(core_attn_in=d * (q + k + (q + k + v if _value_view(m, spec) else v)) / tp,
-                   attn_out=d * (o + trimmed_output_width(m)) / tp, attn_lse=FP32 * m.num_heads / tp)
+                   attn_out=(d * o + proj_in) / tp, attn_lse=FP32 * m.num_heads / tp)
     else:
         # ours (CP 1): q, and k and v repeated to every query head; each document's output and the concatenation
         out.update(core_attn_in=d * q / tp, attn_kv_copy=d * (q + o) / tp, attn_out=2 * d * o / tp,
@@ -109,11 +122,17 @@ def spec_layer_tensors(m, spec: ActivationSpec) -> dict[str, float]:
     if m.is_moe:
         width, k, e = (m.moe_ffn_hidden_size or m.ffn_hidden_size), m.moe_topk, m.num_experts
         out.update(router_in=d * h / sp, router_state=INT64 * e + 20 * k + k * d,
-                   expert_fc1_in=k * d * h / tp, expert_fc1_out=k * d * (2 if m.gated_mlp else 1) * width / tp,
-                   expert_fc2_in=k * d * (1 + glu) * width / tp)
+                   expert_fc1_in=k * lin * h / tp, expert_fc1_out=k * d * (2 if m.gated_mlp else 1) * width / tp,
+                   expert_fc2_in=k * (lin + d * glu) * width / tp)
+        if m.moe_shared_expert_size:     # its fc1 reads the router's input (kept once; under FP8 its own copy)
+            shared = m.moe_shared_expert_size
+            out.update(shared_fc1_out=d * (2 if m.gated_mlp else 1) * shared / tp,
+                       shared_fc2_in=(lin + d * glu) * shared / tp)
+            if spec.fp8_linears:
+                out["shared_fc1_in"] = lin * h / sp
     else:
-        out.update(fc1_in=d * h / sp, fc1_out=d * (2 if m.gated_mlp else 1) * m.ffn_hidden_size / tp,
-                   fc2_in=d * (1 + glu) * m.ffn_hidden_size / tp)
+        out.update(fc1_in=lin * h / sp, fc1_out=d * (2 if m.gated_mlp else 1) * m.ffn_hidden_size / tp,
+                   fc2_in=(lin + d * glu) * m.ffn_hidden_size / tp)
     return out
 
 
@@ -128,15 +147,20 @@ def spec_freed_by_recompute(m, spec: ActivationSpec, module: str) -> tuple[froze
         kept = {"attn_ckpt_qkv": d * (q + k + (q + k + v if _value_view(m, spec) else v)) / m.tp,
                 "attn_ckpt_out": d * o / m.tp}
         return frozenset({"core_attn_in", "attn_kv_copy", "attn_out", "attn_lse"}), kept
-    if module == "mlp" and not m.is_moe:
-        return frozenset({"fc1_out", "fc2_in"}), {}
+    if module == "mlp" and not m.is_moe:  # TE's fc1 holds the norm (read): the checkpoint frees its output too
+        return frozenset({"fc1_out", "fc2_in"} | ({"fc1_in"} if spec.norm == "te" else set())), {}
+    if module == "layernorm" and spec.norm == "te":
+        # read: a dense layer's norms are fused into the linears (IdentityOps, nothing to recompute); an MoE
+        # layer's pre-MLP norm is its own module (the router reads it): its output goes, its input stays held
+        return frozenset({"router_in"} if m.is_moe else ()), {}
     if module == "layernorm":             # read: CheckpointWithoutOutput keeps the norm's input, drops its output
         names = {"attn_norm_in", "qkv_in", "mlp_norm_in"} | ({"router_in"} if m.is_moe else {"fc1_in"})
         return frozenset(names), {"norm_ckpt_in": 2 * d * m.hidden_size / sp}
     if module == "moe_act" and m.is_moe:
         return frozenset({"expert_fc2_in"}), {}
     if module == "moe" and m.is_moe:
-        return frozenset({"router_state", "expert_fc1_in", "expert_fc1_out", "expert_fc2_in"}), {}
+        return frozenset({"router_state", "expert_fc1_in", "expert_fc1_out", "expert_fc2_in", "shared_fc1_in",
+                          "shared_fc1_out", "shared_fc2_in"}), {}
     return frozenset(), {}
 
 

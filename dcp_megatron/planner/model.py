@@ -3,8 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dcp_megatron.planner.memory_spec import ActivationSpec
+from dcp_megatron.planner.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE, ActivationSpec
 from dcp_megatron.planner.mla import MlaShape
+
+
+# The spec of a shape that names none: TE's (read from its sources) for a TE run; for "local", the local spec's
+# measured count at bf16 widths with our CPU attention (runs pass their own: core/planning.activation_spec_of)
+DEFAULT_SPECS = {"transformer_engine": TRANSFORMER_ENGINE, "local": replace(LOCAL_BF16, attention="cpu")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,14 +29,17 @@ class ModelShape:
     num_experts: int | None = None        # 0 / None: a dense model
     moe_topk: int = 2                     # experts each token is routed to
     moe_ffn_hidden_size: int | None = None   # one expert's FFN width; None: ffn_hidden_size
+    # --moe-shared-expert-intermediate-size: a dense MLP of this width every token of an MoE layer runs beside its
+    # routed experts (held whole on every rank, split over tp only); None: none
+    moe_shared_expert_size: int | None = None
     # ZeRO stage over the DCP domain (param_sharding.py); None: the cluster's distributed_optimizer (1 or 0)
     zero_stage: int | None = None
-    # What the layers keep for backward (planner/activations.py): megatron-core's --transformer-impl and
+    # What the layers keep for backward (memory_spec.py): megatron-core's --transformer-impl and
     # --sequence-parallel (norm inputs and outputs are split over tp only with it)
     transformer_impl: str = "transformer_engine"   # or "local" (our CPU runs)
     sequence_parallel: bool = True
-    # The run's activation dtype and kernels, counted tensor by tensor (memory_spec.py); None: the table of
-    # activations.py for `transformer_impl` (bf16, fused kernels)
+    # The run's activation dtype and kernels, counted tensor by tensor (memory_spec.py); None: the default spec
+    # of `transformer_impl` (`activation_spec`)
     activations: ActivationSpec | None = None
     # Multi-latent attention (planner/mla.py; Megatron's --multi-latent-attention): None, plain attention
     mla: MlaShape | None = None
@@ -73,6 +81,12 @@ class ModelShape:
         width = self.moe_ffn_hidden_size
         if width is not None and (not isinstance(width, int) or width <= 0):
             raise ValueError(f"ModelShape.moe_ffn_hidden_size must be None or a positive int, got {width!r}")
+        shared = self.moe_shared_expert_size
+        if shared is not None and (not isinstance(shared, int) or shared <= 0):
+            raise ValueError(f"ModelShape.moe_shared_expert_size must be None or a positive int, got {shared!r}")
+        if shared is not None and not self.is_moe:
+            raise ValueError("ModelShape.moe_shared_expert_size needs experts: set num_experts (a dense model's MLP "
+                             "is ffn_hidden_size)")
         if not self.is_moe:
             if self.ep > 1:
                 raise ValueError(f"ModelShape.ep={self.ep} needs experts: set num_experts (a dense model has no EP)")
@@ -81,6 +95,11 @@ class ModelShape:
             raise ValueError(f"ModelShape.moe_topk={self.moe_topk} exceeds num_experts={self.num_experts}")
         if self.num_experts % self.ep:
             raise ValueError(f"ModelShape.ep={self.ep} does not divide num_experts={self.num_experts}")
+
+    @property
+    def activation_spec(self) -> ActivationSpec:
+        """The spec the memory count uses: the shape's own, else its transformer_impl's default."""
+        return self.activations if self.activations is not None else DEFAULT_SPECS[self.transformer_impl]
 
     @property
     def is_moe(self) -> bool:
@@ -119,8 +138,7 @@ class ModelShape:
         our CPU attention drops the zero columns again (docs/megatron.md)."""
         if self.mla is None:
             return self.head_dim
-        cpu = self.activations.attention == "cpu" if self.activations is not None else self.transformer_impl == "local"
-        return self.value_head_dim if cpu else self.score_head_dim
+        return self.value_head_dim if self.activation_spec.attention == "cpu" else self.score_head_dim
 
     @property
     def layers_with_mtp(self) -> int:
@@ -143,22 +161,27 @@ class ModelShape:
         return (3 if self.gated_mlp else 2) * self.hidden_size * width
 
     @property
+    def shared_expert_params(self) -> int:
+        """A layer's shared expert's weights (0 without one)."""
+        return (3 if self.gated_mlp else 2) * self.hidden_size * (self.moe_shared_expert_size or 0)
+
+    @property
     def router_params_per_layer(self) -> int:
         return self.hidden_size * self.num_experts if self.is_moe else 0
 
     @property
     def mlp_params_per_layer(self) -> int:
-        """Stored MLP weights of a layer: the dense MLP, or the router and every expert."""
+        """Stored MLP weights of a layer: the dense MLP, or the router, every expert and the shared one."""
         if not self.is_moe:
             return self.expert_mlp_params
-        return self.router_params_per_layer + self.num_experts * self.expert_mlp_params
+        return self.router_params_per_layer + self.num_experts * self.expert_mlp_params + self.shared_expert_params
 
     @property
     def active_mlp_params_per_layer(self) -> int:
-        """MLP weights one token multiplies: the dense MLP, or the router and its top-k experts."""
+        """MLP weights one token multiplies: the dense MLP, or the router, its top-k experts and the shared one."""
         if not self.is_moe:
             return self.expert_mlp_params
-        return self.router_params_per_layer + self.moe_topk * self.expert_mlp_params
+        return self.router_params_per_layer + self.moe_topk * self.expert_mlp_params + self.shared_expert_params
 
     @property
     def expert_params(self) -> int:
@@ -250,12 +273,13 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     "mixtral-8x7b": ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                                ffn_hidden_size=14336, vocab_size=32000, num_experts=8, moe_topk=2),
     # DeepSeek-V3's layer (public config: MLA with a 1536 q / 512 kv latent, 128 heads of 128 + 64 rope q/k dims
-    # and 128 v dims; 256 experts of width 2048, top-8; one MTP layer) at 16 layers instead of 61, so that its
-    # weights fit an H200 at EP 64 (197B parameters, 11.2B active per token; 86 GB of static state per rank on a
-    # 64-GPU domain); every layer MoE (V3's three dense first layers and its shared expert are not modelled).
+    # and 128 v dims; 256 experts of width 2048, top-8, and one shared expert of width 2048; one MTP layer) at 16
+    # layers instead of 61, so that its weights fit an H200 at EP 64 (198B parameters, 11.9B active per token;
+    # 91 GB of static state per rank on a 64-GPU domain); every layer MoE (V3's three dense first layers are not
+    # modelled).
     "deepseek-v3-like": ModelShape(num_layers=16, hidden_size=7168, num_heads=128, num_kv_heads=128, head_dim=128,
                                    ffn_hidden_size=18432, vocab_size=129280, num_experts=256, moe_topk=8,
-                                   moe_ffn_hidden_size=2048, mtp_num_layers=1,
+                                   moe_ffn_hidden_size=2048, moe_shared_expert_size=2048, mtp_num_layers=1,
                                    mla=MlaShape(q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
                                                 qk_pos_emb_head_dim=64, v_head_dim=128, qk_layernorm=True)),
 }

@@ -80,7 +80,7 @@ def static_state_bytes(model: ModelShape, cluster: ClusterSpec) -> int:
 def largest_gathered_params(model: ModelShape) -> float:
     """Parameters per rank (after tp) of the largest unit stage 3 gathers at once: a layer or the embedding."""
     if model.is_moe:   # the layer's experts: num_experts / ep of them on this rank
-        layer = ((model.attn_params_per_layer + model.router_params_per_layer) / model.tp
+        layer = ((model.attn_params_per_layer + model.router_params_per_layer + model.shared_expert_params) / model.tp
                  + model.num_experts * model.expert_mlp_params / (model.tp * model.ep))
     else:
         layer = (model.attn_params_per_layer + model.mlp_params_per_layer) / model.tp

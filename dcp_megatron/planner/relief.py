@@ -110,20 +110,20 @@ def held_bytes_per_layer(model, recompute: Recompute, tensors: dict | None = Non
     return float(sum(v for k, v in tensors.items() if k not in freed) + sum(kept.values()))
 
 
-def stage_peak_bytes(model, recompute: Recompute, *, held: float, none_bytes: float, full_bytes: float,
-                     output_bytes: float, layers: int) -> float:
-    """Peak bytes per local token of one stage's micro-batch (no pipelining), `held` its layers' saved bytes: the
+def stage_peak_bytes(model, recompute: Recompute, *, held: float, none_bytes: float, relief_bytes: float,
+                     full_bytes: float, output_bytes: float, layers: int) -> float:
+    """Peak bytes per local token of one stage's micro-batch (no pipelining), `held` its layers' saved bytes and
+    `relief_bytes` one layer's with the relief's recompute modules (no offload; `none_bytes`' units): the
     loss's (everything held and the output layer's `output_bytes`) or a layer's backward, whichever is higher. The
     last layer's backward holds everything and what its recomputed modules bring back, with the gradients
     (memory_spec.py); block recompute reruns the first k layers last, when only their k inputs are left, one of
     them rerun whole beside its input."""
-    mlp_grad, norm_grad = spec_gradient_bytes(model, model.activations)
+    mlp_grad, norm_grad = spec_gradient_bytes(model, model.activation_spec)
     if recompute.kind == "full":
         k = recompute.full_layers
         last = held + max(mlp_grad, norm_grad) if k < layers else 0.0
         return max(held + output_bytes, last, k * full_bytes + none_bytes + max(mlp_grad, norm_grad))
-    back = none_bytes - held_bytes_per_layer(model, Recompute(recompute.kind, modules=recompute.modules))
-    return held + max(output_bytes, back + mlp_grad, norm_grad)
+    return held + max(output_bytes, none_bytes - relief_bytes + mlp_grad, norm_grad)
 
 
 def offload_kept_bytes(model, recompute: Recompute, layers: int) -> float:
@@ -151,8 +151,8 @@ class ReliefCosts:
         self.model, self.cluster, self.moe, self.layers = model, cluster, moe, layers_per_stage
         linear = model.active_linear_params
         self.mlp_share = 0.0 if model.is_moe else model.num_layers * model.expert_mlp_params / linear
-        self.expert_share = (model.num_layers * model.moe_topk * model.expert_mlp_params / linear
-                             if model.is_moe else 0.0)
+        self.expert_share = (model.num_layers * (model.moe_topk * model.expert_mlp_params + model.shared_expert_params)
+                             / linear if model.is_moe else 0.0)
         self._offloaded: dict[Recompute, float] = {}
 
     def extra_seconds(self, local_tokens, compute_s, attn_s, recompute: Recompute):

@@ -1,7 +1,7 @@
 """The baselines' run-wide settings and their sweep (planner/baselines/sweep.py), on small cases worked by hand.
 
-tiny_cost(2) (gpt-tiny, 4 layers, 2 ranks, CP at most 2): at most 2,529 local tokens per rank without recompute,
-2,537 with selective, 2,496 / 3,101 / 4,092 / 6,015 with full recompute of 1 / 2 / 3 / 4
+tiny_cost(2) (gpt-tiny, 4 layers, 2 ranks, CP at most 2): at most 2,427 local tokens per rank without recompute,
+2,435 with selective, 2,974 / 3,876 / 5,565 / 6,865 with full recompute of 1 / 2 / 3 / 4
 layers; 1e-4 s per micro-batch (test_the_memory_figures_this_file_works_from pins them).
 """
 import pytest
@@ -55,8 +55,8 @@ def test_a_larger_cap_wins_by_one_microbatch_when_it_needs_no_recompute():
 
 
 def test_a_cap_that_needs_recompute_pays_it_on_every_microbatch_and_loses():
-    """Four 2,000-token documents on 2 ranks. Cap 2,529 without recompute: 2 micro-batches of one document per
-    rank. Cap 6,015 holds two per rank (4,000) in one micro-batch only with full recompute of all 4 layers, which
+    """Four 2,000-token documents on 2 ranks. Cap 2,427 without recompute: 2 micro-batches of one document per
+    rank. Cap 6,865 holds two per rank (4,000) in one micro-batch with full recompute of all 4 layers, which
     adds 1/3 of the compute: far more than the one micro-batch overhead it saves. A cap whose recompute does
     not fit it cannot run."""
     cost = tiny_cost(2)
@@ -64,7 +64,7 @@ def test_a_cap_that_needs_recompute_pays_it_on_every_microbatch_and_loses():
     none_cap = DynamicSetting(token_cap=cost.max_local_tokens(NO_RECOMPUTE), recompute=NO_RECOMPUTE)
     full_cap = DynamicSetting(token_cap=cost.max_local_tokens(FULL4), recompute=FULL4)
     too_big = DynamicSetting(token_cap=cost.max_local_tokens(FULL4), recompute=NO_RECOMPUTE)
-    assert (none_cap.token_cap, full_cap.token_cap) == (2529, 6015)
+    assert (none_cap.token_cap, full_cap.token_cap) == (2427, 6865)
     result = sweep("megatron-dynamic", [batch], cost, max_seq_len=2000, grid=[full_cap, none_cap, too_big])
     assert result.winner == none_cap
     assert "cannot run" in result.points[2].note and "does not fit" in result.points[2].note
@@ -87,15 +87,15 @@ def test_the_run_wide_recompute_is_paid_by_light_microbatches_too():
 
 def test_the_default_cap_comes_from_memory_not_from_the_static_layout():
     """Untuned, megatron-dynamic's cap is the most tokens memory holds with the least recompute that holds the
-    run's longest sequence on the largest CP size (2): 3,000 tokens -> 1,500 per rank -> none, cap 2,529;
-    6,000 -> 3,000 per rank -> full 2 (cap 3,101). The static layout (CP 2, capacity 1,500 / 3,000) plays no part."""
+    run's longest sequence on the largest CP size (2): 3,000 tokens -> 1,500 per rank -> none, cap 2,427;
+    6,000 -> 3,000 per rank -> full 2 (cap 3,876). The static layout (CP 2, capacity 1,500 / 3,000) plays no part."""
     cost = tiny_cost(2)
-    assert default_dynamic_setting(cost, 3000, [1, 2]) == DynamicSetting(token_cap=2529, recompute=NO_RECOMPUTE)
-    assert default_dynamic_setting(cost, 6000, [1, 2]) == DynamicSetting(token_cap=3101, recompute=FULL2)
+    assert default_dynamic_setting(cost, 3000, [1, 2]) == DynamicSetting(token_cap=2427, recompute=NO_RECOMPUTE)
+    assert default_dynamic_setting(cost, 6000, [1, 2]) == DynamicSetting(token_cap=3876, recompute=FULL2)
     batch = [(0, 3000), (1, 1000), (2, 900)]
     plan = make_plan("megatron-dynamic", batch, cost, max_seq_len=3000)
     tuned = make_plan("megatron-dynamic", batch, cost, max_seq_len=3000, setting=DynamicSetting(
-        token_cap=2529, recompute=NO_RECOMPUTE))
+        token_cap=2427, recompute=NO_RECOMPUTE))
     assert plan.dumps() == tuned.dumps() and _recomputes(plan) == {"none"}
 
 
@@ -105,15 +105,15 @@ def test_grids_hold_what_a_user_would_try():
     assert static_grid(cost, 4000) == [StaticSetting(cp_size=1, recompute=FULL3),
                                        StaticSetting(cp_size=2, recompute=NO_RECOMPUTE),
                                        StaticSetting(cp_size=2, recompute=SELECTIVE)]
-    # caps: 256 x 2^(k/2) rounded to 256 (..., 2,816, 4,096, 5,888), plus the most none (2,529), selective
-    # (2,537) and full 2, 3, 4 (3,101, 4,092, 6,015: full 2 is the fewest holding 3,000) hold, from the longest
-    # sequence's share of CP 2 (3,000) up to 6,015
-    assert token_caps(cost, 6000, 2) == [3101, 4092, 4096, 5888, 6015]
+    # caps: 256 x 2^(k/2) rounded to 256 (..., 2,816, 4,096, 5,888), plus the most none (2,427), selective
+    # (2,435) and full 2, 3, 4 (3,876, 5,565, 6,865: full 2 is the fewest holding 3,000) hold, from the longest
+    # sequence's share of CP 2 (3,000) up to 6,865
+    assert token_caps(cost, 6000, 2) == [3876, 4096, 5565, 5888, 6865]
     assert default_dynamic_setting(cost, 6000, [1, 2]) in grid_of("megatron-dynamic", cost, 6000)
     grid = dynamic_grid(cost, 6000)
     assert {s.min_cp_size for s in grid} == {1, 2}
-    assert DynamicSetting(token_cap=4092, recompute=FULL3) in grid      # the fewest full layers holding 4,092
-    assert DynamicSetting(token_cap=4092, recompute=FULL4) not in grid  # more layers: only slower
+    assert DynamicSetting(token_cap=5565, recompute=FULL3) in grid      # the fewest full layers holding 5,565
+    assert DynamicSetting(token_cap=5565, recompute=FULL4) not in grid  # more layers: only slower
     assert all(cost.memory_from_tokens(s.token_cap, s.recompute) <= cost.cluster.mem_budget_bytes for s in grid)
     with pytest.raises(ValueError, match="takes a DynamicSetting"):
         make_plan("megatron-dynamic", [(0, 10)], cost, max_seq_len=10, setting=StaticSetting(cp_size=1,
@@ -139,9 +139,23 @@ def test_the_simulator_runs_each_baseline_at_its_swept_winner():
 
 
 def test_the_memory_figures_this_file_works_from():
-    """The per-rank token capacities the module docstring states (the cases above are worked from them)."""
+    """The per-rank token capacities the module docstring states (the cases above are worked from them), and the
+    TE spec's count they come from (memory_spec.py, bf16, gpt-tiny: h 128, 4 heads of 32, 2 KV heads, f 384)."""
     cost = tiny_cost(2)
     caps = {str(r): cost.max_local_tokens(r) for r in (NO_RECOMPUTE, SELECTIVE, Recompute("full", 1), FULL2, FULL3,
                                                        FULL4)}
-    assert caps == {"none": 2529, "selective": 2537, "full1": 2496, "full2": 3101, "full3": 4092, "full4": 6015}, caps
+    assert caps == {"none": 2427, "selective": 2435, "full1": 2974, "full2": 3876, "full3": 5565, "full4": 6865}, caps
+    # a layer: two norms' input and 1/rms (2 x 128 + 4) and outputs (2 x 128), q k v 2(128 + 64 + 64), the output
+    # 2 x 128, the LSE 4 x 4 heads, fc1's output 2 x 2 x 384, fc2's input 2 x 384
+    layer = 2 * 260 + 2 * 256 + 512 + 256 + 16 + 1536 + 768
+    # the loss: logits and their fp32 copy 6 x 512; the final norm, its output and the decoder's input, the labels
+    # and the loss; a layer's backward: fc1's output's and the layer's input and output gradients
+    output, grad = 6 * 512 + 260 + 2 * 256 + 8 + 4, 2 * (2 * 384 + 2 * 128)
+
+    def full(k):   # k layer inputs and the fp32 RoPE table; the first layer rerun whole last, beside its gradients
+        return max((4 - k) * layer + 256 * k + 4 * 32 + output, 256 * k + layer + grad)
+    per_token = {"none": 4 * layer + output, "selective": 4 * (layer - 16) + output,
+                 **{f"full{k}": full(k) for k in range(1, 5)}}
+    room = cost.cluster.mem_budget_bytes - cost.static_bytes
+    assert caps == {name: int(room // b) for name, b in per_token.items()}
     assert cost.cluster.microbatch_overhead_s == 1e-4

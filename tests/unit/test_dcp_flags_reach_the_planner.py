@@ -62,10 +62,10 @@ def test_the_deepspeed_scripts_dcp_flags_and_json_block_reach_the_cost_model(whe
 @pytest.mark.parametrize("run", [{}, {"bf16": True}, {"transformer_impl": "transformer_engine"}])
 def test_cpu_memory_count_reaches_the_model_shape_of_a_cpu_fp32_local_run_only(run):
     """`--dcp-cpu-memory-count` counts a CPU fp32 local-spec run as it runs (memory_spec.CPU_FP32); without the flag,
-    or on a run it does not describe, the bf16 table (activations None)."""
+    or on a run it does not describe, TE's bf16 count (the units the suite's budgets are set in)."""
     from dcp_megatron.core.planning import model_shape_from_args
     from dcp_megatron.flags.dcp_flags import add_dcp_arguments
-    from dcp_megatron.planner.memory_spec import CPU_FP32
+    from dcp_megatron.planner.memory_spec import CPU_FP32, TRANSFORMER_ENGINE
 
     def shape(flags):
         args = add_dcp_arguments(argparse.ArgumentParser()).parse_args(["--dcp", *flags])
@@ -75,5 +75,20 @@ def test_cpu_memory_count_reaches_the_model_shape_of_a_cpu_fp32_local_run_only(r
                            "pipeline_model_parallel_size": 1, "transformer_impl": "local", **run})
         return model_shape_from_args(args)
 
-    assert shape([]).activations is None
-    assert shape(["--dcp-cpu-memory-count"]).activations == (CPU_FP32 if not run else None)
+    assert shape([]).activations == TRANSFORMER_ENGINE
+    assert shape(["--dcp-cpu-memory-count"]).activations == (CPU_FP32 if not run else TRANSFORMER_ENGINE)
+
+
+def test_a_gpu_run_counts_with_the_spec_of_the_layers_it_runs(monkeypatch):
+    """A GPU run is counted with the spec it builds: TE's for --transformer-impl transformer_engine (its FP8
+    linears' under --fp8-format), the local spec's bf16 count for local."""
+    import torch
+
+    from dcp_megatron.core.planning import activation_spec_of
+    from dcp_megatron.planner.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE, TRANSFORMER_ENGINE_FP8
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    te = dict(transformer_impl="transformer_engine", bf16=True)
+    assert activation_spec_of(argparse.Namespace(**te, fp8=None)) == TRANSFORMER_ENGINE
+    assert activation_spec_of(argparse.Namespace(**te, fp8="hybrid")) == TRANSFORMER_ENGINE_FP8
+    assert activation_spec_of(argparse.Namespace(transformer_impl="local", bf16=True)) == LOCAL_BF16

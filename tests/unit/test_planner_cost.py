@@ -92,14 +92,18 @@ def test_pipeline_stage_time_and_recompute_depth():
 def test_output_layer_counts_bf16_logits_and_their_fp32_upcast():
     """At the cross-entropy peak the last stage holds the output layer's bf16 logits (2 B) and the fp32 copy
     vocab_parallel_cross_entropy makes of them (4 B) per vocab/tp entry per local token; with PP > 1 stage 0's
-    in-flight activations can be the larger term, as before. Llama-3-8B: vocab 128,256, hidden 4,096, 32 layers."""
+    in-flight activations can be the larger term, as before. Beside them, per token: the final norm (TE: its input
+    and 1/rms), its output and the decoder's input GPTModel holds (bf16), the int64 labels and the fp32 loss.
+    Llama-3-8B: vocab 128,256, hidden 4,096, 32 layers."""
+    h = 4096
     for tp in (1, 2):
         cost = CostModel(model_preset("llama3-8b", tp=tp), cluster_preset("h200", domain_size=8))
-        layers = 32 * sum(layer_tensors(model_preset("llama3-8b", tp=tp)).values())   # activations.py
-        assert cost.bytes_per_local_token(NO_RECOMPUTE) == layers + 6 * 128_256 / tp
-        assert cost.held_bytes_per_local_token(NO_RECOMPUTE) == layers + 6 * 128_256 / tp
+        layers = 32 * sum(layer_tensors(model_preset("llama3-8b", tp=tp)).values())
+        per_token = (2 * h + 4 + 2 * 2 * h) / tp + 8 + 4
+        assert cost.bytes_per_local_token(NO_RECOMPUTE) == layers + 6 * 128_256 / tp + per_token
+        assert cost.held_bytes_per_local_token(NO_RECOMPUTE) == layers + 6 * 128_256 / tp + per_token
     measured = CostModel(model_preset("llama3-8b"), cluster_preset("h200", domain_size=8),
-                         profile={"output_bytes_per_vocab": 4.0})      # a profile (e.g. fp32 on CPU) still overrides
+                         profile={"output_bytes_per_vocab": 4.0})   # a profile's factor holds all outside the layers
     layers = 32 * sum(layer_tensors(model_preset("llama3-8b")).values())
     assert measured.bytes_per_local_token(NO_RECOMPUTE) == layers + 4 * 128_256
 
@@ -151,3 +155,20 @@ def test_bad_arguments_raise_clear_errors():
         cluster_preset("h200", domain_size=0)
     with pytest.raises(ValueError, match="collective_latency_s must be >= 0 seconds, got -1"):
         dataclasses.replace(tiny_cluster(4), collective_latency_s=-1.0)
+
+
+def test_a_profiles_measured_factors_scale_the_spec_count_and_nothing_else_moves_the_peak():
+    """A profile's factors per hidden unit replace the layers' count (none 70, a recomputed layer 8, its RoPE table
+    among them) and its output factor everything outside the layers: without relief the peak is the loss's, the
+    layers' saved bytes and the output, with no backward term left over from the unscaled spec."""
+    from dcp_megatron.planner.cluster import cpu_cluster
+    from dcp_megatron.planner.model import ModelShape
+
+    shape = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_hidden_size=128,
+                       vocab_size=256)
+    profile = {"activation_bytes_per_hidden": {"none": 70.0, "selective": 66.0, "full": 8.0},
+               "output_bytes_per_vocab": 5.0}
+    cost = CostModel(shape, cpu_cluster(2), profile=profile)
+    assert cost.bytes_per_local_token(NO_RECOMPUTE) == cost.held_bytes_per_local_token(NO_RECOMPUTE) == \
+        2 * 70 * 64 + 5 * 256
+    assert cost.layer_bytes_per_local_token(Recompute("full", 1)) == 70 * 64 + 8 * 64

@@ -173,11 +173,13 @@ def test_megatron_adapter_passes_the_mla_and_mtp_flags():
 
 
 def test_the_deepseek_v3_like_preset_plans_a_long_document_with_ep():
-    """MLA + 256 experts top-8 + MTP fits the H200 preset at EP 64: a 32K-token document has a CP group."""
+    """MLA + 256 experts top-8 and a shared expert + MTP fits the H200 preset at EP 64: a 32K-token document has a
+    CP group."""
     from dcp_megatron.planner.policies import make_plan
 
     model = model_preset("deepseek-v3-like", ep=64)
     assert model.mla is not None and model.num_experts == 256 and model.moe_topk == 8 and model.mtp_num_layers == 1
+    assert model.moe_shared_expert_size == 2048
     cost = CostModel(model, cluster_preset("h200", domain_size=64))
     assert cost.max_local_tokens(NO_RECOMPUTE) > 0
     plan = make_plan("dcp", [(0, 32768), (1, 1024)], cost, max_seq_len=32768)

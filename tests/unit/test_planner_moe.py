@@ -3,6 +3,7 @@ simulator's --ep and the Megatron adapter's MoE flags. Numbers worked by hand on
 import argparse
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -49,17 +50,55 @@ def test_tiny_moe_static_and_activation_memory_by_hand():
     # FP8 weight copies: 2 B per linear weight held, experts / ep
     fp8 = CostModel(dataclasses.replace(TINY_MOE, ep=2), cluster, gpu=GpuCosts(fp8=True))
     assert fp8.static_bytes - sharded.static_bytes == 2 * ((2064 - 1536) + 768)
-    # activations per layer (activations.py, TE spec, bf16): attention norm input and output 2 x 16, q k v 2 x 16,
-    # output 16, LSE 4 B x 2 heads = 88; MoE: pre-MLP norm input and router input 2 x 16, top-2 copies of the
-    # experts' input 2 x 16, fc1 output and activation output 2 x 2 B x 12 each = 160; x 2 layers, + the output
-    # layer's bf16 logits and their fp32 copy, 6 x vocab 10
-    assert sharded.bytes_per_local_token(NO_RECOMPUTE) == (88 + 160) * 2 + 60
-    assert sharded.bytes_per_local_token(SELECTIVE) == (88 - 8 + 160) * 2 + 60          # core_attn frees the LSE
+    # activations per layer (memory_spec.py, the TE spec, bf16): attention norm input 16 + 1/rms 4 and output 16,
+    # q k v 2 x 16, output 16, LSE 4 B x 2 heads = 92; MoE: pre-MLP norm input 16 + 1/rms 4, router input 16, the
+    # router's state (int64 map 8 x 4 experts, 20 B x top-2, the permuted probabilities 2 x 2 B) 76, top-2 copies
+    # of the experts' input 2 x 16, fc1 output and activation output 2 x 2 B x 12 each = 240
+    attention, moe_layer = 20 + 16 + 32 + 16 + 8, 20 + 16 + (8 * 4 + 20 * 2 + 2 * 2) + 2 * 16 + 48 + 48
+    # the output layer: bf16 logits and their fp32 copy 6 x vocab 10; the final norm (16 + 4), its output and the
+    # decoder's input (2 x 16), int64 labels and the fp32 loss
+    output = 6 * 10 + (20 + 32 + 8 + 4)
+    # a layer's backward: the experts' output gradient 2 B x top-2 x 8 and one expert's rows 2 x 2 x 3 x 12 / 4
+    mlp_grad = 2 * 2 * (8 + 3 * 12 / 4)
+    layer = attention + moe_layer
+    assert sharded.bytes_per_local_token(NO_RECOMPUTE) == layer * 2 + output           # the loss's peak
+    assert sharded.bytes_per_local_token(SELECTIVE) == (layer - 8) * 2 + output       # core_attn frees the LSE
     moe_act, moe = (Recompute("selective", modules=frozenset({m})) for m in ("moe_act", "moe"))
-    assert sharded.bytes_per_local_token(moe_act) == (88 + 160 - 48) * 2 + 60             # the activation's output
-    assert sharded.bytes_per_local_token(moe) == (88 + 32) * 2 + 60                       # the MoE layer's input only
-    # full recompute of both layers: their inputs (2 x 16) + one layer's working set (248) while it reruns
-    assert sharded.bytes_per_local_token(Recompute("full", 2)) == 2 * 16 + 248 + 60
+    assert sharded.bytes_per_local_token(moe_act) == (layer - 48) * 2 + output        # the activation's output
+    # `moe` keeps the MoE layer's input only; the last layer's backward brings its experts back beside their
+    # gradients: a higher peak than the loss's
+    freed = 76 + 32 + 48 + 48
+    assert sharded.bytes_per_local_token(moe) == (layer - freed) * 2 + freed + mlp_grad
+    # full recompute of both layers: their inputs (2 x 16) rerun last, one of them whole beside its gradients
+    assert sharded.bytes_per_local_token(Recompute("full", 2)) == 2 * 16 + layer + mlp_grad
+
+
+def test_a_shared_expert_is_a_dense_mlp_every_token_runs_beside_its_experts():
+    """--moe-shared-expert-intermediate-size 6 on TINY_MOE (plain MLPs): 2 x 8 x 6 = 96 weights a layer, stored and
+    multiplied by every token, not split over EP; it keeps fc1's output and fc2's input (2 B x 6 each; its input is
+    the router's, kept once), which `moe` recompute frees with the experts'; FP8 adds its own 1 B input copy."""
+    from dcp_megatron.planner.activations import layer_tensors
+    from dcp_megatron.planner.memory_spec import TRANSFORMER_ENGINE_FP8
+    from dcp_megatron.planner.param_sharding import largest_gathered_params
+
+    shared = dataclasses.replace(TINY_MOE, moe_shared_expert_size=6)
+    assert shared.shared_expert_params == 96
+    assert shared.mlp_params_per_layer - TINY_MOE.mlp_params_per_layer == 96
+    assert shared.linear_flops_per_token - TINY_MOE.linear_flops_per_token == 6.0 * 2 * 96
+    assert shared.expert_params == TINY_MOE.expert_params          # not an EP-split expert
+    assert largest_gathered_params(dataclasses.replace(shared, ep=2)) - \
+        largest_gathered_params(dataclasses.replace(TINY_MOE, ep=2)) == 96
+    added = {k: v for k, v in layer_tensors(shared).items() if k not in layer_tensors(TINY_MOE)}
+    assert added == {"shared_fc1_out": 12, "shared_fc2_in": 12}
+    cluster = tiny_cluster(4)
+    moe = Recompute("selective", modules=frozenset({"moe"}))
+    with_shared, without = (CostModel(m, cluster, allowed_recompute=MENU_NAMES) for m in (shared, TINY_MOE))
+    assert with_shared.layer_bytes_per_local_token(moe) == without.layer_bytes_per_local_token(moe)
+    assert with_shared.layer_bytes_per_local_token(NO_RECOMPUTE) - without.layer_bytes_per_local_token(NO_RECOMPUTE) \
+        == 2 * 24
+    assert layer_tensors(dataclasses.replace(shared, activations=TRANSFORMER_ENGINE_FP8))["shared_fc1_in"] == 8
+    with pytest.raises(ValueError, match="needs experts"):
+        dataclasses.replace(TINY_MOE, num_experts=None, moe_shared_expert_size=6)
 
 
 def test_all_to_all_seconds_by_hand():
@@ -119,23 +158,27 @@ def test_moe_shape_and_cost_model_refuse_bad_values():
 
 
 def test_dense_presets_keep_their_numbers():
-    """Pinned before MoE entered the cost model (same values at the commit before it); memory re-pinned when the
-    output layer's count became bf16 logits + their fp32 upcast (6 B per vocab/tp entry, was 4: +2 B x vocab
-    per token on PP 1; PP 2's in-flight activations stay the larger term)."""
+    """Pinned before MoE entered the cost model (same values at the commit before it). Memory is the TE spec's
+    count (memory_spec.py): the stage's layers and the output layer at the loss's peak, which a layer's backward
+    stays below here; PP 2's stage 0 holds 2 micro-batches' layers instead when that is more."""
+    from dcp_megatron.planner.activations import layer_tensors
+    from dcp_megatron.planner.memory_spec import spec_output_bytes
+
     expected = {
-        "llama3-8b": (1, 1, 8030261248, 45027950592.0, 70824193024, 0.7658162336383516, 156513823744, 10721,
-                      1.266326790096843),
-        "llama3-70b": (8, 2, 70553706496, 417010286592.0, 40063171968, 0.32774941307385774, 85068053888, 31612,
-                       0.46022274444189804),
-        "gpt-tiny": (1, 1, 918656, 5111808.0, 1618517600, 0.004166926110470787, 1938333280, 6418108,
-                     0.006039865962926455),
+        "llama3-8b": (1, 1, 8030261248, 45027950592.0, 70824193024, 0.7658162336383516, 1.266326790096843),
+        "llama3-70b": (8, 2, 70553706496, 417010286592.0, 40063171968, 0.32774941307385774, 0.46022274444189804),
+        "gpt-tiny": (1, 1, 918656, 5111808.0, 1618517600, 0.004166926110470787, 0.006039865962926455),
     }
-    for name, (tp, pp, params, flops, static, time_s, memory, max_local, bound) in expected.items():
+    for name, (tp, pp, params, flops, static, time_s, bound) in expected.items():
         model = model_preset(name, tp=tp, pp=pp)
         cost = CostModel(model, cluster_preset("h200", domain_size=16), gpu=GpuCosts(fp8=True, communicators=True))
         assert (model.num_params, model.linear_flops_per_token, cost.static_bytes) == (params, flops, static), name
         assert cost.microbatch_time([32768, 1000], 4, recompute=Recompute("full", 2)) == pytest.approx(time_s, rel=1e-12)
-        assert (cost.microbatch_memory([32768], 2), cost.max_local_tokens(NO_RECOMPUTE)) == (memory, max_local)
+        layers = model.num_layers // pp * sum(layer_tensors(model).values())
+        per_vocab, per_token = spec_output_bytes(model, model.activation_spec)
+        peak = max(pp * layers, layers + per_vocab * model.vocab_size / tp + per_token)
+        assert cost.microbatch_memory([32768], 2) == static + math.ceil(32768 / 2 * peak), name
+        assert cost.max_local_tokens(NO_RECOMPUTE) == int((cost.cluster.mem_budget_bytes - static) // peak), name
         assert lower_bound([(0, 100000), (1, 5000), (2, 300)], cost) == pytest.approx(bound, rel=1e-12)
 
 
@@ -215,7 +258,10 @@ def test_megatron_adapter_passes_the_moe_flags():
     assert (shape.num_experts, shape.moe_topk, shape.ep, shape.expert_mlp_params) == (4, 1, 2, 3 * 64 * 256)
     shape = model_shape_from_args(argparse.Namespace(**{**vars(args), "moe_ffn_hidden_size": 96}))
     assert shape.expert_mlp_params == 3 * 64 * 96
-    dense = model_shape_from_args(argparse.Namespace(**{**vars(args), "num_experts": None}))
+    shared = model_shape_from_args(argparse.Namespace(**{**vars(args), "moe_shared_expert_intermediate_size": 32}))
+    assert shared.shared_expert_params == 3 * 64 * 32
+    dense = model_shape_from_args(argparse.Namespace(**{**vars(args), "num_experts": None,
+                                                         "moe_shared_expert_intermediate_size": 32}))
     assert not dense.is_moe and dense.ep == 1 and dense.linear_flops_per_token == 6.0 * dense.linear_params
 
 

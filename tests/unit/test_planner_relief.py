@@ -25,11 +25,12 @@ def _h200(gpus=64, **kw):
 
 
 def test_llama_layer_bytes_by_tensor_and_what_each_module_frees():
-    """Llama-3-8B, TP 1, TE spec: attention 4h (norm input + output) + 2(q + 2kv) + 2q + LSE, MLP 4h + 2·2f + 2f."""
+    """Llama-3-8B, TP 1, TE spec (the presets' default): attention 4h (norm input + output) + 4 (1/rms) +
+    2(q + 2kv) + 2q + LSE, MLP 4h + 4 + 2·2f + 2f."""
     m = model_preset("llama3-8b")
     t = layer_tensors(m)
     h, f, kv = 4096, 14336, 1024
-    assert sum(t.values()) == 4 * h + 2 * (h + 2 * kv) + 2 * h + 4 * 32 + 4 * h + 6 * f
+    assert sum(t.values()) == 4 * h + 4 + 2 * (h + 2 * kv) + 2 * h + 4 * 32 + 4 * h + 4 + 6 * f
     cost = _h200()
     none = cost._layer_bytes[NO_RECOMPUTE]
     # MLP recompute under TE frees fc1's input, fc1's output and fc2's input: ~2/3 of the layer
@@ -44,20 +45,41 @@ def test_llama_layer_bytes_by_tensor_and_what_each_module_frees():
     # TP 8 with sequence parallelism splits every tensor; without it the norms' tensors are whole
     assert sum(layer_tensors(model_preset("llama3-8b", tp=8)).values()) == pytest.approx(sum(t.values()) / 8)
     no_sp = dataclasses.replace(model_preset("llama3-8b", tp=8), sequence_parallel=False)
-    assert layer_tensors(no_sp)["attn_norm_in"] == 2 * h
+    assert layer_tensors(no_sp)["attn_norm_in"] == 2 * h + 4
 
 
-def test_the_te_spec_read_from_transformer_engine_is_the_bf16_table_with_its_norms_rms():
-    """ActivationSpec's TE entries (v copied by TE's layout check, fused norms keeping 1/rms) count the bf16 table's
-    tensors plus 4 B per norm; the measured local spec keeps the whole qkv block through v's view."""
+def test_a_shape_is_counted_with_its_own_spec_else_its_transformer_impls():
+    """A shape without a spec counts TE's for a TE run (v copied by TE's layout check: q + 2kv) and the local spec
+    with our CPU attention for "local"; its own spec overrides either; the measured local spec keeps the whole qkv
+    block through v's view."""
     from dcp_megatron.planner.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE
 
     m = model_preset("llama3-8b")
-    te = layer_tensors(dataclasses.replace(m, activations=TRANSFORMER_ENGINE))
-    assert sum(te.values()) == sum(layer_tensors(m).values()) + 2 * 4
-    local = layer_tensors(dataclasses.replace(m, transformer_impl="local", activations=LOCAL_BF16))
+    assert m.activation_spec == TRANSFORMER_ENGINE
+    assert dataclasses.replace(m, transformer_impl="local").activation_spec == \
+        dataclasses.replace(LOCAL_BF16, attention="cpu")
+    te, local = layer_tensors(m), layer_tensors(dataclasses.replace(m, transformer_impl="local", activations=LOCAL_BF16))
     q, kv = 4096, 1024
     assert local["core_attn_in"] == 2 * (2 * q + 3 * kv) and te["core_attn_in"] == 2 * (q + 2 * kv)
+    assert sum(layer_tensors(dataclasses.replace(m, activations=LOCAL_BF16)).values()) == sum(local.values())
+
+
+def test_fp8_linears_keep_their_inputs_at_one_byte_and_linear_projs_its_own_copy():
+    """Under --fp8-format TE's linears keep their input quantized (1 B): the norms' outputs linear_qkv and fc1
+    read, fc2's input; linear_proj keeps a 1 B copy of the attention output beside the kernel's bf16 one; the
+    experts' inputs likewise. Everything else is the bf16 TE count."""
+    from dcp_megatron.planner.memory_spec import TRANSFORMER_ENGINE_FP8
+
+    m = model_preset("llama3-8b")
+    h, f, q = 4096, 14336, 4096
+    bf16, fp8 = layer_tensors(m), layer_tensors(dataclasses.replace(m, activations=TRANSFORMER_ENGINE_FP8))
+    assert fp8["qkv_in"] == fp8["fc1_in"] == h and fp8["fc2_in"] == f and fp8["attn_out"] == 2 * q + q
+    assert sum(bf16.values()) - sum(fp8.values()) == 2 * h + f - q
+    moe = model_preset("mixtral-8x7b")
+    moe_fp8 = layer_tensors(dataclasses.replace(moe, activations=TRANSFORMER_ENGINE_FP8))
+    assert moe_fp8["expert_fc1_in"] == 2 * h and moe_fp8["expert_fc2_in"] == 2 * f     # top-2 copies, 1 B each
+    with pytest.raises(ValueError, match="norm='te'"):
+        dataclasses.replace(TRANSFORMER_ENGINE_FP8, norm="torch")
 
 
 def test_a_long_document_gets_mlp_recompute_not_full_layers():

@@ -11,14 +11,16 @@ import pytest
 from dcp_megatron.config import DcpConfig, DcpUsageError
 from dcp_megatron.core.planning import build_cost_model, check_longest_fits, plan_global_batch
 from dcp_megatron.flags.dcp_flags import add_dcp_arguments, dcp_config_from_args
+from dcp_megatron.planner.memory_spec import TRANSFORMER_ENGINE
 from dcp_megatron.planner.model import ModelShape
 from dcp_megatron.planner.plan import Recompute
 from dcp_megatron.planner.baselines.settings import DynamicSetting, StaticSetting, setting_from_json
 
 SEQ = 2048
-# the demo's model (tools/demo.py) on 2 CPU ranks with its 0.02 GiB budget
+# the demo's model (tools/demo.py) on 2 CPU ranks with its 0.02 GiB budget, counted as the demo's run is
+# (core/planning.activation_spec_of: TE's bf16 count)
 SHAPE = ModelShape(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, ffn_hidden_size=384,
-                   vocab_size=384, transformer_impl="local")
+                   vocab_size=384, transformer_impl="local", activations=TRANSFORMER_ENGINE)
 
 
 def config_of(*flags: str) -> DcpConfig:

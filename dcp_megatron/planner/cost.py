@@ -181,7 +181,7 @@ class CostModel:
     def microbatch_memory(self, lengths: Sequence[int], cp_size: int, *,
                           recompute: Recompute = NO_RECOMPUTE) -> int:
         """Peak bytes per rank: static state + this micro-batch's activations and logits."""
-        return self.memory_from_tokens(self._local_sum(lengths, cp_size), recompute)
+        return self.memory_from_tokens(self._local_sum(lengths, cp_size), recompute, cp_size)
 
     def fits(self, lengths: Sequence[int], cp_size: int, *, recompute: Recompute = NO_RECOMPUTE) -> bool:
         return self.microbatch_memory(lengths, cp_size, recompute=recompute) <= self.cluster.mem_budget_bytes

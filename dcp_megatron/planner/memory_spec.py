@@ -15,9 +15,8 @@ head_dim, f the FFN width, E experts, k top-k:
   log-sum-exp 4 x heads; unfused RoPE ("torch") keeps its bf16 cos and sin for q and for k (4 x head_dim x d).
   Our CPU attention ("cpu", core/core_attention.py at CP 1, measured in fp32): the RoPE'd q, k and v repeated to
   every query head (2 d q), each document's output and their concatenation linear_proj keeps (2 d q), the fp32
-  log-sum-exp; k and the qkv block are freed. On a CP group of c it keeps the all-gathered K/V (c 2 d kv) and a
-  c-row int64 index instead of the repeated K/V and the concatenation: the count is CP 1's (the planner's memory
-  is per local token, whatever the group; with GQA of 2 or more heads per K/V head it bounds c = 2's).
+  log-sum-exp; k and the qkv block are freed. On a CP group of c (`cp_size`) it keeps the group's K/V gathered
+  (c d (k + v) per local token) and their int64 row index (8c) instead of the repeated K/V and the concatenation.
 - dense MLP: the norm, fc1's input (the norm's output), fc1's output 2 d f, fc2's input d f; the unfused
   SwiGLU (mlp.py's `glu`) also keeps silu's output and the linear half plus its offset (2 d f).
 - MoE (local SequentialMLP, alltoall dispatcher, balanced routing): the norm and its output (the router's
@@ -40,6 +39,7 @@ class ActivationSpec:
     swiglu: str = "fused"         # "fused" (bias_swiglu keeps its input) or "unfused" (mlp.py's glu)
     attention: str = "flash"      # "flash" (q, k, v, O, LSE) or "cpu" (our PackedCoreAttention)
     value_view: bool = True       # the attention keeps v as a view of linear_qkv's whole output
+    cp_size: int = 1              # the micro-batch's CP group: only our CPU attention keeps per-group tensors
 
     def __post_init__(self) -> None:
         choices = {"dtype_bytes": (2, 4), "norm": ("torch", "te"), "rope": ("torch", "fused"),
@@ -47,6 +47,8 @@ class ActivationSpec:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ActivationSpec.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.cp_size, int) or self.cp_size < 1:
+            raise ValueError(f"ActivationSpec.cp_size must be a positive int, got {self.cp_size!r}")
 
 
 # What megatron-core's TE spec keeps, read from Transformer Engine's sources (docs/cost_model.md), not measured:
@@ -100,10 +102,15 @@ def spec_layer_tensors(m, spec: ActivationSpec) -> dict[str, float]:
     if spec.attention == "flash":
         out.update(core_attn_in=d * (q + k + (q + k + v if _value_view(m, spec) else v)) / tp,
                    attn_out=d * (o + trimmed_output_width(m)) / tp, attn_lse=FP32 * m.num_heads / tp)
-    else:
+    elif spec.cp_size == 1:
         # ours (CP 1): q, and k and v repeated to every query head; each document's output and the concatenation
         out.update(core_attn_in=d * q / tp, attn_kv_copy=d * (q + o) / tp, attn_out=2 * d * o / tp,
                    attn_lse=FP32 * m.num_heads / tp)
+    else:
+        # ours on a CP group of c: q, the group's K/V gathered and their row index (rows, not heads), the output
+        c = spec.cp_size
+        out.update(core_attn_in=d * q / tp, attn_kv_copy=c * d * (k + v) / tp, attn_kv_index=INT64 * c,
+                   attn_out=d * o / tp, attn_lse=FP32 * m.num_heads / tp)
     out["mlp_norm_in"] = _norm(spec, h) / sp
     glu = 2 if spec.swiglu == "unfused" and m.gated_mlp else 0
     if m.is_moe:
@@ -127,7 +134,7 @@ def spec_freed_by_recompute(m, spec: ActivationSpec, module: str) -> tuple[froze
         # ours keeps copies; the checkpoint keeps q, k and v (the whole qkv block) and linear_proj the output
         kept = {"attn_ckpt_qkv": d * (q + k + (q + k + v if _value_view(m, spec) else v)) / m.tp,
                 "attn_ckpt_out": d * o / m.tp}
-        return frozenset({"core_attn_in", "attn_kv_copy", "attn_out", "attn_lse"}), kept
+        return frozenset({"core_attn_in", "attn_kv_copy", "attn_kv_index", "attn_out", "attn_lse"}), kept
     if module == "mlp" and not m.is_moe:
         return frozenset({"fc1_out", "fc2_in"}), {}
     if module == "layernorm":             # read: CheckpointWithoutOutput keeps the norm's input, drops its output

@@ -56,13 +56,16 @@ def mla_shape_from_args(args) -> MlaShape | None:
 
 
 def activation_spec_of(args) -> ActivationSpec | None:
-    """What the run keeps for backward, where the planner has measured it: `--dcp-cpu-memory-count` on a CPU run
-    (fp32, the local spec) is counted as CPU_FP32 (memory_spec.py), so its budget is bytes; None: the bf16 table."""
+    """What the run keeps for backward, where the planner has measured it: a CPU run (fp32, the local spec) is
+    counted as CPU_FP32 (memory_spec.py; mlp.py's glu under --no-bias-swiglu-fusion), so its budget is bytes;
+    None: the bf16 table."""
     import torch
 
     cpu_fp32_local = (getattr(args, "transformer_impl", None) == "local" and not torch.cuda.is_available()
                       and not getattr(args, "bf16", False) and not getattr(args, "fp16", False))
-    return CPU_FP32 if cpu_fp32_local and getattr(args, "dcp_cpu_memory_count", False) else None
+    if not cpu_fp32_local:
+        return None
+    return CPU_FP32 if getattr(args, "bias_swiglu_fusion", True) else dataclasses.replace(CPU_FP32, swiglu="unfused")
 
 
 def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:

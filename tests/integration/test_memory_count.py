@@ -1,4 +1,4 @@
-"""A real `--dcp --dcp-cpu-memory-count` run (2 ranks, gloo, fp32, megatron.training's loop through our launcher):
+"""A real `--dcp` run (2 ranks, gloo, fp32, megatron.training's loop through our launcher):
 every micro-batch's forward saved for backward what the planner counted for its relief, within a few %, and no
 more than the budget the plan was made for.
 
@@ -46,7 +46,7 @@ def _cost_model():
     args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True,
                               num_query_groups=2, kv_channels=16, ffn_hidden_size=128, padded_vocab_size=256,
                               swiglu=True, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                              transformer_impl="local", dcp_cpu_memory_count=True)
+                              transformer_impl="local")
     config = DcpConfig(policy="dcp", seq_length=1024, memory_budget_gb=BUDGET_GB,
                        recompute=tuple(RECOMPUTE.split(",")))
     return build_cost_model(config, model_shape_from_args(args), domain_size=2, has_gpu=False)
@@ -56,7 +56,7 @@ def _cost_model():
 def measured(tmp_path_factory):
     plans = tmp_path_factory.mktemp("memory_count") / "plans"
     plans.mkdir()
-    run_training(OUR_SCRIPT, ["--dcp", "--dcp-cpu-memory-count", "--dcp-memory-budget-gb", str(BUDGET_GB),
+    run_training(OUR_SCRIPT, ["--dcp", "--dcp-memory-budget-gb", str(BUDGET_GB),
                               "--dcp-recompute", RECOMPUTE, "--dcp-dump-plans", str(plans)],
                  iters=ITERS, env={SAVED_BYTES_ENV: str(plans)}).check()
     records = []

@@ -166,8 +166,9 @@ def spec_gradient_bytes(m, spec: ActivationSpec) -> tuple[float, float]:
 
 def spec_rope_table_bytes(m) -> float:
     """Bytes per local token fully recomputed layers keep once between them: GPTModel's fp32 RoPE table (one
-    head_dim row per position of the longest document, at most one per token), an input of every checkpoint."""
-    return FP32 * m.head_dim
+    head_dim row per position of the longest document, an input of every checkpoint): at most one row per token
+    of the micro-batch, c per local token on a CP group of c."""
+    return FP32 * m.head_dim * (m.activations.cp_size if m.activations is not None else 1)
 
 
 def spec_output_bytes(m, spec: ActivationSpec) -> tuple[float, float]:

@@ -105,7 +105,8 @@ class CostModel:
                               cp_attention=self.cp_attention, prefer_ulysses=self.prefer_ulysses,
                               time_scale=self.time_scale, attention_times=(profile or {}).get("attention_times", ()))
         self.memory = MemoryModel(m, cluster, gpu=gpu, light=light, full_options=full,
-                                  layers_per_stage=self.layers_per_stage, profile=profile or {})
+                                  layers_per_stage=self.layers_per_stage, profile=profile or {},
+                                  ulysses="ulysses" in self.cp_attention)
         self.relief = ReliefChoice(self.time, self.memory, light=light, full_options=full,
                                    allowed_recompute=self.allowed_recompute)
         self.static_bytes = self.memory.static_bytes

@@ -36,14 +36,18 @@ class MemoryModel:
     """Micro-batch bytes per rank; CostModel builds it and hands out its methods."""
 
     def __init__(self, model, cluster, *, gpu, light: list[Recompute], full_options: list[Recompute],
-                 layers_per_stage: int, profile: dict, cp_size: int | None = None) -> None:
+                 layers_per_stage: int, profile: dict, cp_size: int | None = None, ulysses: bool = False) -> None:
         spec = model.activations
         self._per_cp: dict[int, MemoryModel] | None = None    # the count per CP size, where it depends on it
         if cp_size is None and spec is not None and spec.attention == "cpu":
             parts = dict(gpu=gpu, light=light, full_options=full_options, layers_per_stage=layers_per_stage,
                          profile=profile)
             self._per_cp = {}
-            self._count_for = lambda size: MemoryModel(model, cluster, cp_size=size, **parts)
+            # Ulysses (read, not measured) attends the whole sequence on c times the rows with heads / c, as CP 1
+            # does: a group that may run it is counted at least as CP 1
+            self._count_for = lambda size: max(
+                (MemoryModel(model, cluster, cp_size=c, **parts) for c in ({1, size} if ulysses else {size})),
+                key=lambda count: count._none_bytes_per_token)
             # linear in c beyond CP 1: the bound is at one end
             cp_size = max((1, cluster.cp_size_limit), key=lambda size: self.for_cp_size(size)._none_bytes_per_token)
         if cp_size is not None:

@@ -220,6 +220,10 @@ def test_our_cpu_attention_is_counted_per_cp_size_and_a_packer_without_one_gets_
     assert cpu.bytes_per_local_token(NO_RECOMPUTE) == cpu.bytes_per_local_token(NO_RECOMPUTE, 4)
     assert cpu.max_local_tokens(NO_RECOMPUTE) < cpu.max_local_tokens(NO_RECOMPUTE, 1)
     assert cpu.microbatch_memory([400], 2) < cpu.microbatch_memory([400], 1) / 2 + cpu.static_bytes / 2
+    # a group that may run Ulysses (read: it attends as CP 1 does, on c times the rows with heads / c): at least CP 1
+    ulysses = CostModel(ModelShape(**tiny, activations=CPU_FP32), cluster_preset("cpu", domain_size=4),
+                        cp_attention=("ulysses",))
+    assert ulysses.bytes_per_local_token(NO_RECOMPUTE, 2) == cpu.bytes_per_local_token(NO_RECOMPUTE, 1)
     gpu = CostModel(ModelShape(**tiny, activations=LOCAL_BF16), cluster_preset("cpu", domain_size=4))
     assert {gpu.bytes_per_local_token(NO_RECOMPUTE, c) for c in (None, 1, 2, 4)} == \
         {gpu.bytes_per_local_token(NO_RECOMPUTE)}

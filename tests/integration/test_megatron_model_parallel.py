@@ -42,12 +42,12 @@ PP = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
 # recompute checkpoint as the Parameter itself (patches/tensor_parallel_random.py)
 GELU_WITH_BIASES = [flag for flag in LLAMA_TINY if flag not in ("--swiglu", "--disable-bias-linear")]
 UNREFINED_STEPS = 3
-# Budgets that make 1,024-token documents need CP 2 or recompute at this layout (TP halves the
-# activations per rank; 1F1B keeps two micro-batches per stage in flight).
-TP_BUDGET = ["--dcp-memory-budget-gb", "0.002", "--dcp-recompute", "none,selective,full"]   # core attention and full k
+# Budgets (real bytes: planner/memory_spec.py CPU_FP32) that make 1,024-token documents need CP 2 or recompute at
+# this layout (TP halves the activations per rank; 1F1B keeps two micro-batches per stage in flight).
+TP_BUDGET = ["--dcp-memory-budget-gb", "0.0037", "--dcp-recompute", "none,selective,full"]   # core attention and full k
 # 2 layers per stage: at this budget some micro-batches fit with MLP recompute, fuller ones need both layers
 # recomputed, 1,024-token documents need CP 2
-PP_BUDGET = ["--dcp-memory-budget-gb", "0.003", "--dcp-recompute", "mlp,full"]
+PP_BUDGET = ["--dcp-memory-budget-gb", "0.0055", "--dcp-recompute", "mlp,full"]
 # Virtual pipeline stages (interleaved 1F1B), 4 layers, one per virtual stage. PP 2 x VPP 2 on 4 ranks: a 2-rank
 # domain, so plans mix CP 1 and 2 on every model chunk (1,024-token documents need CP 2 at this budget). PP 4 x
 # VPP 2 (8 layers) on 8 ranks (~2.5 min on 2 cores): a 2-rank domain at each of the 4 stages, CP groups on two
@@ -55,9 +55,9 @@ PP_BUDGET = ["--dcp-memory-budget-gb", "0.003", "--dcp-recompute", "mlp,full"]
 # micro-batches with full recompute next to CP-1 ones that recompute differently on the two ranks (full recompute
 # replays a CP micro-batch's forward after later forwards ran: it once hung there, patches/transformer_attention.py).
 VPP = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]
-VPP_BUDGET = ["--dcp-memory-budget-gb", "0.005", "--dcp-recompute", "selective,full"]
+VPP_BUDGET = ["--dcp-memory-budget-gb", "0.011", "--dcp-recompute", "selective,full"]
 PP4_VPP2 = ["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1"]
-PP4_BUDGET = ["--dcp-memory-budget-gb", "0.009", "--dcp-recompute", "selective,full"]
+PP4_BUDGET = ["--dcp-memory-budget-gb", "0.021", "--dcp-recompute", "selective,full"]
 
 
 @pytest.fixture(scope="module")

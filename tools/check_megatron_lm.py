@@ -61,19 +61,20 @@ _DEEPSEEK_SAMPLES = tuple(flag for flag in DEEPSEEK_TINY if flag != "--dataloade
 # layouts trained on whole samples (no --dataloader-inter-document-masking): their base flags
 _ON_SAMPLES = {"mixtral-samples": _SAMPLES, "deepseek-mtp-samples": _DEEPSEEK_SAMPLES}
 
-# layout: (flags of both runs, --dcp budget flags, ranks of the --dcp run, ranks of the plain run)
+# layout: (flags of both runs, --dcp budget flags (real bytes: planner/memory_spec.py CPU_FP32; each mixes CP 1 and 2
+# in dcp's own plans on the tests' lengths), ranks of the --dcp run, ranks of the plain run)
 _LAYOUTS = {
-    "dp": ([], ["--dcp-memory-budget-gb", "0.004"], 2, 2),
-    "tp2sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--dcp-memory-budget-gb", "0.002"], 4, 2),
+    "dp": ([], ["--dcp-memory-budget-gb", "0.007"], 2, 2),
+    "tp2sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--dcp-memory-budget-gb", "0.0037"], 4, 2),
     "pp2": (["--pipeline-model-parallel-size", "2"],
-            ["--dcp-memory-budget-gb", "0.0035", "--dcp-recompute", "selective,full"], 4, 2),
-    "mixtral": (_MIXTRAL, ["--dcp-memory-budget-gb", "0.006"], 2, 2),
-    "mixtral-samples": (_MIXTRAL, ["--dcp-memory-budget-gb", "0.02"], 2, 2),
-    "pp4vpp2": (_PP4_VPP2, ["--dcp-memory-budget-gb", "0.009", "--dcp-recompute", "selective,full"], 8, 4),
-    "deepseek": (_DEEPSEEK, ["--dcp-memory-budget-gb", "0.005"], 2, 2),
-    "deepseek-ep2": ([*_DEEPSEEK, "--expert-model-parallel-size", "2"], ["--dcp-memory-budget-gb", "0.005"], 4, 4),
-    "deepseek-mtp": ([*_DEEPSEEK, *_MTP], ["--dcp-memory-budget-gb", "0.005"], 2, 2),
-    "deepseek-mtp-samples": ([*_DEEPSEEK, *_MTP], ["--dcp-memory-budget-gb", "0.005"], 2, 2),
+            ["--dcp-memory-budget-gb", "0.0065", "--dcp-recompute", "selective,full"], 4, 2),
+    "mixtral": (_MIXTRAL, ["--dcp-memory-budget-gb", "0.012"], 2, 2),
+    "mixtral-samples": (_MIXTRAL, ["--dcp-memory-budget-gb", "0.04"], 2, 2),
+    "pp4vpp2": (_PP4_VPP2, ["--dcp-memory-budget-gb", "0.021", "--dcp-recompute", "selective,full"], 8, 4),
+    "deepseek": (_DEEPSEEK, ["--dcp-memory-budget-gb", "0.008"], 2, 2),
+    "deepseek-ep2": ([*_DEEPSEEK, "--expert-model-parallel-size", "2"], ["--dcp-memory-budget-gb", "0.008"], 4, 4),
+    "deepseek-mtp": ([*_DEEPSEEK, *_MTP], ["--dcp-memory-budget-gb", "0.015"], 2, 2),
+    "deepseek-mtp-samples": ([*_DEEPSEEK, *_MTP], ["--dcp-memory-budget-gb", "0.015"], 2, 2),
 }
 
 

@@ -16,8 +16,8 @@ megatron-dynamic, on real text.
    on identical global batches: with `--dcp` (each step's lengths decide CP sizes, micro-batches
    and recompute), with `--dcp --dcp-policy static` (Megatron's static layout: CP 2 for every
    document and the one recompute setting a full-length document needs) and with `--dcp --dcp-policy
-   megatron-dynamic --dcp-policy-setting <winner>` (tuned), all run by the same runtime with 18 MiB of
-   modelled memory per rank (--dcp-memory-budget-gb 0.02).
+   megatron-dynamic --dcp-policy-setting <winner>` (tuned), all run by the same runtime with 0.033 GiB
+   per rank (--dcp-memory-budget-gb 0.033, real bytes: planner/memory_spec.py CPU_FP32).
    The runs are measured under the same conditions: all stay alive and take turns in blocks
    of --block steps (each paused while the others train the same steps, tools/demo_interleave.py),
    so a change in the machine's load hits all; a step whose time spans a pause is left out.
@@ -199,9 +199,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--global-batch-size", type=int, default=4, help="samples of --seq-length per step")
     parser.add_argument("--max-files", type=int, default=60, help="standard-library modules to read")
-    parser.add_argument("--memory-budget-gb", type=float, default=0.02,
-                        help="modelled memory per rank (GiB): 0.02 holds ~480 local tokens without recompute, so a "
-                             "full-length document needs CP 2 and recompute, as long documents do on real GPUs")
+    parser.add_argument("--memory-budget-gb", type=float, default=0.033,
+                        help="memory per rank (GiB, real bytes): 0.033 holds ~450 local tokens without recompute, so "
+                             "a full-length document needs CP 2 and recompute, as long documents do on real GPUs")
     parser.add_argument("--out", default=os.path.join(ROOT, "demo_out"), help="where the plot and JSON go")
     parser.add_argument("--modelled-only", action="store_true",
                         help="build the documents and print only the modelled H200 table (no training)")

@@ -59,10 +59,9 @@ def mla_shape_from_args(args) -> MlaShape | None:
 
 
 def activation_spec_of(args) -> ActivationSpec:
-    """What the run keeps for backward (memory_spec.py): Transformer Engine's spec for --transformer-impl
-    transformer_engine (its FP8 linears' under --fp8-format), the local spec's LOCAL_BF16 on a GPU;
-    `--dcp-cpu-memory-count` on a CPU run (fp32, the local spec) is counted as CPU_FP32, so its budget is bytes;
-    other CPU runs in TE's bf16 count, the units their budgets are set in."""
+    """What the run keeps for backward (memory_spec.py): a CPU run of the local spec in fp32 is counted as
+    CPU_FP32 (mlp.py's glu under --no-bias-swiglu-fusion), so its budget is bytes; the local spec on a GPU as
+    LOCAL_BF16; Transformer Engine's spec otherwise (its FP8 linears' under --fp8-format)."""
     import torch
 
     local = getattr(args, "transformer_impl", None) == "local"
@@ -70,8 +69,9 @@ def activation_spec_of(args) -> ActivationSpec:
         return LOCAL_BF16
     if not local and getattr(args, "fp8", None) is not None:
         return TRANSFORMER_ENGINE_FP8
-    cpu_fp32_local = local and not getattr(args, "bf16", False) and not getattr(args, "fp16", False)
-    return CPU_FP32 if cpu_fp32_local and getattr(args, "dcp_cpu_memory_count", False) else TRANSFORMER_ENGINE
+    if local and not getattr(args, "bf16", False) and not getattr(args, "fp16", False):
+        return CPU_FP32 if getattr(args, "bias_swiglu_fusion", True) else dataclasses.replace(CPU_FP32, swiglu="unfused")
+    return TRANSFORMER_ENGINE
 
 
 def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:

@@ -47,10 +47,8 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             '"recompute": {"full_layers": 2}} for static (default: the policy\'s own)')
     group.add_argument("--dcp-max-cp-size", type=int, default=None, help="largest CP group a document may use")
     group.add_argument("--dcp-memory-budget-gb", type=float, default=None,
-                       help="memory per rank the planner may fill (GiB; default: the cluster preset's)")
-    group.add_argument("--dcp-cpu-memory-count", action="store_true",
-                       help="on CPU with --transformer-impl local in fp32: count what the run keeps (planner/"
-                            "memory_spec.py CPU_FP32) so --dcp-memory-budget-gb is real bytes (default: the bf16 count)")
+                       help="memory per rank the planner may fill (GiB; default: the cluster preset's); real bytes on "
+                            "GPU and on a CPU run (fp32, --transformer-impl local: planner/memory_spec.py CPU_FP32)")
     group.add_argument("--dcp-recompute", default=None,
                        help="comma list of the memory reliefs the planner may choose per micro-batch, from "
                        f"{','.join(RECOMPUTE_CHOICES)} (default {','.join(DEFAULT_RECOMPUTE)}; core_attn, mlp, "

@@ -112,7 +112,7 @@ class CostModel:
                               time_scale=self.time_scale, attention_times=(profile or {}).get("attention_times", ()))
         self.memory = MemoryModel(m, cluster, gpu=gpu, light=light, full_options=full,
                                   layers_per_stage=self.layers_per_stage, profile=profile or {},
-                                  memory_scale=memory_scale)
+                                  memory_scale=memory_scale, ulysses="ulysses" in self.cp_attention)
         self.relief = ReliefChoice(self.time, self.memory, light=light, full_options=full,
                                    allowed_recompute=self.allowed_recompute)
         self.static_bytes = self.memory.static_bytes
@@ -195,7 +195,7 @@ class CostModel:
     def microbatch_memory(self, lengths: Sequence[int], cp_size: int, *,
                           recompute: Recompute = NO_RECOMPUTE) -> int:
         """Peak bytes per rank: static state + this micro-batch's activations and logits."""
-        return self.memory_from_tokens(self._local_sum(lengths, cp_size), recompute)
+        return self.memory_from_tokens(self._local_sum(lengths, cp_size), recompute, cp_size)
 
     def fits(self, lengths: Sequence[int], cp_size: int, *, recompute: Recompute = NO_RECOMPUTE) -> bool:
         return self.microbatch_memory(lengths, cp_size, recompute=recompute) <= self.cluster.mem_budget_bytes

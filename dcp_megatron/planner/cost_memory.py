@@ -9,9 +9,15 @@ memory = static state (bf16 weights 2 B + fp32 grads 4 B per parameter, Adam fp3
          and their fp32 upcast, vocab/tp per token) and a layer's backward (its gradients beside what it
          recomputes); MTP layers add their layer and the output layer once more each, on the last stage;
          with PP stage 0 holds pp micro-batches in flight (1F1B).
+
+Our CPU attention (memory_spec.py, attention "cpu") keeps per-group tensors, so its count depends on the
+micro-batch's CP size: each method takes the `cp_size` where the caller knows it; without one it answers for the
+size, CP 1 or the largest allowed, that counts more (a bound that holds whatever group a packer fills). The GPU
+specs' count is the same for every group.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -28,7 +34,23 @@ class MemoryModel:
     """Micro-batch bytes per rank; CostModel builds it and hands out its methods."""
 
     def __init__(self, model, cluster, *, gpu, light: list[Recompute], full_options: list[Recompute],
-                 layers_per_stage: int, profile: dict, memory_scale: MemoryScale = NO_MEMORY_SCALE) -> None:
+                 layers_per_stage: int, profile: dict, cp_size: int | None = None, ulysses: bool = False,
+                 memory_scale: MemoryScale = NO_MEMORY_SCALE) -> None:
+        spec = model.activation_spec
+        self._per_cp: dict[int, MemoryModel] | None = None    # the count per CP size, where it depends on it
+        if cp_size is None and spec is not None and spec.attention == "cpu":
+            parts = dict(gpu=gpu, light=light, full_options=full_options, layers_per_stage=layers_per_stage,
+                         profile=profile, memory_scale=memory_scale)
+            self._per_cp = {}
+            # Ulysses (read, not measured) attends the whole sequence on c times the rows with heads / c, as CP 1
+            # does: a group that may run it is counted at least as CP 1
+            self._count_for = lambda size: max(
+                (MemoryModel(model, cluster, cp_size=c, **parts) for c in ({1, size} if ulysses else {size})),
+                key=lambda count: count._none_bytes_per_token)
+            # linear in c beyond CP 1: the bound is at one end
+            cp_size = max((1, cluster.cp_size_limit), key=lambda size: self.for_cp_size(size)._none_bytes_per_token)
+        if cp_size is not None:
+            model = dataclasses.replace(model, activations=dataclasses.replace(spec, cp_size=cp_size))
         self.model, self.cluster = model, cluster
         # measured corrections (memory_correction.py): activation bytes per local token x factor per relief
         self.memory_scale = memory_scale
@@ -69,7 +91,18 @@ class MemoryModel:
         self._layer_bytes_none = self._layer_bytes[NO_RECOMPUTE]
         self._layer_bytes_full = measured["full"] * unit if "full" in measured else full_layer_bytes(m)
 
-    def bytes_per_local_token(self, recompute: Recompute) -> float:
+    def for_cp_size(self, cp_size: int | None) -> "MemoryModel":
+        """The count for micro-batches of a CP group of `cp_size` (None: the bound); itself where it is the same."""
+        if cp_size is None or self._per_cp is None:
+            return self
+        count = self._per_cp.get(cp_size)
+        if count is None:
+            count = self._per_cp[cp_size] = self._count_for(cp_size)
+        return count
+
+    def bytes_per_local_token(self, recompute: Recompute, cp_size: int | None = None) -> float:
+        if cp_size is not None and self._per_cp is not None:
+            return self.for_cp_size(cp_size).bytes_per_local_token(recompute)
         if recompute is NO_RECOMPUTE:                  # the common case, without hashing
             return self._none_bytes_per_token
         cached = self._bytes_per_token.get(recompute)
@@ -88,14 +121,15 @@ class MemoryModel:
             held = self._layer_bytes_none
         return n * held + offload_kept_bytes(self.model, recompute, n)
 
-    def layer_bytes_per_local_token(self, recompute: Recompute) -> float:
+    def layer_bytes_per_local_token(self, recompute: Recompute, cp_size: int | None = None) -> float:
         """Bytes per local token the stage's layers keep for backward with this relief (tools/memcheck.py)."""
-        return self._held_per_layer(recompute)
+        return self.for_cp_size(cp_size)._held_per_layer(recompute)
 
-    def held_bytes_per_local_token(self, recompute: Recompute) -> float:
+    def held_bytes_per_local_token(self, recompute: Recompute, cp_size: int | None = None) -> float:
         """Bytes per local token saved for backward during one stage's forward (no pipelining): what the
         profiler measures; the peak adds the recomputed layer's working set (`bytes_per_local_token`)."""
-        return (self._held_per_layer(recompute) + self._logit_bytes_per_token) * self.memory_scale.of(str(recompute))
+        count = self.for_cp_size(cp_size)
+        return (count._held_per_layer(recompute) + count._logit_bytes_per_token) * self.memory_scale.of(str(recompute))
 
     def _bytes_per_local_token(self, recompute: Recompute) -> float:
         return self._counted_bytes_per_local_token(recompute) * self.memory_scale.of(str(recompute))
@@ -114,11 +148,13 @@ class MemoryModel:
                                 output_bytes=self._logit_bytes_per_token, layers=self.layers_per_stage)
         return max(self.model.pp * (peak - self._logit_bytes_per_token), peak)
 
-    def memory_from_tokens(self, local_tokens: float, recompute: Recompute) -> int:
-        return self.static_bytes + int(math.ceil(local_tokens * self.bytes_per_local_token(recompute)))
+    def memory_from_tokens(self, local_tokens: float, recompute: Recompute, cp_size: int | None = None) -> int:
+        return self.static_bytes + int(math.ceil(local_tokens * self.bytes_per_local_token(recompute, cp_size)))
 
-    def max_local_tokens(self, recompute: Recompute) -> int:
+    def max_local_tokens(self, recompute: Recompute, cp_size: int | None = None) -> int:
         """Most local (per-rank, padded) tokens a micro-batch may hold with this recompute."""
+        if cp_size is not None and self._per_cp is not None:
+            return self.for_cp_size(cp_size).max_local_tokens(recompute)
         if recompute is NO_RECOMPUTE and self._none_max_local is not None:
             return self._none_max_local
         cached = self._max_local.get(recompute)
@@ -127,6 +163,6 @@ class MemoryModel:
             cached = self._max_local[recompute] = max(int(room // self.bytes_per_local_token(recompute)), 0)
         return cached
 
-    def full_recompute_bytes(self) -> np.ndarray:
+    def full_recompute_bytes(self, cp_size: int | None = None) -> np.ndarray:
         """bytes_per_local_token of each full-recompute option, 1..n layers (read-only, cached)."""
-        return self._full_bytes_per_token
+        return self.for_cp_size(cp_size)._full_bytes_per_token

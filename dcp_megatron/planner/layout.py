@@ -76,10 +76,11 @@ def min_fitting_size(lengths: np.ndarray, ids: np.ndarray, sizes: list[int], cos
     """Index into `sizes` (ascending) of the smallest size at which each sequence alone fits
     (with the strongest allowed recompute); ValueError naming a sequence that fits none."""
     check_static_memory(cost)
-    cap = cost.max_local_tokens(cost.strongest_recompute)
+    caps = np.array([cost.max_local_tokens(cost.strongest_recompute, s) for s in sizes], dtype=np.int64)
     # padding.local_tokens(L, s) = 2·ceil(L / 2s) <= cap  <=>  L <= 2s·(cap // 2): one threshold per size
-    thresholds = np.asarray(sizes, dtype=np.int64) * (2 * (cap // 2))
-    idx = np.searchsorted(thresholds, lengths, side="left")
+    thresholds = np.asarray(sizes, dtype=np.int64) * (2 * (caps // 2))
+    fits = np.asarray(lengths)[:, None] <= thresholds[None, :]
+    idx = np.where(fits.any(axis=1), fits.argmax(axis=1), len(sizes))
     bad = np.flatnonzero(idx == len(sizes))
     if bad.size:
         j = int(bad[np.argmax(lengths[bad])])
@@ -100,7 +101,7 @@ def microbatch_from_sums(cost, sequences: tuple, local: float, compute: float, a
         assert recompute is not None, f"micro-batch of {local} local tokens fits no allowed recompute policy"
     return MicroBatch(sequences, recompute,
                       float(cost.time_from_sums(local, compute, attn, size, first_rank, recompute)),
-                      int(cost.memory_from_tokens(local, recompute)))
+                      int(cost.memory_from_tokens(local, recompute, size)))
 
 
 def assemble_waves(domain_size: int, scheduled: Iterable[Group]) -> tuple[Wave, ...]:

@@ -15,9 +15,8 @@ head_dim, f the FFN width, E experts, k top-k:
   log-sum-exp 4 x heads; unfused RoPE ("torch") keeps its bf16 cos and sin for q and for k (4 x head_dim x d).
   Our CPU attention ("cpu", core/core_attention.py at CP 1, measured in fp32): the RoPE'd q, k and v repeated to
   every query head (2 d q), each document's output and their concatenation linear_proj keeps (2 d q), the fp32
-  log-sum-exp; k and the qkv block are freed. On a CP group of c it keeps the all-gathered K/V (c 2 d kv) and a
-  c-row int64 index instead of the repeated K/V and the concatenation: the count is CP 1's (the planner's memory
-  is per local token, whatever the group; with GQA of 2 or more heads per K/V head it bounds c = 2's).
+  log-sum-exp; k and the qkv block are freed. On a CP group of c (`cp_size`) it keeps the group's K/V gathered
+  (c d (k + v) per local token) and their int64 row index (8c) instead of the repeated K/V and the concatenation.
 - dense MLP: the norm, fc1's input (the norm's output), fc1's output 2 d f, fc2's input d f; the unfused
   SwiGLU (mlp.py's `glu`) also keeps silu's output and the linear half plus its offset (2 d f).
 - MoE (local SequentialMLP, alltoall dispatcher, balanced routing): the norm and its output (the router's
@@ -42,6 +41,7 @@ class ActivationSpec:
     attention: str = "flash"      # "flash" (q, k, v, O, LSE) or "cpu" (our PackedCoreAttention)
     value_view: bool = True       # the attention keeps v as a view of linear_qkv's whole output
     fp8_linears: bool = False     # TE's Float8 linears (--fp8-format) keep their input quantized, 1 B (read)
+    cp_size: int = 1              # the micro-batch's CP group: only our CPU attention keeps per-group tensors
 
     def __post_init__(self) -> None:
         choices = {"dtype_bytes": (2, 4), "norm": ("torch", "te"), "rope": ("torch", "fused"),
@@ -52,6 +52,8 @@ class ActivationSpec:
                 raise ValueError(f"ActivationSpec.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.fp8_linears and self.norm != "te":
             raise ValueError("ActivationSpec.fp8_linears counts Transformer Engine's FP8 linears: set norm='te' too")
+        if not isinstance(self.cp_size, int) or self.cp_size < 1:
+            raise ValueError(f"ActivationSpec.cp_size must be a positive int, got {self.cp_size!r}")
 
 
 # What megatron-core's TE spec keeps, read from Transformer Engine's sources (docs/cost_model.md), not measured:
@@ -113,10 +115,15 @@ def spec_layer_tensors(m, spec: ActivationSpec) -> dict[str, float]:
         proj_in = lin * (trimmed_output_width(m) or o) if spec.fp8_linears else d * trimmed_output_width(m)
         out.update(core_attn_in=d * (q + k + (q + k + v if _value_view(m, spec) else v)) / tp,
                    attn_out=(d * o + proj_in) / tp, attn_lse=FP32 * m.num_heads / tp)
-    else:
+    elif spec.cp_size == 1:
         # ours (CP 1): q, and k and v repeated to every query head; each document's output and the concatenation
         out.update(core_attn_in=d * q / tp, attn_kv_copy=d * (q + o) / tp, attn_out=2 * d * o / tp,
                    attn_lse=FP32 * m.num_heads / tp)
+    else:
+        # ours on a CP group of c: q, the group's K/V gathered and their row index (rows, not heads), the output
+        c = spec.cp_size
+        out.update(core_attn_in=d * q / tp, attn_kv_copy=c * d * (k + v) / tp, attn_kv_index=INT64 * c,
+                   attn_out=d * o / tp, attn_lse=FP32 * m.num_heads / tp)
     out["mlp_norm_in"] = _norm(spec, h) / sp
     glu = 2 if spec.swiglu == "unfused" and m.gated_mlp else 0
     if m.is_moe:
@@ -146,7 +153,7 @@ def spec_freed_by_recompute(m, spec: ActivationSpec, module: str) -> tuple[froze
         # ours keeps copies; the checkpoint keeps q, k and v (the whole qkv block) and linear_proj the output
         kept = {"attn_ckpt_qkv": d * (q + k + (q + k + v if _value_view(m, spec) else v)) / m.tp,
                 "attn_ckpt_out": d * o / m.tp}
-        return frozenset({"core_attn_in", "attn_kv_copy", "attn_out", "attn_lse"}), kept
+        return frozenset({"core_attn_in", "attn_kv_copy", "attn_kv_index", "attn_out", "attn_lse"}), kept
     if module == "mlp" and not m.is_moe:  # TE's fc1 holds the norm (read): the checkpoint frees its output too
         return frozenset({"fc1_out", "fc2_in"} | ({"fc1_in"} if spec.norm == "te" else set())), {}
     if module == "layernorm" and spec.norm == "te":
@@ -183,8 +190,9 @@ def spec_gradient_bytes(m, spec: ActivationSpec) -> tuple[float, float]:
 
 def spec_rope_table_bytes(m) -> float:
     """Bytes per local token fully recomputed layers keep once between them: GPTModel's fp32 RoPE table (one
-    head_dim row per position of the longest document, at most one per token), an input of every checkpoint."""
-    return FP32 * m.head_dim
+    head_dim row per position of the longest document, an input of every checkpoint): at most one row per token
+    of the micro-batch, c per local token on a CP group of c."""
+    return FP32 * m.head_dim * (m.activations.cp_size if m.activations is not None else 1)
 
 
 def spec_output_bytes(m, spec: ActivationSpec) -> tuple[float, float]:

@@ -43,34 +43,35 @@ class ReliefChoice:
         """`best_recompute_from_sums` with a shortcut for the common case: none when it fits (the fastest, unless
         measured corrections (`time_scale`) make another relief faster)."""
         if (self.base_recompute is NO_RECOMPUTE and not self.time.time_scale
-                and local_tokens <= self.memory.max_local_tokens(NO_RECOMPUTE)):
+                and local_tokens <= self.memory.max_local_tokens(NO_RECOMPUTE, cp_size)):
             return NO_RECOMPUTE
         return self.best_recompute_from_sums(local_tokens, compute_s, attn_s, cp_size)
 
     def best_recompute_from_sums(self, local_tokens: float, compute_s: float, attn_s: float,
                                  cp_size: int) -> Recompute | None:
         """Fastest allowed relief that fits: a light one (relief.py's menu) or the fewest full layers that fit."""
-        fitting = self.fitting_reliefs(local_tokens)
+        fitting = self.fitting_reliefs(local_tokens, cp_size)
         if not fitting:
             return None
         time_from_sums = self.time.time_from_sums
         return min(fitting, key=lambda r: (time_from_sums(local_tokens, compute_s, attn_s, cp_size, 0, r)))
 
-    def fitting_reliefs(self, local_tokens: float) -> list[Recompute]:
-        """The reliefs worth trying for a micro-batch of `local_tokens` per rank: the light ones that fit and, unless
-        none fits, the fewest full layers that fit (more layers only add time)."""
+    def fitting_reliefs(self, local_tokens: float, cp_size: int | None = None) -> list[Recompute]:
+        """The reliefs worth trying for a micro-batch of `local_tokens` per rank on a CP group of `cp_size` (None: any
+        group): the light ones that fit and, unless none fits, the fewest full layers that fit (more layers only add
+        time)."""
         room = self.cluster.mem_budget_bytes - self.memory.static_bytes
-        per_token = self.memory.bytes_per_local_token
+        per_token = self.memory.for_cp_size(cp_size).bytes_per_local_token
         fitting = [r for r in self._light_options if local_tokens * per_token(r) <= room]
         if "full" in self.allowed_recompute and (not fitting or fitting[0] is not NO_RECOMPUTE):
-            k = self.fewest_full_layers(local_tokens, room)
+            k = self.fewest_full_layers(local_tokens, room, cp_size)
             if k is not None:
                 fitting.append(self._full_options[k - 1])
         return fitting
 
-    def fewest_full_layers(self, local_tokens: float, room: float) -> int | None:
+    def fewest_full_layers(self, local_tokens: float, room: float, cp_size: int | None = None) -> int | None:
         """The fewest layers k of full recompute with which `local_tokens` per rank fit `room` bytes (None: none)."""
-        full_bytes = self.memory.full_recompute_bytes()
+        full_bytes = self.memory.full_recompute_bytes(cp_size)
         # memory falls as k grows: the first k = 1..n whose bytes fit (bytes_per_local_token's floats)
         k = int(np.searchsorted(-full_bytes, -room / local_tokens, side="left")) if local_tokens else 0
         while k > 0 and local_tokens * full_bytes[k - 1] <= room:
@@ -88,7 +89,7 @@ class ReliefChoice:
         overhead = self.cluster.microbatch_overhead_s
         if self.base_recompute is not NO_RECOMPUTE:
             return local, compute, attn, self._fastest_alone_seconds(local, compute, attn, cp_size) - overhead
-        for j in np.flatnonzero(local > self.memory.max_local_tokens(NO_RECOMPUTE)).tolist():
+        for j in np.flatnonzero(local > self.memory.max_local_tokens(NO_RECOMPUTE, cp_size)).tolist():
             rc = self.best_recompute_from_sums(float(local[j]), float(compute[j]), float(attn[j]), cp_size)
             seconds[j] = (math.inf if rc is None else
                           self.time.time_from_sums(float(local[j]), float(compute[j]), float(attn[j]), cp_size, 0, rc)
@@ -102,5 +103,5 @@ class ReliefChoice:
         best = np.full(local.shape, math.inf)
         for r in self._options:
             t = self.time.times_from_sums(local, compute, attn, cp_size, first, r)
-            best = np.where((local * self.memory.bytes_per_local_token(r) <= room) & (t < best), t, best)
+            best = np.where((local * self.memory.bytes_per_local_token(r, cp_size) <= room) & (t < best), t, best)
         return best

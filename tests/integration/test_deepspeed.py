@@ -33,11 +33,12 @@ from tests.support.deepspeed_runs import TINY_MODEL, blend_flags, ds_config, loa
 from tests.support.dist_utils import group_timeout_s, group_timeouts_s, max_rel_err, run_distributed
 from tests.support.megatron_runs import is_own_plan, microbatches_planned, microbatches_seen, read_plan_dumps
 
-BUDGET = ["--dcp-memory-budget-gb", "0.004"]   # tight enough that long documents need CP 2 or recompute
+# real bytes (planner/memory_spec.py CPU_FP32): tight enough that long documents need CP 2 or recompute
+BUDGET = ["--dcp-memory-budget-gb", "0.00625"]
 # ZeRO-3 (weights gathered per layer): the longest documents need CP 2, shorter ones run alone, some waves MLP recompute
-Z3_BUDGET = ["--dcp-memory-budget-gb", "0.005"]
-# ZeRO-3 with full recompute shared by whole waves: tighter, none or full only (measured: full2 waves, CP 1 and 2)
-Z3_RELIEF = ["--dcp-memory-budget-gb", "0.0035", "--dcp-recompute", "none,full"]
+Z3_BUDGET = ["--dcp-memory-budget-gb", "0.008"]
+# ZeRO-3 with full recompute shared by whole waves: tighter, none or full only (full1 waves, CP 1 and 2)
+Z3_RELIEF = ["--dcp-memory-budget-gb", "0.0055", "--dcp-recompute", "none,full"]
 ITERS = 6      # the trace runs' steps; refinement may change plans from step 4 (steps 1-3: lengths alone)
 HALF = 3       # the resumed run loads the checkpoint of this step
 EVAL = ["--eval-interval", str(HALF), "--eval-iters", "1"]   # Megatron's flags: validation at steps 3, 6 and the end

@@ -31,8 +31,8 @@ pytestmark = pytest.mark.timeout(900)
 
 TIMEOUT_MINUTES = 0.35     # --distributed-timeout-minutes of the SIGSTOP runs (Megatron's parser takes fractions)
 MARGIN_S = 25              # heartbeat check (3 beats of 2 s), error handling and exit on a loaded 2-core machine
-MEGATRON_DCP = ["--dcp", "--dcp-memory-budget-gb", "0.004"]
-DS_DCP = ["--dcp", "--dcp-memory-budget-gb", "0.004"]
+MEGATRON_DCP = ["--dcp", "--dcp-memory-budget-gb", "0.007"]
+DS_DCP = ["--dcp", "--dcp-memory-budget-gb", "0.007"]
 LONG_RUN = 200             # iterations: the faults come long before the end
 MOE_EP2 = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
            "--moe-aux-loss-coeff", "0.01", "--expert-model-parallel-size", "2"]

@@ -50,7 +50,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("domain4")
     reference = run_training(OUR_SCRIPT, [*SCHEDULE, *_wgrads(root, "reference")], nproc=1, launcher=False,
                              iters=ITERS, base=BASE, timeout_s=1200).check()
-    dcp = run_training(OUR_SCRIPT, [*SCHEDULE, *_wgrads(root, "dcp"), "--dcp", "--dcp-memory-budget-gb", "0.003",
+    dcp = run_training(OUR_SCRIPT, [*SCHEDULE, *_wgrads(root, "dcp"), "--dcp", "--dcp-memory-budget-gb", "0.0055",
                                     "--dcp-recompute", "none", "--dcp-no-refine", "--dcp-dump-plans",
                                     str(root / "plans")],
                        nproc=4, launcher=False, iters=ITERS, base=BASE, timeout_s=1200)

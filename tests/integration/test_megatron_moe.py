@@ -49,15 +49,16 @@ SEQ_AUX = ["--moe-router-load-balancing-type", "seq_aux_loss"]   # after MOE's a
 TP2 = [*MOE, "--moe-token-dispatcher-type", "alltoall", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
 SAMPLES = [flag for flag in LLAMA_TINY if flag != "--dataloader-inter-document-masking"]
 # Budgets: two 1,024-token samples per CP-1 micro-batch (samples); 1,024-token documents need CP 2 (documents).
-SAMPLES_BUDGET = ["--dcp-memory-budget-gb", "0.02"]
+SAMPLES_BUDGET = ["--dcp-memory-budget-gb", "0.04"]
 # The samples runs also skip a step (--iterations-to-skip: Megatron's dummy step pulls that step's samples itself;
 # DCP, planning one step ahead, must not have read them already, or every later step trains the next one's).
 SKIPPED = 3
 SKIP = ["--iterations-to-skip", str(SKIPPED)]
 ALL_STEPS = list(range(1, ITERS + 1))
-# EP 2 (lockstep): at 0.008 dcp's own layout wins 5 of 6 steps by the model (at 0.0094, 3 of 6)
-DOCUMENTS_BUDGET = {"ep2": ["--dcp-memory-budget-gb", "0.008"], "ep1": ["--dcp-memory-budget-gb", "0.007"],
-                    "tp2": ["--dcp-memory-budget-gb", "0.0035"]}
+# Real bytes (planner/memory_spec.py CPU_FP32). EP 2 (lockstep): at 0.014 dcp's own layout wins 5 of 6 steps by the
+# model as configured (at 0.013, 4 of 6); EP 1 and TP 2 all 6
+DOCUMENTS_BUDGET = {"ep2": ["--dcp-memory-budget-gb", "0.014"], "ep1": ["--dcp-memory-budget-gb", "0.012"],
+                    "tp2": ["--dcp-memory-budget-gb", "0.0061"]}
 DOCUMENTS_BUDGET.update(ep2_allgather=DOCUMENTS_BUDGET["ep2"], ep1_alltoall=DOCUMENTS_BUDGET["ep1"])
 
 

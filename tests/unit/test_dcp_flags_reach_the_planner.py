@@ -5,6 +5,7 @@ only a multi-minute training run showed before."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -59,10 +60,11 @@ def test_the_deepspeed_scripts_dcp_flags_and_json_block_reach_the_cost_model(whe
     _assert_reached(dcp)
 
 
-@pytest.mark.parametrize("run", [{}, {"bf16": True}, {"transformer_impl": "transformer_engine"}])
-def test_cpu_memory_count_reaches_the_model_shape_of_a_cpu_fp32_local_run_only(run):
-    """`--dcp-cpu-memory-count` counts a CPU fp32 local-spec run as it runs (memory_spec.CPU_FP32); without the flag,
-    or on a run it does not describe, TE's bf16 count (the units the suite's budgets are set in)."""
+@pytest.mark.parametrize("run", [{}, {"bias_swiglu_fusion": False}, {"bf16": True},
+                                 {"transformer_impl": "transformer_engine"}])
+def test_the_cpu_count_is_the_model_shape_of_a_cpu_fp32_local_run_only(run):
+    """A CPU fp32 local-spec run is counted as it runs (memory_spec.CPU_FP32, mlp.py's glu unfused where asked);
+    a run it does not describe is counted with Transformer Engine's spec."""
     from dcp_megatron.core.planning import model_shape_from_args
     from dcp_megatron.flags.dcp_flags import add_dcp_arguments
     from dcp_megatron.planner.memory_spec import CPU_FP32, TRANSFORMER_ENGINE
@@ -75,8 +77,8 @@ def test_cpu_memory_count_reaches_the_model_shape_of_a_cpu_fp32_local_run_only(r
                            "pipeline_model_parallel_size": 1, "transformer_impl": "local", **run})
         return model_shape_from_args(args)
 
-    assert shape([]).activations == TRANSFORMER_ENGINE
-    assert shape(["--dcp-cpu-memory-count"]).activations == (CPU_FP32 if not run else TRANSFORMER_ENGINE)
+    expected = {"{}": CPU_FP32, str({"bias_swiglu_fusion": False}): dataclasses.replace(CPU_FP32, swiglu="unfused")}
+    assert shape([]).activations == expected.get(str(run), TRANSFORMER_ENGINE)
 
 
 def test_a_gpu_run_counts_with_the_spec_of_the_layers_it_runs(monkeypatch):

@@ -97,7 +97,7 @@ def test_tuning_reads_the_runs_batches_and_gives_a_setting_the_tuned_run_accepts
     prefix = str(tmp_path / "stdlib")
     demo.build_dataset(prefix, 4)
     args = argparse.Namespace(seq_length=512, global_batch_size=4, steps=3)
-    budget = ["--dcp-memory-budget-gb", "0.02", "--dcp-no-refine"]
+    budget = ["--dcp-memory-budget-gb", "0.033", "--dcp-no-refine"]
     flags = demo.training_flags(prefix, args, ["--dcp", "--dcp-policy", "megatron-dynamic", *budget])
     batches = tuning.demo_batches(tuning.run_args(flags))
     assert len(batches) == 3

@@ -9,7 +9,7 @@ import pytest
 from dcp_megatron.planner.activations import layer_tensors
 from dcp_megatron.planner.cluster import cluster_preset
 from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.model import ModelShape, model_preset
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, MicroBatch, Recompute
 from dcp_megatron.planner.policies import make_plan
 from dcp_megatron.planner.relief import (MENU_NAMES, allows, held_bytes_per_layer, light_reliefs, menu_names,
@@ -221,3 +221,31 @@ def test_dcp_recompute_names_are_the_planners_menu():
     from dcp_megatron.config import DEFAULT_RECOMPUTE, RECOMPUTE_CHOICES
     assert RECOMPUTE_CHOICES == MENU_NAMES
     assert set(DEFAULT_RECOMPUTE) <= set(MENU_NAMES) and "offload" not in DEFAULT_RECOMPUTE
+
+
+def test_our_cpu_attention_is_counted_per_cp_size_and_a_packer_without_one_gets_the_bound():
+    """CP 1 keeps K/V repeated to every query head and the output twice; a CP group of c keeps its K/V gathered
+    and their int64 row index (memory_spec.py). The GPU specs' count is the same for every group."""
+    from dcp_megatron.planner.memory_spec import CPU_FP32, LOCAL_BF16
+
+    tiny = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_hidden_size=128,
+                vocab_size=256, transformer_impl="local")
+    cpu = CostModel(ModelShape(**tiny, activations=CPU_FP32),
+                    cluster_preset("cpu", domain_size=4), allowed_recompute=MENU_NAMES)
+    q, kv = 4 * 16, 2 * 16
+    for c in (2, 4):     # per layer: the gathered K/V and index in place of the repeated K/V and the concatenation
+        extra = 2 * (4 * c * 2 * kv + 8 * c - 3 * 4 * q)
+        assert cpu.held_bytes_per_local_token(NO_RECOMPUTE, c) - cpu.held_bytes_per_local_token(NO_RECOMPUTE, 1) \
+            == extra
+    assert cpu.held_bytes_per_local_token(SELECTIVE, 4) == cpu.held_bytes_per_local_token(SELECTIVE, 1)
+    # without a size: the larger of CP 1's and the largest group's (here CP 4 counts more)
+    assert cpu.bytes_per_local_token(NO_RECOMPUTE) == cpu.bytes_per_local_token(NO_RECOMPUTE, 4)
+    assert cpu.max_local_tokens(NO_RECOMPUTE) < cpu.max_local_tokens(NO_RECOMPUTE, 1)
+    assert cpu.microbatch_memory([400], 2) < cpu.microbatch_memory([400], 1) / 2 + cpu.static_bytes / 2
+    # a group that may run Ulysses (read: it attends as CP 1 does, on c times the rows with heads / c): at least CP 1
+    ulysses = CostModel(ModelShape(**tiny, activations=CPU_FP32), cluster_preset("cpu", domain_size=4),
+                        cp_attention=("ulysses",))
+    assert ulysses.bytes_per_local_token(NO_RECOMPUTE, 2) == cpu.bytes_per_local_token(NO_RECOMPUTE, 1)
+    gpu = CostModel(ModelShape(**tiny, activations=LOCAL_BF16), cluster_preset("cpu", domain_size=4))
+    assert {gpu.bytes_per_local_token(NO_RECOMPUTE, c) for c in (None, 1, 2, 4)} == \
+        {gpu.bytes_per_local_token(NO_RECOMPUTE)}

@@ -87,9 +87,7 @@ def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequen
     """(makespan, busy rank-seconds, groups in execution order): the list schedule of `seqs`, after
     ranks already busy until `finish` (default: all free at 0)."""
     D, sizes = cost.cluster.domain_size, seqs.sizes
-    cap_none = cost.max_local_tokens(cost.base_recompute)   # packing room without (extra) recompute
     none_allowed = cost.base_recompute is NO_RECOMPUTE and not cost.time_scale   # measured: compare every relief
-    mem_per_token = cost.bytes_per_local_token(NO_RECOMPUTE)
     pairs = list(zip(ids.tolist(), lengths.tolist()))
     local, compute, attn = seqs.local.tolist(), seqs.compute.tolist(), seqs.attn.tolist()
     finish = np.zeros(D) if finish is None else np.array(finish, dtype=np.float64)
@@ -100,6 +98,8 @@ def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequen
         if not members.size:
             continue
         size = sizes[k]
+        cap_none = cost.max_local_tokens(cost.base_recompute, size)   # packing room without (extra) recompute
+        mem_per_token = cost.bytes_per_local_token(NO_RECOMPUTE, size)
         members = members[np.lexsort((ids[members], -seqs.seconds[members]))]
         num_blocks = (D - size) // size + 1
         starts = finish[:num_blocks * size].reshape(num_blocks, size).max(axis=1)

@@ -44,7 +44,9 @@ GELU_WITH_BIASES = [flag for flag in LLAMA_TINY if flag not in ("--swiglu", "--d
 UNREFINED_STEPS = 3
 # Budgets (real bytes: planner/memory_spec.py CPU_FP32) that make 1,024-token documents need CP 2 or recompute at
 # this layout (TP halves the activations per rank; 1F1B keeps two micro-batches per stage in flight).
-TP_BUDGET = ["--dcp-memory-budget-gb", "0.0037", "--dcp-recompute", "none,selective,full"]   # core attention and full k
+# core attention and full k: under the CPU count core-attention recompute frees 144 of a layer's 1,296 B per token, so
+# beside "none" it fits almost no micro-batch; without "none" every micro-batch that fits with it takes it
+TP_BUDGET = ["--dcp-memory-budget-gb", "0.0037", "--dcp-recompute", "selective,full"]
 # 2 layers per stage: at this budget some micro-batches fit with MLP recompute, fuller ones need a layer recomputed
 # (counted as the CPU run keeps them, one layer's full recompute holds more than MLP recompute), 1,024-token
 # documents need CP 2
@@ -192,7 +194,7 @@ def test_every_microbatch_replayed_its_plans_recompute_under_tp_and_pp(runs):
     runs("tp_dcp")
     ran = _assert_every_microbatch_ran_as_planned(runs.root / "tp_plans", _plans(runs.root / "tp_plans"),
                                                   coordinates=(0, 1), to_global=lambda r, tp: tp + 2 * r)
-    assert {"none", "selective"} <= ran and any(kind.startswith("full") for kind in ran), ran
+    assert "selective" in ran and any(kind.startswith("full") for kind in ran), ran
     runs("pp_dcp")
     ran = _assert_every_microbatch_ran_as_planned(runs.root / "pp_plans", _plans(runs.root / "pp_plans"),
                                                   coordinates=(0, 1), to_global=lambda r, stage: r + 2 * stage)

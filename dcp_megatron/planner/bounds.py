@@ -194,6 +194,9 @@ def least_recompute_extra(local: np.ndarray, compute: np.ndarray, attn: np.ndarr
         options = cost.full_recompute_options()
         full_bytes = cost.full_recompute_bytes()
         fewest = np.searchsorted(-full_bytes, -room / np.maximum(local, 1e-300), side="left")
+        if not cost.memory.full_bytes_fall():     # they may rise with k (relief_choice.py): the first that fits
+            fits_k = np.asarray(local)[..., None] * full_bytes <= room
+            fewest = np.where(fits_k.any(axis=-1), fits_k.argmax(axis=-1), len(options))
         fits = fewest < len(options)
         extra = cost.full_recompute_seconds(compute, np.minimum(fewest, len(options) - 1) + 1)
         best = np.where(fits, np.minimum(best, extra), best)

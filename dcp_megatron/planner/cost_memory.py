@@ -74,6 +74,8 @@ class MemoryModel:
         self.static_bytes = static_state_bytes(model, cluster) + gpu.static_bytes(model, cluster)
         self._none_bytes_per_token = self._bytes_per_local_token(NO_RECOMPUTE)
         self._full_bytes_per_token = np.array([self.bytes_per_local_token(r) for r in full_options])
+        # whether those bytes fall (or stay) as k grows: not always (relief_choice.py)
+        self._full_bytes_fall = bool((np.diff(self._full_bytes_per_token) <= 0).all())
         self._none_max_local = None
         self._none_max_local = self.max_local_tokens(NO_RECOMPUTE)
 
@@ -166,3 +168,7 @@ class MemoryModel:
     def full_recompute_bytes(self, cp_size: int | None = None) -> np.ndarray:
         """bytes_per_local_token of each full-recompute option, 1..n layers (read-only, cached)."""
         return self.for_cp_size(cp_size)._full_bytes_per_token
+
+    def full_bytes_fall(self, cp_size: int | None = None) -> bool:
+        """Whether `full_recompute_bytes` never rises with k (relief_choice.py: it may)."""
+        return self.for_cp_size(cp_size)._full_bytes_fall

@@ -76,7 +76,8 @@ def min_fitting_size(lengths: np.ndarray, ids: np.ndarray, sizes: list[int], cos
     """Index into `sizes` (ascending) of the smallest size at which each sequence alone fits
     (with the strongest allowed recompute); ValueError naming a sequence that fits none."""
     check_static_memory(cost)
-    caps = np.array([cost.max_local_tokens(cost.strongest_recompute, s) for s in sizes], dtype=np.int64)
+    options = cost.recompute_options()     # the one holding the most may differ by size (CPU count, relief_choice.py)
+    caps = np.array([max(cost.max_local_tokens(r, s) for r in options) for s in sizes], dtype=np.int64)
     # padding.local_tokens(L, s) = 2·ceil(L / 2s) <= cap  <=>  L <= 2s·(cap // 2): one threshold per size
     thresholds = np.asarray(sizes, dtype=np.int64) * (2 * (caps // 2))
     fits = np.asarray(lengths)[:, None] <= thresholds[None, :]

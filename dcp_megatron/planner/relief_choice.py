@@ -1,8 +1,11 @@
 """Which relief a micro-batch runs: the fastest on the run's menu that fits in memory (relief.py names the menu).
 
 The options are the light reliefs (none, recompute modules, offload), most bytes kept first, then full recompute
-of 1..n layers (memory falls along those): `base_recompute` is what a micro-batch gets when memory is no issue,
-`strongest_recompute` the one holding the most tokens. Time and bytes come from the cost model's two parts
+of 1..n layers: `base_recompute` is what a micro-batch gets when memory is no issue, `strongest_recompute` the one
+holding the most tokens. Memory usually falls along full 1..n, but not always: when a layer's backward (its
+gradients beside one layer's tensors) is the peak rather than the loss's, recomputing the last layer too adds its
+checkpoint to that peak (a small vocabulary: the tiny CPU models), so full n can count more than full n-1. Every
+choice here takes the fewest layers that fit, never assuming the bytes fall. Time and bytes come from the cost model's two parts
 (cost_time.py, cost_memory.py).
 """
 from __future__ import annotations
@@ -25,9 +28,11 @@ class ReliefChoice:
         self._light_options = light
         self._options = light + (full_options if "full" in allowed_recompute else [])
         # base: what a micro-batch gets when memory is no issue (none when allowed: the fastest);
-        # strongest: the one holding the most tokens (the last option: memory falls along the list)
+        # strongest: the one holding the most tokens under the bound count (the last such option on a tie)
         self.base_recompute = self._options[0]
-        self.strongest_recompute = self._options[-1]
+        per_token = memory.bytes_per_local_token
+        self.strongest_recompute = self._options[min(range(len(self._options)),
+                                                     key=lambda i: (per_token(self._options[i]), -i))]
 
     def full_recompute_options(self) -> list[Recompute]:
         """The full-recompute policies of 1..n layers, allowed or not: memory falls along the list."""
@@ -72,6 +77,9 @@ class ReliefChoice:
     def fewest_full_layers(self, local_tokens: float, room: float, cp_size: int | None = None) -> int | None:
         """The fewest layers k of full recompute with which `local_tokens` per rank fit `room` bytes (None: none)."""
         full_bytes = self.memory.full_recompute_bytes(cp_size)
+        if not self.memory.full_bytes_fall(cp_size):   # (module docstring) the first k = 1..n that fits
+            fits = local_tokens * full_bytes <= room
+            return int(fits.argmax()) + 1 if fits.any() else None
         # memory falls as k grows: the first k = 1..n whose bytes fit (bytes_per_local_token's floats)
         k = int(np.searchsorted(-full_bytes, -room / local_tokens, side="left")) if local_tokens else 0
         while k > 0 and local_tokens * full_bytes[k - 1] <= room:

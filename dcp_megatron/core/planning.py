@@ -166,10 +166,32 @@ def check_longest_fits(config: DcpConfig, cost: CostModel) -> None:
         raise DcpUsageError(
             f"a --seq-length {config.seq_length} document fits no CP group of this {cost.cluster.domain_size}-rank "
             f"domain (largest allowed group {candidate_sizes(cost.cluster)[-1]}) within "
-            f"{_budget_words(config, cost)} with recompute {'/'.join(cost.allowed_recompute)}: raise "
-            f"--dcp-memory-budget-gb{recompute}, raise --dcp-max-cp-size, lower --seq-length, or use more "
-            f"ranks{static_problem}") from None
+            f"{_budget_words(config, cost)} with recompute {'/'.join(cost.allowed_recompute)}: "
+            f"{_what_would_fit(config, cost, recompute)}{static_problem}") from None
     check_policy_setting(config, cost)
+
+
+def _what_would_fit(config: DcpConfig, cost: CostModel, recompute: str) -> str:
+    """The changes that would pass check_longest_fits, each with the value that would do (planner/start_fit.py)."""
+    from dcp_megatron.planner.start_fit import budget_gb_that_fits, smallest_domain_size, smallest_max_cp_size
+
+    seq = config.seq_length
+    if config.memory_limit_bytes is not None:      # a larger budget does not lift the records' cap (said above)
+        options = [recompute[2:]] if recompute.startswith(", ") else []
+    else:
+        need = budget_gb_that_fits(cost, seq)
+        options = [f"raise --dcp-memory-budget-gb to at least {need:g}{recompute}" if need is not None else
+                   f"no --dcp-memory-budget-gb holds it at this CP size{recompute}"]
+    if cost.cluster.cp_size_limit < cost.cluster.domain_size:
+        cp = smallest_max_cp_size(cost, seq)
+        if cp is not None:
+            options.append(f"raise --dcp-max-cp-size to {cp}")
+    options.append("lower --seq-length")
+    domain = smallest_domain_size(cost, seq)
+    model = cost.model
+    options.append(f"use more ranks (a DCP domain of {domain}, a world size of {domain * model.tp * model.pp}, would "
+                   f"do at this budget)" if domain is not None else "use more ranks")
+    return ", ".join(options[:-1]) + ", or " + options[-1]
 
 
 def _budget_words(config: DcpConfig, cost: CostModel) -> str:

@@ -139,8 +139,13 @@ class CostModel:
         """The same cost model with activation bytes scaled per relief name (memory_correction.py)."""
         return self._with(time_scale=self.time_scale, memory_scale=memory_scale)
 
-    def _with(self, *, time_scale: dict, memory_scale: MemoryScale) -> "CostModel":
+    def with_cluster(self, **changes) -> "CostModel":
+        """The same cost model on a cluster with these fields changed (e.g. mem_bytes_per_gpu, domain_size)."""
+        return self._with(time_scale=self.time_scale, memory_scale=self.memory_scale, cluster_changes=changes)
+
+    def _with(self, *, time_scale: dict, memory_scale: MemoryScale, cluster_changes: dict | None = None) -> "CostModel":
         model, cluster, profile = self._init_args
+        cluster = dataclasses.replace(cluster, **cluster_changes) if cluster_changes else cluster
         return CostModel(model, cluster, profile=profile, allowed_recompute=self.allowed_recompute,
                          time_scale=time_scale, gpu=self.gpu, memory_scale=memory_scale,
                          cp_attention=("ulysses",) if self.prefer_ulysses else self.cp_attention)

@@ -27,6 +27,10 @@ class ReliefChoice:
         self._full_options = full_options
         self._light_options = light
         self._options = light + (full_options if "full" in allowed_recompute else [])
+        if not self._options:     # offload alone: it moves tensors a relief keeps, and needs one to keep them
+            raise ValueError(f"the recompute menu (--dcp-recompute; dcp-simulate --recompute) {','.join(allowed_recompute)} leaves no relief to run: offload moves "
+                             f"tensors of layers that keep their modules (none) or recompute some, so name one "
+                             f"beside it (e.g. {','.join(('none',) + tuple(allowed_recompute))})")
         # base: what a micro-batch gets when memory is no issue (none when allowed: the fastest);
         # strongest: the one holding the most tokens under the bound count (the last such option on a tie)
         self.base_recompute = self._options[0]

@@ -299,7 +299,7 @@ class PlannedStepLoop:
             if ahead.num_samples != num_samples:
                 raise AssertionError(f"iteration {iteration}: read ahead with {ahead.num_samples} samples per "
                                      f"data-parallel rank, the engine runs {num_samples}")
-            self._current = replace(ahead, planned=self._planner.result(iteration))
+            self._current = replace(ahead, planned=_named_step(iteration, self._planner.result, iteration))
             return self._current
         if ahead is not None:
             self._planner.discard()
@@ -317,7 +317,8 @@ class PlannedStepLoop:
                 raise AssertionError(f"iteration {iteration}: the rerun read other documents than the step's first "
                                      "run; a rerun must replay the same samples")
             return replace(current, local=local)
-        planned = plan_synchronously(iteration, self._plan_function, index.sequences(), self._cost)
+        planned = _named_step(iteration, plan_synchronously, iteration, self._plan_function, index.sequences(),
+                              self._cost)
         self._current = Share(iteration=iteration, local=local, index=index, num_samples=num_samples,
                               position=position, read_ahead=False, planned=planned)
         return self._current
@@ -335,3 +336,16 @@ class PlannedStepLoop:
         pool = self.pool
         return DocumentIndex.build(gather_lengths(local.lengths, group=pool.domain_group,
                                                   domain_size=pool.domain_size))
+
+
+def _named_step(iteration: int, plan, *args):
+    """plan(*args); a plan that cannot be made (the planner's ValueError) as a one-line DcpUsageError naming the
+    step."""
+    from dcp_megatron.config import DcpUsageError
+
+    try:
+        return plan(*args)
+    except DcpUsageError:
+        raise
+    except ValueError as err:
+        raise DcpUsageError(f"iteration {iteration}: no plan: {err}") from None

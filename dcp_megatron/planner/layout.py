@@ -99,7 +99,11 @@ def microbatch_from_sums(cost, sequences: tuple, local: float, compute: float, a
     (`CostModel.doc_terms`); recompute None: the fastest allowed that fits."""
     if recompute is None:
         recompute = cost.choose_recompute(local, compute, attn, size)
-        assert recompute is not None, f"micro-batch of {local} local tokens fits no allowed recompute policy"
+        if recompute is None:     # no layout packs one (min_fitting_size): reached only through a planner bug
+            raise ValueError(f"a micro-batch of documents {[length for _, length in sequences]} ({local:g} local "
+                             f"tokens per rank on a CP group of {size}) fits no allowed recompute "
+                             f"({'/'.join(cost.allowed_recompute)}) within {cost.cluster.budget_words()}: raise "
+                             f"--dcp-memory-budget-gb or allow full recompute (--dcp-recompute), and report it")
     return MicroBatch(sequences, recompute,
                       float(cost.time_from_sums(local, compute, attn, size, first_rank, recompute)),
                       int(cost.memory_from_tokens(local, recompute, size)))

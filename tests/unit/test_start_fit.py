@@ -72,3 +72,22 @@ def test_a_menu_of_offload_alone_is_refused_in_one_line(capsys):
         assert "\n" not in err and "leaves no relief to run" in err and "e.g. none,offload" in err, err
     with pytest.raises(ValueError, match="leaves no relief to run"):
         _cost(recompute=("offload",))
+
+
+def test_a_microbatch_no_relief_holds_is_a_one_line_error_naming_its_documents_and_step():
+    from dcp_megatron.planner.layout import microbatch_from_sums
+
+    cost = _cost(budget_gb=0.02)
+    sequences = ((7, 60000), (8, 40))
+    with pytest.raises(ValueError) as err:
+        microbatch_from_sums(cost, sequences, *cost._sums([60000, 40], 1), 1, 0)
+    line = str(err.value)
+    assert "\n" not in line and "documents [60000, 40]" in line and "--dcp-memory-budget-gb" in line, line
+
+    from dcp_megatron.core.step_loop import _named_step
+
+    def plan():
+        microbatch_from_sums(cost, sequences, *cost._sums([60000, 40], 1), 1, 0)
+
+    with pytest.raises(DcpUsageError, match=r"^iteration 3: no plan: a micro-batch of documents \[60000, 40\]"):
+        _named_step(3, plan)

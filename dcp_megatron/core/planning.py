@@ -42,11 +42,30 @@ def model_shape_from_args(args, *, vocab_size: int | None = None) -> ModelShape:
         num_experts=getattr(args, "num_experts", None), moe_topk=getattr(args, "moe_router_topk", None) or 2,
         moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
         moe_shared_expert_size=getattr(args, "moe_shared_expert_intermediate_size", None) if is_moe else None,
+        num_dense_layers=dense_layers_of(args) if is_moe else 0,
         # what the layers keep for backward depends on the spec and on sequence parallelism (planner/memory_spec.py)
         transformer_impl="local" if getattr(args, "transformer_impl", None) == "local" else "transformer_engine",
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         # MLA's head dims and latents, MTP's layers: their FLOPs, weights and saved tensors
         mla=mla, mtp_num_layers=getattr(args, "mtp_num_layers", None) or 0, activations=activation_spec_of(args))
+
+
+def dense_layers_of(args) -> int:
+    """How many of the decoder's layers --moe-layer-freq makes dense: an int N puts the experts on every N-th layer
+    (layer i is MoE when i % N == 0), a list (Megatron's parser evaluates "[0]*3+[1]*58") names each layer, 1 MoE
+    and 0 dense."""
+    from dcp_megatron.config import DcpUsageError
+
+    freq = getattr(args, "moe_layer_freq", 1)
+    if isinstance(freq, str):      # not through Megatron's parser (moe_freq_type): its int form only
+        freq = int(freq) if freq.strip().isdigit() else freq
+    num_layers = args.num_layers
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
+        return sum(1 for i in range(num_layers) if i % freq)
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and set(freq) <= {0, 1}:
+        return sum(1 for x in freq if x == 0)
+    raise DcpUsageError(f"--moe-layer-freq {freq!r}: give a positive int or a list of {num_layers} entries "
+                        f"(--num-layers), 1 for an MoE layer and 0 for a dense one, e.g. \"[0]*1+[1]*{num_layers - 1}\"")
 
 
 def mla_shape_from_args(args) -> MlaShape | None:

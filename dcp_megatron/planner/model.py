@@ -32,6 +32,10 @@ class ModelShape:
     # --moe-shared-expert-intermediate-size: a dense MLP of this width every token of an MoE layer runs beside its
     # routed experts (held whole on every rank, split over tp only); None: none
     moe_shared_expert_size: int | None = None
+    # --moe-layer-freq's dense layers (its 0 entries): of num_layers, how many run a dense MLP of ffn_hidden_size
+    # instead of the experts (DeepSeek's first layers); counted in weights and FLOPs. Activation memory counts
+    # every layer as an MoE layer (memory_spec.py; docs/cost_model.md)
+    num_dense_layers: int = 0
     # ZeRO stage over the DCP domain (param_sharding.py); None: the cluster's distributed_optimizer (1 or 0)
     zero_stage: int | None = None
     # What the layers keep for backward (memory_spec.py): megatron-core's --transformer-impl and
@@ -76,6 +80,12 @@ class ModelShape:
             raise ValueError(f"num_layers={self.num_layers} is not divisible by pp={self.pp}")
 
     def _check_moe(self) -> None:
+        dense = self.num_dense_layers
+        if not isinstance(dense, int) or isinstance(dense, bool) or not 0 <= dense <= self.num_layers:
+            raise ValueError(f"ModelShape.num_dense_layers must be an int in [0, num_layers={self.num_layers}], "
+                             f"got {dense!r}")
+        if dense and not self.is_moe:
+            raise ValueError("ModelShape.num_dense_layers counts an MoE model's dense layers: set num_experts")
         if self.num_experts is not None and (not isinstance(self.num_experts, int) or self.num_experts < 0):
             raise ValueError(f"ModelShape.num_experts must be None or an int >= 0, got {self.num_experts!r}")
         width = self.moe_ffn_hidden_size
@@ -170,6 +180,30 @@ class ModelShape:
         return self.hidden_size * self.num_experts if self.is_moe else 0
 
     @property
+    def num_moe_layers(self) -> int:
+        """Layers whose MLP is the experts (MTP layers included); 0 for a dense model."""
+        return self.layers_with_mtp - self.num_dense_layers if self.is_moe else 0
+
+    @property
+    def dense_mlp_params(self) -> int:
+        """A dense MLP's weights (ffn_hidden_size wide): a dense model's layers and an MoE model's dense ones."""
+        return (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size
+
+    @property
+    def mlp_params(self) -> int:
+        """Stored MLP weights of all layers (MTP's included), each counted as what it is (dense or MoE)."""
+        if not self.is_moe:
+            return self.layers_with_mtp * self.dense_mlp_params
+        return self.num_moe_layers * self.mlp_params_per_layer + self.num_dense_layers * self.dense_mlp_params
+
+    @property
+    def active_mlp_params(self) -> int:
+        """MLP weights one token multiplies over all layers, each counted as what it is."""
+        if not self.is_moe:
+            return self.layers_with_mtp * self.dense_mlp_params
+        return self.num_moe_layers * self.active_mlp_params_per_layer + self.num_dense_layers * self.dense_mlp_params
+
+    @property
     def mlp_params_per_layer(self) -> int:
         """Stored MLP weights of a layer: the dense MLP, or the router, every expert and the shared one."""
         if not self.is_moe:
@@ -186,7 +220,7 @@ class ModelShape:
     @property
     def expert_params(self) -> int:
         """All experts' weights over all layers (0 for a dense model): split over EP, not replicated."""
-        return self.layers_with_mtp * self.num_experts * self.expert_mlp_params if self.is_moe else 0
+        return self.num_moe_layers * self.num_experts * self.expert_mlp_params if self.is_moe else 0
 
     @property
     def mtp_projection_params(self) -> int:
@@ -196,15 +230,14 @@ class ModelShape:
     @property
     def linear_params(self) -> int:
         """Weights of the matmuls (layers, MTP layers + output layer, which MTP shares), every expert counted."""
-        per_layer = self.attn_params_per_layer + self.mlp_params_per_layer
-        return self.layers_with_mtp * per_layer + self.mtp_projection_params + self.hidden_size * self.vocab_size
+        return (self.layers_with_mtp * self.attn_params_per_layer + self.mlp_params + self.mtp_projection_params
+                + self.hidden_size * self.vocab_size)
 
     @property
     def active_linear_params(self) -> int:
         """Weights one token multiplies (layers, MTP layers + output layer, once more per MTP layer):
         linear_params with top-k of the experts."""
-        per_layer = self.attn_params_per_layer + self.active_mlp_params_per_layer
-        return (self.layers_with_mtp * per_layer + self.mtp_projection_params
+        return (self.layers_with_mtp * self.attn_params_per_layer + self.active_mlp_params + self.mtp_projection_params
                 + (1 + self.mtp_num_layers) * self.hidden_size * self.vocab_size)
 
     def params_per_rank(self, params: int) -> float:

@@ -151,7 +151,7 @@ class ReliefCosts:
         self.model, self.cluster, self.moe, self.layers = model, cluster, moe, layers_per_stage
         linear = model.active_linear_params
         self.mlp_share = 0.0 if model.is_moe else model.num_layers * model.expert_mlp_params / linear
-        self.expert_share = (model.num_layers * (model.moe_topk * model.expert_mlp_params + model.shared_expert_params)
+        self.expert_share = ((model.num_layers - model.num_dense_layers) * (model.moe_topk * model.expert_mlp_params + model.shared_expert_params)
                              / linear if model.is_moe else 0.0)
         self._offloaded: dict[Recompute, float] = {}
 

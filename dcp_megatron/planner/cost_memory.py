@@ -85,13 +85,28 @@ class MemoryModel:
         recompute's ("selective") and a recomputed layer's ("full")."""
         unit = m.hidden_size / m.tp
         tensors = layer_tensors(m)
-        none = float(sum(tensors.values()))
+        held = lambda r: held_bytes_per_layer(m, r, tensors)
+        if m.num_dense_layers:      # --moe-layer-freq's dense layers: the stage's mix, per layer
+            held = self._mixed_layers(m, held)
+        none = held(NO_RECOMPUTE)
         scale = self._scale = measured["none"] * unit / none if "none" in measured else 1.0
-        self._layer_bytes = {r: held_bytes_per_layer(m, r, tensors) * scale for r in set(light) | {NO_RECOMPUTE}}
+        self._layer_bytes = {r: held(r) * scale for r in set(light) | {NO_RECOMPUTE}}
         if "selective" in measured:
             self._layer_bytes[SELECTIVE] = measured["selective"] * unit
         self._layer_bytes_none = self._layer_bytes[NO_RECOMPUTE]
         self._layer_bytes_full = measured["full"] * unit if "full" in measured else full_layer_bytes(m)
+
+    def _mixed_layers(self, m, moe_held):
+        """Bytes per layer (the mean over the stage) a relief keeps in the stage with the most of a model with dense
+        layers: d dense ones of the stage's n, d the most or the fewest any stage may hold (pp stages of n layers,
+        the pattern unknown here), whichever keeps more. The one-layer terms of the peak (a layer's backward,
+        relief.stage_peak_bytes) take this mean and an MoE layer's gradients."""
+        dense = m.dense_layer_shape()
+        dense_tensors = layer_tensors(dense)
+        n, total = self.layers_per_stage, m.num_dense_layers
+        choices = {max(0, total - (m.pp - 1) * n), min(total, n)}
+        mixed = lambda d: lambda r: (d * held_bytes_per_layer(dense, r, dense_tensors) + (n - d) * moe_held(r)) / n
+        return max((mixed(d) for d in sorted(choices)), key=lambda held: held(NO_RECOMPUTE))
 
     def for_cp_size(self, cp_size: int | None) -> "MemoryModel":
         """The count for micro-batches of a CP group of `cp_size` (None: the bound); itself where it is the same."""

@@ -33,8 +33,8 @@ class ModelShape:
     # routed experts (held whole on every rank, split over tp only); None: none
     moe_shared_expert_size: int | None = None
     # --moe-layer-freq's dense layers (its 0 entries): of num_layers, how many run a dense MLP of ffn_hidden_size
-    # instead of the experts (DeepSeek's first layers); counted in weights and FLOPs. Activation memory counts
-    # every layer as an MoE layer (memory_spec.py; docs/cost_model.md)
+    # instead of the experts (DeepSeek's first layers); counted as such in weights, FLOPs and the layers' saved
+    # tensors (cost_memory.py: the stage holding the most)
     num_dense_layers: int = 0
     # ZeRO stage over the DCP domain (param_sharding.py); None: the cluster's distributed_optimizer (1 or 0)
     zero_stage: int | None = None
@@ -270,6 +270,11 @@ class ModelShape:
         causal halves that; backward is 2x forward: 3·layers·heads·(d_qk + d_v) (6·layers·heads·d_head where the
         two are equal)."""
         return 3.0 * self.layers_with_mtp * self.num_heads * (self.score_head_dim + self.kernel_value_head_dim)
+
+    def dense_layer_shape(self) -> "ModelShape":
+        """This model with a dense MLP of ffn_hidden_size in every layer: what one of its dense layers keeps."""
+        return replace(self, num_experts=None, moe_ffn_hidden_size=None, moe_shared_expert_size=None, ep=1,
+                       num_dense_layers=0)
 
     def with_parallel(self, *, tp: int, pp: int, ep: int = 1) -> "ModelShape":
         return replace(self, tp=tp, pp=pp, ep=ep)

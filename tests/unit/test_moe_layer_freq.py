@@ -73,3 +73,34 @@ def test_the_megatron_adapter_counts_the_dense_layers_moe_layer_freq_names():
                                                                                              "moe_layer_freq": 1}))
     assert (shape.num_dense_layers, all_moe.num_dense_layers) == (2, 0)
     assert all_moe.linear_params - shape.linear_params == 2 * (4 * 3 * 64 * 96 + 64 * 4 - 3 * 64 * 256)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_dense_layers_keep_a_dense_layers_activations(pp):
+    """The stage's layers each counted as what it is; under PP the stage of the most bytes (the pattern unknown to
+    the count: d dense layers of a stage are the most or the fewest any stage may hold)."""
+    from dcp_megatron.planner.activations import layer_tensors
+    from dcp_megatron.planner.cluster import cluster_preset
+    from dcp_megatron.planner.cost import CostModel
+    from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute
+
+    moe = model_preset("gpt-tiny-moe", pp=pp)
+    n = moe.num_layers // pp
+    per_moe = sum(layer_tensors(moe).values())
+    per_dense = sum(layer_tensors(moe.dense_layer_shape()).values())
+    assert per_moe != per_dense
+    cluster = cluster_preset("h200", domain_size=4)
+
+    def held(model, recompute=NO_RECOMPUTE):
+        return CostModel(model, cluster).layer_bytes_per_local_token(recompute)
+
+    for dense_layers in range(moe.num_layers + 1):
+        mixed = dataclasses.replace(moe, num_dense_layers=dense_layers)
+        # the stage of the most bytes: its dense layers the most or the fewest a stage of n may hold
+        counts = {max(0, dense_layers - (pp - 1) * n), min(dense_layers, n)}
+        expected = max(d * per_dense + (n - d) * per_moe for d in counts)
+        assert held(mixed) == pytest.approx(expected, rel=1e-12), dense_layers
+        low, high = sorted((n * per_dense, n * per_moe))
+        assert low <= held(mixed) <= high
+        # full recompute of every layer keeps their inputs alone, whatever they are
+        assert held(mixed, Recompute("full", n)) == held(moe, Recompute("full", n))

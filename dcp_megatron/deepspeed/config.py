@@ -39,6 +39,7 @@ _BLOCK_KEYS = {
     "policy": ("policy", str),
     "max_cp_size": ("max_cp_size", int),
     "memory_budget_gb": ("memory_budget_gb", (int, float)),
+    "device_memory_gb": ("device_memory_gb", (int, float)),
     "recompute": ("recompute", list),
     "profile": ("profile", str),
     "dump_plans": ("dump_plans", str),

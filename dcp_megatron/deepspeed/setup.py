@@ -126,8 +126,18 @@ def setup_training(args: argparse.Namespace, *, model_provider, forward_loss, pa
     except (ValueError, OSError, AssertionError) as err:
         raise DcpUsageError(f"--tokenizer-type {args.tokenizer_type}: {err}") from None
     # the ZeRO stage shards the static memory; stage 3 gathers weights per micro-batch: lockstep plans
-    shape = dataclasses.replace(model_shape_from_args(args), zero_stage=zero_stage(ds_config))
-    cost = checked_cost_model(config, shape, domain_size=world_size, has_gpu=has_gpu)
+    # the JSON's precision is the run's (--bf16 / --fp16 only fill it): its activations' width
+    half = any((ds_config.get(kind) or {}).get("enabled") for kind in ("bf16", "fp16"))
+    shape = dataclasses.replace(model_shape_from_args(args, dtype_bytes=2 if half else 4),
+                                zero_stage=zero_stage(ds_config))
+    if has_gpu and config.device_memory_gb is not None:   # before anything is allocated: torch's allocator capped
+        from dcp_megatron.runtime.device_memory import cap_device_memory
+
+        not_capped = cap_device_memory(config.device_memory_gb)
+        if not_capped and os.environ.get("RANK", "0") == "0":
+            print(not_capped, flush=True)
+    cost = checked_cost_model(config, shape, domain_size=world_size, has_gpu=has_gpu,
+                              say=(lambda line: print(line, flush=True)) if os.environ.get("RANK", "0") == "0" else None)
 
     import deepspeed
     from megatron.core import parallel_state

@@ -95,6 +95,12 @@ def start_megatron_run(args: argparse.Namespace) -> RunSpec | None:
         print(note, flush=True)
     spec = RunSpec(dcp=dcp,
                    timeout_minutes=getattr(args, "distributed_timeout_minutes", None), profile=profile)
+    if device.has_gpu and dcp.device_memory_gb is not None:   # before the model: torch's allocator capped there
+        from dcp_megatron.runtime.device_memory import cap_device_memory
+
+        not_capped = cap_device_memory(dcp.device_memory_gb)
+        if not_capped and getattr(args, "rank", 0) == 0:
+            print(not_capped, flush=True)
     check_plannable(args, spec)
     return spec
 

@@ -15,6 +15,13 @@ caller all-reduces with MAX), and `MemoryCorrection.update` turns it into the fa
 - a lower one takes effect only once `lower_after` updates in a row have all been below the factor, and then
   as the highest of them, never below `floor`: one small reading never loosens the count.
 
+A reading whose count is below `min_counted_bytes` is left out (the noise guard): a short micro-batch's reading is
+dominated by fixed allocations (gradient reduction buffers, ZeRO-3 gathers, first-use workspaces) that do not grow
+with its tokens, so its measured / counted says little of the count's per-token error and, raised at once, would
+shrink every later micro-batch (and could refuse the run's --seq-length). The step loop sets the floor to
+`NOISE_SHARE` of the activation room (`noise_floor_bytes`): a fixed cost F then inflates a factor by at most
+F / floor, while the largest micro-batches, the ones a low count would put over the device, are all read.
+
 A relief that has no reading yet is scaled by the largest factor measured, when that is above 1 (reliefs share
 most of their tensors, so a count found low for one is likely low for the others), else left as counted.
 All ranks fold the same all-reduced ratios in the same order, so their factors, and their plans, are identical.
@@ -29,6 +36,12 @@ from typing import Iterable, Mapping, Sequence
 MEMORY_MARGIN = 0.05      # headroom kept above the measured bytes (5%)
 MEMORY_FLOOR = 0.8        # no factor goes below: a count is never trusted to be more than 20% high
 LOWER_AFTER = 3           # updates in a row below the factor in use before it is lowered
+NOISE_SHARE = 0.25        # readings counted below this share of the activation room are noise (fixed costs)
+
+
+def noise_floor_bytes(cost, share: float = NOISE_SHARE) -> float:
+    """The count below which a reading is left out: `share` of what the plans may fill above the static bytes."""
+    return max(0.0, share * (cost.cluster.mem_budget_bytes - cost.static_bytes))
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,9 @@ def memory_readings(*, cuda: bool, parameters):
 def counted_bytes(cost, lengths, cp_size: int, recompute, kind: str) -> float:
     """What `cost` counts of the quantity a reading of `kind` measures, for one micro-batch on this rank."""
     local = float(int(local_tokens(np.asarray(lengths, dtype=np.int64), cp_size).sum()))
-    per_token = cost.bytes_per_local_token(recompute) if kind == PEAK else cost.held_bytes_per_local_token(recompute)
+    # at the micro-batch's own CP size: our CPU attention keeps per-group tensors (memory_spec.py, cp_size)
+    per_token = (cost.bytes_per_local_token(recompute, cp_size) if kind == PEAK
+                 else cost.held_bytes_per_local_token(recompute, cp_size))
     return local * per_token
 
 

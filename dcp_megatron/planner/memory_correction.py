@@ -15,7 +15,8 @@ caller all-reduces with MAX), and `MemoryCorrection.update` turns it into the fa
 - a lower one takes effect only once `lower_after` updates in a row have all been below the factor, and then
   as the highest of them, never below `floor`: one small reading never loosens the count.
 
-A reading whose count is below `min_counted_bytes` is left out (the noise guard): a short micro-batch's reading is
+A reading whose micro-batch was packed to less than `min_counted_bytes` (its count against the budget,
+`packed_bytes`) is left out (the noise guard): a short micro-batch's reading is
 dominated by fixed allocations (gradient reduction buffers, ZeRO-3 gathers, first-use workspaces) that do not grow
 with its tokens, so its measured / counted says little of the count's per-token error and, raised at once, would
 shrink every later micro-batch (and could refuse the run's --seq-length). The step loop sets the floor to
@@ -75,6 +76,9 @@ class MemoryReading:
     relief: str            # str(the micro-batch's Recompute)
     counted_bytes: float
     measured_bytes: float
+    # the micro-batch's count as it was packed against the budget (its peak above the static bytes), what the noise
+    # floor is compared with; None: `counted_bytes` (a reading of that same quantity, the GPU's peak)
+    packed_bytes: float | None = None
 
 
 def relief_buckets(plan) -> list[str]:
@@ -90,7 +94,7 @@ class MemoryCorrection:
     margin: float = MEMORY_MARGIN
     floor: float = MEMORY_FLOOR
     lower_after: int = LOWER_AFTER
-    min_counted_bytes: float = 0.0    # readings counted smaller than this are noise (fixed costs dominate)
+    min_counted_bytes: float = 0.0    # readings packed smaller than this are noise (fixed costs dominate)
     factors: dict[str, float] = field(default_factory=dict)
     lower_targets: dict[str, list[float]] = field(default_factory=dict)   # targets below the factor, in a row
     ratios: dict[str, float] = field(default_factory=dict)                 # the last measured / counted per relief
@@ -112,7 +116,9 @@ class MemoryCorrection:
             i = index.get(reading.relief)
             if i is None:
                 raise ValueError(f"no bucket for relief {reading.relief!r}")
-            if reading.counted_bytes > max(self.min_counted_bytes, 0.0) and math.isfinite(reading.measured_bytes):
+            packed = reading.counted_bytes if reading.packed_bytes is None else reading.packed_bytes
+            if (reading.counted_bytes > 0 and packed >= self.min_counted_bytes
+                    and math.isfinite(reading.measured_bytes)):
                 out[i] = max(out[i], reading.measured_bytes / reading.counted_bytes)
         return out
 

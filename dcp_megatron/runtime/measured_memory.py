@@ -101,6 +101,7 @@ def refined_memory_scale(correction: MemoryCorrection, base_cost, plan, *, domai
     """The scale after one step: `measured[i]` is the i-th micro-batch this rank ran, in plan order."""
     ran = [(group_, mb) for _, group_ in plan.rank_schedule(domain_rank) for mb in group_.microbatches]
     readings = [MemoryReading(relief=str(mb.recompute), measured_bytes=value,
-                              counted_bytes=counted_bytes(base_cost, mb.lengths, group_.size, mb.recompute, kind))
+                              counted_bytes=counted_bytes(base_cost, mb.lengths, group_.size, mb.recompute, kind),
+                              packed_bytes=counted_bytes(base_cost, mb.lengths, group_.size, mb.recompute, PEAK))
                 for (group_, mb), value in zip(ran, measured) if mb.sequences]
     return fold_readings(correction, readings, relief_buckets(plan), device=device, group=group)

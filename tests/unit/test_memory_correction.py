@@ -182,3 +182,15 @@ def test_cpu_readings_are_compared_with_the_count_at_their_own_cp_size():
         NO_RECOMPUTE, 2)
     assert counted_bytes(cost, lengths, 2, NO_RECOMPUTE, PEAK) == local * cost.bytes_per_local_token(NO_RECOMPUTE, 2)
     assert cost.held_bytes_per_local_token(NO_RECOMPUTE, 2) != cost.held_bytes_per_local_token(NO_RECOMPUTE, 1)
+
+
+def test_the_noise_floor_compares_the_micro_batchs_packed_count_not_the_quantity_read():
+    """A CPU reading is the bytes saved for backward; under full recompute that is a small share of the count the
+    micro-batch was packed to. The floor looks at the packed count: a full micro-batch's reading is used however
+    little it holds, a short one's is left out whatever it measured."""
+    floor = 100.0
+    correction = MemoryCorrection(min_counted_bytes=floor)
+    full = MemoryReading("full2", counted_bytes=10.0, measured_bytes=13.0, packed_bytes=400.0)   # fills the room
+    short = MemoryReading("none", counted_bytes=60.0, measured_bytes=600.0, packed_bytes=80.0)   # below the floor
+    assert correction.bucket_ratios([full, short], ["full2", "none"]) == [pytest.approx(1.3), 0.0]
+    assert MemoryCorrection().bucket_ratios([short], ["none"]) == [pytest.approx(10.0)]

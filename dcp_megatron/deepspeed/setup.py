@@ -136,8 +136,7 @@ def setup_training(args: argparse.Namespace, *, model_provider, forward_loss, pa
         not_capped = cap_device_memory(config.device_memory_gb)
         if not_capped and os.environ.get("RANK", "0") == "0":
             print(not_capped, flush=True)
-    cost = checked_cost_model(config, shape, domain_size=world_size, has_gpu=has_gpu,
-                              say=(lambda line: print(line, flush=True)) if os.environ.get("RANK", "0") == "0" else None)
+    cost = checked_cost_model(config, shape, domain_size=world_size, has_gpu=has_gpu)
 
     import deepspeed
     from megatron.core import parallel_state
@@ -167,6 +166,9 @@ def setup_training(args: argparse.Namespace, *, model_provider, forward_loss, pa
         bf16 = bool((ds_config.get("bf16") or {}).get("enabled"))
         model, model_config = model_provider(args, has_gpu=has_gpu, bf16=bf16)
         engine = initialize_engine(model, ds_config, schedule)
+        if has_gpu:   # the device read again now that the model, its gradients and optimizer states are built
+            cost = checked_cost_model(config, shape, domain_size=world_size, has_gpu=True,
+                                      say=(lambda line: print(line, flush=True)) if rank == 0 else None)
         device = torch.device("cuda", torch.cuda.current_device()) if has_gpu else torch.device("cpu")
         pool = GroupPool([list(range(world_size))], timeout=timeout)
         steps = DcpSteps(config=config, shares=shares, cost=cost, pool=pool, model_config=model_config,

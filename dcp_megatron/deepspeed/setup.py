@@ -130,12 +130,10 @@ def setup_training(args: argparse.Namespace, *, model_provider, forward_loss, pa
     half = any((ds_config.get(kind) or {}).get("enabled") for kind in ("bf16", "fp16"))
     shape = dataclasses.replace(model_shape_from_args(args, dtype_bytes=2 if half else 4),
                                 zero_stage=zero_stage(ds_config))
-    if has_gpu and config.device_memory_gb is not None:   # before anything is allocated: torch's allocator capped
-        from dcp_megatron.runtime.device_memory import cap_device_memory
+    from dcp_megatron.runtime.device_memory import cap_for_run
 
-        not_capped = cap_device_memory(config.device_memory_gb)
-        if not_capped and os.environ.get("RANK", "0") == "0":
-            print(not_capped, flush=True)
+    cap_for_run(config.device_memory_gb, has_gpu=has_gpu,   # before anything is allocated: torch's allocator capped
+                say=(lambda line: print(line, flush=True)) if os.environ.get("RANK", "0") == "0" else None)
     cost = checked_cost_model(config, shape, domain_size=world_size, has_gpu=has_gpu)
 
     import deepspeed

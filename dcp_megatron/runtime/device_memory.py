@@ -37,6 +37,16 @@ def cap_device_memory(device_memory_gb: float, device: int | None = None) -> str
     return None
 
 
+def cap_for_run(device_memory_gb: float | None, *, has_gpu: bool, say=None) -> None:
+    """Both engines' start, before the model is built: --dcp-device-memory-gb caps torch's allocator on GPU (`say`
+    gets the line when no cap is set); nothing on CPU (the emulated device reads the config) or without the flag."""
+    if not has_gpu or device_memory_gb is None:
+        return
+    line = cap_device_memory(device_memory_gb)
+    if line and say is not None:
+        say(line)
+
+
 def read_device(device: int | None = None) -> DeviceReading:
     """This rank's device as the budget rule reads it (the module docstring)."""
     device = rank_device() if device is None else device

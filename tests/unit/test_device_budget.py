@@ -134,3 +134,15 @@ def test_the_reading_and_the_cap_call_torch_on_the_ranks_device(monkeypatch):
     assert calls["fraction"] == (20 * GiB / H100.total_bytes, 1)
     assert device_memory.read_device().cap_bytes == pytest.approx(20 * GiB, abs=1)
     assert "no cap set" in device_memory.cap_device_memory(100)
+
+
+def test_both_engines_cap_through_one_call_on_gpu_only(monkeypatch):
+    from dcp_megatron.runtime import device_memory
+
+    capped, said = [], []
+    monkeypatch.setattr(device_memory, "cap_device_memory", lambda gb: capped.append(gb) or "no cap: bigger")
+    device_memory.cap_for_run(20.0, has_gpu=False, say=said.append)
+    device_memory.cap_for_run(None, has_gpu=True, say=said.append)
+    assert capped == [] and said == []
+    device_memory.cap_for_run(20.0, has_gpu=True, say=said.append)
+    assert capped == [20.0] and said == ["no cap: bigger"]

@@ -48,7 +48,8 @@ def model_shape_from_args(args, *, vocab_size: int | None = None, dtype_bytes: i
         transformer_impl="local" if getattr(args, "transformer_impl", None) == "local" else "transformer_engine",
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         # MLA's head dims and latents, MTP's layers: their FLOPs, weights and saved tensors
-        mla=mla, mtp_num_layers=getattr(args, "mtp_num_layers", None) or 0, activations=activation_spec_of(args, dtype_bytes=dtype_bytes))
+        mla=mla, mtp_num_layers=getattr(args, "mtp_num_layers", None) or 0,
+        activations=activation_spec_of(args, dtype_bytes=dtype_bytes))
 
 
 def mla_shape_from_args(args) -> MlaShape | None:

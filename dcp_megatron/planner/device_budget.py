@@ -92,7 +92,8 @@ def choose_device_budget(reading: DeviceReading | None, *, static_bytes: int, me
     preset, note = preset_for_device(reading.name, reading.total_bytes)
     uncounted = max(0, reading.allocated_bytes - static_bytes)
     budget = max(1, reading.reachable_bytes - uncounted)
-    cap_flag = "a per-process memory fraction" if device_memory_gb is None else f"--dcp-device-memory-gb {device_memory_gb:g}"
+    cap_flag = ("a per-process memory fraction" if device_memory_gb is None
+                else f"--dcp-device-memory-gb {device_memory_gb:g}")
     cap = "" if reading.cap_bytes is None else f", capped at {reading.cap_bytes / GiB:.1f} GiB by {cap_flag}"
     read = (f"dcp: device {reading.name}: {reading.total_bytes / GiB:.1f} GiB, {reading.free_bytes / GiB:.1f} free"
             f"{cap}; the run holds {reading.allocated_bytes / GiB:.2f} GiB (the count's static "

@@ -46,7 +46,8 @@ def check_dcp_layout(args: argparse.Namespace) -> None:
          "the micro-batch's documents and CP group"),
     )
     # the memory readings are one per micro-batch of one stage; pipelining interleaves them (off by default there)
-    memory_flags = [f"--dcp-memory-{name}" for name in ("refine", "probe") if getattr(args, f"dcp_memory_{name}", False)]
+    memory_flags = [f"--dcp-memory-{name}" for name in ("refine", "probe")
+                    if getattr(args, f"dcp_memory_{name}", False)]
     refusals += (
         (args.pipeline_model_parallel_size > 1 and bool(memory_flags),
          f"{' and '.join(memory_flags)} cannot run under --pipeline-model-parallel-size "

@@ -88,10 +88,9 @@ def probe_memory(loop, forward_step_func, model_chunks, *, schedule, seq_length:
         restore_recompute(model_chunks, saved_recompute)
     buckets = sorted(str(r) for r in probe_reliefs(cost))   # the same on every rank: they share the cost model
     # (the probe's micro-batches fill the budget: packed_bytes their count against it, above the noise floor)
-    packed = {str(r): r for r in probe_reliefs(cost)}
-    scale = loop.calibrate_memory([MemoryReading(r.relief, r.counted_bytes, r.measured_bytes,
-                                                 packed_bytes=counted_bytes(cost, r.lengths, 1, packed[r.relief], PEAK))
-                                   for r in rows], buckets)
+    relief_of = {str(r): r for r in probe_reliefs(cost)}
+    scale = loop.calibrate_memory([MemoryReading(r.relief, r.counted_bytes, r.measured_bytes, packed_bytes=counted_bytes(
+        cost, r.lengths, 1, relief_of[r.relief], PEAK)) for r in rows], buckets)
     if is_logging_rank:
         for row in rows:
             print(probe_line(row, worst_ratio=loop.memory_ratios.get(row.relief, 0.0), factor=scale.of(row.relief),

@@ -35,6 +35,10 @@ class DcpConfig:
     policy: str = "dcp"
     max_cp_size: int | None = None
     memory_budget_gb: float | None = None
+    # --dcp-device-memory-gb: the device memory this run may use (GiB). On GPU a cap of torch's allocator below the
+    # device (runtime/device_memory.py) and the base of the default budget (planner/device_budget.py); on CPU the
+    # default budget (the emulated device). None: the device's own memory
+    device_memory_gb: float | None = None
     recompute: tuple[str, ...] = DEFAULT_RECOMPUTE
     profile: str | None = None
     dump_plans: str | None = None
@@ -73,6 +77,9 @@ class DcpConfig:
         if self.memory_budget_gb is not None and not (math.isfinite(self.memory_budget_gb)
                                                       and self.memory_budget_gb > 0):
             raise DcpUsageError(f"--dcp-memory-budget-gb must be a positive number of GiB, got {self.memory_budget_gb}")
+        if self.device_memory_gb is not None and not (math.isfinite(self.device_memory_gb)
+                                                      and self.device_memory_gb > 0):
+            raise DcpUsageError(f"--dcp-device-memory-gb must be a positive number of GiB, got {self.device_memory_gb}")
         if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
             raise DcpUsageError(f"a recorded out-of-memory limit must be positive bytes, got {self.memory_limit_bytes}")
         refuse_bad_recompute(self.recompute)

@@ -1,4 +1,4 @@
-"""The prepared check for one NVIDIA GPU (an H200): what of the GPU path can run on one device, in < 8 min.
+"""The prepared check for one NVIDIA GPU (an H100 or an H200): what of the GPU path can run on one device, in < 8 min.
 
     tools/gpu_check.sh [--out DIR] [--profiles DIR] [--python PY] [--skip STEP,...] [--dry-run]
 
@@ -19,10 +19,12 @@ Steps (each its own process, so one failure cannot take the report down; the rep
                  one micro-batch per relief (none, module recompute, full 1/2/4, offload), its peak allocated
                  bytes above the step's start vs the count; passes when each is within the safety margin. Its
                  log and memory.json also hold the memory probe's table (what --dcp-memory-probe reads before step
-                 1 per relief: counted vs measured, and the factor it would set).
+                 1 per relief: counted vs measured, and the factor it would set) and the device as a run reads it
+                 at start: name, total / free memory, what the process holds, the preset and default budget chosen.
   profile_bf16, profile_fp8
                  `dcp-profile` of a mid-sized model on the TE spec: GEMM rate, attention times by length;
-                 written to PROFILES/h200_bf16.json and h200_fp8.json, merged into PROFILES/h200.json
+                 written to PROFILES/<preset>_bf16.json and <preset>_fp8.json, merged into PROFILES/<preset>.json
+                 (<preset>: the device's cluster preset, planner/device_budget.py: h100-sxm, h200, ...)
                  (bf16 constants + the FP8 run's GEMM rate as fp8_gemm_flops).
 CP > 1 is not checked: one GPU cannot run it (NCCL refuses two ranks on one device); the report says so.
 --dry-run prints the steps and their commands as JSON and runs nothing (works without a GPU).
@@ -93,7 +95,7 @@ def recompute_switching_budget_gb(model: dict, *, fp8: bool) -> float:
     return round(needed / (1.0 - cost.cluster.mem_safety_frac) / 2 ** 30, 3)
 
 
-def build_steps(*, out: str, profiles: str, python: str) -> list[dict]:
+def build_steps(*, out: str, profiles: str, python: str, preset: str = "h200") -> list[dict]:
     """Every step: name, argv, timeout (s), and where its log goes."""
     torchrun = [python, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone"]
     script = os.path.join(REPO, "pretrain_scripts", "pretrain_gpt.py")
@@ -108,7 +110,7 @@ def build_steps(*, out: str, profiles: str, python: str) -> list[dict]:
     steps.append(dict(name="memory", timeout_s=180,
                       argv=[python, os.path.join(REPO, "tools", "gpu_check_memory.py"), out]))
     for name, extra in (("profile_bf16", []), ("profile_fp8", list(FP8_FLAGS))):
-        target = os.path.join(profiles, f"h200_{name.split('_')[1]}.json")
+        target = os.path.join(profiles, f"{preset}_{name.split('_')[1]}.json")
         steps.append(dict(name=name, timeout_s=150, profile=target, argv=[
             python, "-m", "dcp_megatron.profile", "--nproc", "1", "--repeats", "2", "--clock", "wall",
             "--out", target, "--report", os.path.join(out, f"{name}_report.json"), "--",
@@ -149,15 +151,15 @@ def judge(step: dict, rc: int, log: str) -> dict:
     return result
 
 
-def merge_profiles(profiles: str) -> str | None:
-    """PROFILES/h200.json: the bf16 profile with the FP8 profile's GEMM rate as fp8_gemm_flops."""
-    paths = [os.path.join(profiles, f"h200_{p}.json") for p in ("bf16", "fp8")]
+def merge_profiles(profiles: str, preset: str = "h200") -> str | None:
+    """PROFILES/<preset>.json: the bf16 profile with the FP8 profile's GEMM rate as fp8_gemm_flops."""
+    paths = [os.path.join(profiles, f"{preset}_{p}.json") for p in ("bf16", "fp8")]
     if not all(map(os.path.isfile, paths)):
         return None
     bf16, fp8 = (json.load(open(p)) for p in paths)
     bf16["fp8_gemm_flops"] = fp8["gemm_flops"]
     bf16.setdefault("meta", {})["fp8_from"] = os.path.basename(paths[1])
-    merged = os.path.join(profiles, "h200.json")
+    merged = os.path.join(profiles, f"{preset}.json")
     with open(merged, "w") as f:
         json.dump(bf16, f, indent=1)
     return merged
@@ -173,10 +175,15 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.profiles, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    sys.path.insert(0, REPO)
+    from dcp_megatron.planner.device_budget import preset_for_device
+
+    preset, note = preset_for_device(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gpu": torch.cuda.get_device_name(0),
-              "versions": _versions(), "not_checked": NOT_CHECKED, "steps": {}}
+              "preset": preset, "versions": _versions(), "not_checked": NOT_CHECKED, "steps": {}}
+    print(f"gpu_check: {report['gpu']}: preset {preset}" + (f" ({note})" if note else ""), flush=True)
     started = time.monotonic()
-    for step in build_steps(out=args.out, profiles=args.profiles, python=args.python):
+    for step in build_steps(out=args.out, profiles=args.profiles, python=args.python, preset=preset):
         if step["name"] in args.skip:
             report["steps"][step["name"]] = {"skipped": True}
             continue
@@ -195,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         report["steps"][step["name"]] = result
         verdict = "PASS" if result["passed"] else "FAIL"
         print(f"gpu_check: {step['name']}: {verdict} ({result['seconds']} s)", flush=True)
-    report["merged_profile"] = merge_profiles(args.profiles)
+    report["merged_profile"] = merge_profiles(args.profiles, preset)
     report["seconds"] = round(time.monotonic() - started, 1)
     report["passed"] = all(r.get("passed") or r.get("skipped") for r in report["steps"].values())
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
@@ -221,7 +228,7 @@ def _versions() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(REPO, "gpu_check_out"), help="logs and gpu_check.json")
-    parser.add_argument("--profiles", default=os.path.join(REPO, "profiles"), help="where h200_*.json are written")
+    parser.add_argument("--profiles", default=os.path.join(REPO, "profiles"), help="where <preset>_*.json are written")
     parser.add_argument("--python", default=sys.executable, help="the Python of the GPU environment")
     parser.add_argument("--skip", default="", help=f"comma list of steps to skip, from {','.join(STEPS)}")
     parser.add_argument("--dry-run", action="store_true", help="print the steps as JSON; run nothing")

@@ -14,6 +14,9 @@ Each row's `probe` is the same micro-batch as the memory probe before step 1 rea
 on GPU the allocator's peak above what was allocated at its forward, on CPU the bytes saved for backward) against
 the count of that quantity, and the factor the probe would set (planner/memory_correction.py: measured / counted
 plus the margin, raised only); `probe_factors` lists them and the step prints the table.
+The step also reads the device as a --dcp run does at start (runtime/device_memory.py: name, total and free memory,
+what the process holds once the model and its gradients are built) and reports the preset and the default budget a
+run would choose from it (planner/device_budget.py): memory.json's `device`, and its line in the log.
 FP8 is not measured here (the train_fp8 step trains under a budget; its peak per relief is not read yet).
 `--cpu-smoke DIR` runs the plumbing on CPU with the local spec (the peak is not measured on a CPU; the probe's
 saved bytes are).
@@ -42,7 +45,7 @@ def relief_of(name: str):
 
 
 def counted_model(shape: dict, *, cuda: bool):
-    """The planner's cost model for the probe's GPT (one rank, the h200 preset; the TE spec's entries on a GPU)."""
+    """The planner's cost model for the probe's GPT (one rank, the device's preset; the TE spec's entries on a GPU)."""
     import dataclasses
 
     from dcp_megatron.planner.cluster import cluster_preset
@@ -55,7 +58,14 @@ def counted_model(shape: dict, *, cuda: bool):
                        head_dim=shape["hidden_size"] // shape["num_heads"], ffn_hidden_size=shape["ffn_hidden_size"],
                        vocab_size=shape["vocab"], transformer_impl="transformer_engine" if cuda else "local",
                        sequence_parallel=False, activations=TRANSFORMER_ENGINE if cuda else LOCAL_BF16)
-    cluster = dataclasses.replace(cluster_preset("h200", domain_size=1), host_link_bw=64e9)
+    preset = "h200"
+    if cuda:
+        import torch
+
+        from dcp_megatron.planner.device_budget import preset_for_device
+
+        preset = preset_for_device(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)[0]
+    cluster = dataclasses.replace(cluster_preset(preset, domain_size=1), host_link_bw=64e9)
     return CostModel(model, cluster, allowed_recompute=("none", "selective", "full", "mlp", "core_attn", "offload"))
 
 
@@ -83,6 +93,11 @@ def probe(out_dir: str, *, cuda: bool = True) -> int:
         model = harness._model(cuda, shape)
         warm = harness._batches(((frozenset(), 0),), device, relief=False, docs=docs, vocab=shape["vocab"])
         harness._run_step(model, warm, cuda=cuda)   # gradients allocated, kernels warm
+        if cuda:   # what a --dcp run reads at start, and the preset and budget it would choose
+            from dcp_megatron.runtime.device_memory import read_device
+
+            result["device"] = device_section(read_device(0), cost)
+            print("\n".join(result["device"]["lines"]), flush=True)
         for name in RELIEFS:
             relief = relief_of(name)
             if (name == "offload" and not cuda) or relief.full_layers > shape["num_layers"]:
@@ -118,6 +133,19 @@ def probe(out_dir: str, *, cuda: bool = True) -> int:
     finally:
         harness.teardown(registry)
     return harness.write_report(out_dir, "memory.json", result)
+
+
+def device_section(reading, cost) -> dict:
+    """memory.json's `device`: the reading, and the preset and default budget a run with `cost`'s static bytes
+    chooses from it (planner/device_budget.py), with the line the run's start prints."""
+    import dataclasses
+
+    from dcp_megatron.planner.device_budget import choose_device_budget
+
+    choice = choose_device_budget(reading, static_bytes=cost.static_bytes, memory_budget_gb=None,
+                                  device_memory_gb=None, safety_frac=cost.cluster.mem_safety_frac)
+    return {**dataclasses.asdict(reading), "preset": choice.preset, "budget_bytes": choice.mem_bytes_per_gpu,
+            "static_bytes": int(cost.static_bytes), "lines": list(choice.lines)}
 
 
 def probe_table(rows: dict) -> str:

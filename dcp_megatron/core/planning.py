@@ -14,6 +14,7 @@ from dcp_megatron.core.out_of_memory import LIMIT_DIR, capped_memory_bytes
 from dcp_megatron.planner.cluster import cluster_preset
 from dcp_megatron.planner.cost import CostModel
 from dcp_megatron.planner.cost_profile import load_profile
+from dcp_megatron.planner.device_budget import DeviceReading, choose_device_budget, preset_for_device
 from dcp_megatron.planner.gpu_costs import GpuCosts
 from dcp_megatron.planner.memory_spec import (CPU_FP32, LOCAL_BF16, TRANSFORMER_ENGINE, TRANSFORMER_ENGINE_FP8,
                                               ActivationSpec)
@@ -25,9 +26,10 @@ from dcp_megatron.planner.policies import make_plan
 GiB = 1024 ** 3
 
 
-def model_shape_from_args(args, *, vocab_size: int | None = None) -> ModelShape:
+def model_shape_from_args(args, *, vocab_size: int | None = None, dtype_bytes: int | None = None) -> ModelShape:
     """The planner's view of Megatron's model flags (after Megatron's validate_args filled defaults);
-    `vocab_size` stands in for the padded vocabulary before Megatron has built the tokenizer."""
+    `vocab_size` stands in for the padded vocabulary before Megatron has built the tokenizer, `dtype_bytes` for the
+    activations' width where the flags do not say it (activation_spec_of)."""
     mla = mla_shape_from_args(args)
     num_kv_heads = (args.num_query_groups if args.group_query_attention and mla is None
                     else args.num_attention_heads)      # MLA: every head its own key and value
@@ -47,7 +49,8 @@ def model_shape_from_args(args, *, vocab_size: int | None = None) -> ModelShape:
         transformer_impl="local" if getattr(args, "transformer_impl", None) == "local" else "transformer_engine",
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         # MLA's head dims and latents, MTP's layers: their FLOPs, weights and saved tensors
-        mla=mla, mtp_num_layers=getattr(args, "mtp_num_layers", None) or 0, activations=activation_spec_of(args))
+        mla=mla, mtp_num_layers=getattr(args, "mtp_num_layers", None) or 0,
+        activations=activation_spec_of(args, dtype_bytes=dtype_bytes))
 
 
 def dense_layers_of(args) -> int:
@@ -77,51 +80,74 @@ def mla_shape_from_args(args) -> MlaShape | None:
                     qk_layernorm=bool(getattr(args, "qk_layernorm", False)))
 
 
-def activation_spec_of(args) -> ActivationSpec:
-    """What the run keeps for backward (memory_spec.py): a CPU run of the local spec in fp32 is counted as
-    CPU_FP32 (mlp.py's glu under --no-bias-swiglu-fusion), so its budget is bytes; the local spec on a GPU as
-    LOCAL_BF16; Transformer Engine's spec otherwise (its FP8 linears' under --fp8-format)."""
+def activation_spec_of(args, *, dtype_bytes: int | None = None) -> ActivationSpec:
+    """What the run keeps for backward (memory_spec.py) at its precision (`dtype_bytes`: 2 under --bf16 / --fp16, 4
+    without: Megatron's default is fp32; the DeepSpeed script passes its JSON's): a CPU fp32 run of the local spec
+    is counted as CPU_FP32 (mlp.py's glu under --no-bias-swiglu-fusion); the local spec on a GPU as LOCAL_BF16's
+    tensors at the run's width; Transformer Engine's spec otherwise (its FP8 linears' under --fp8-format), at the
+    run's width (a CPU run of the local spec in 2 bytes, which no count describes, as TE's)."""
     import torch
 
+    if dtype_bytes is None:
+        dtype_bytes = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4
     local = getattr(args, "transformer_impl", None) == "local"
     if local and torch.cuda.is_available():
-        return LOCAL_BF16
+        return dataclasses.replace(LOCAL_BF16, dtype_bytes=dtype_bytes)
     if not local and getattr(args, "fp8", None) is not None:
         return TRANSFORMER_ENGINE_FP8
-    if local and not getattr(args, "bf16", False) and not getattr(args, "fp16", False):
+    if local and dtype_bytes == 4:
         return CPU_FP32 if getattr(args, "bias_swiglu_fusion", True) else dataclasses.replace(CPU_FP32, swiglu="unfused")
-    return TRANSFORMER_ENGINE
+    return dataclasses.replace(TRANSFORMER_ENGINE, dtype_bytes=dtype_bytes)
 
 
-def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:
-    """Cluster preset "h200" on GPU, "cpu" without; --dcp-* flags and --dcp-profile override it. On GPU the
-    model also charges FP8 GEMMs and weight copies, TE's p2p CP ring and NCCL communicators (gpu_costs.py)."""
-    cluster = cluster_preset("h200" if has_gpu else "cpu", domain_size=domain_size,
-                             gpus_per_node=config.gpus_per_node)
+def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool,
+                     device: DeviceReading | None = None, say=None) -> CostModel:
+    """On GPU the preset and budget the device read at start chooses (planner/device_budget.py; `device`: a reading
+    to use, else this rank's device is read), "cpu" without; --dcp-* flags and --dcp-profile override it; `say`
+    gets the start's lines (what was read, the budget chosen). On GPU the model also charges FP8 GEMMs and weight
+    copies, TE's p2p CP ring and NCCL communicators (gpu_costs.py)."""
+    if has_gpu and device is None:
+        from dcp_megatron.runtime.device_memory import read_device
+
+        device = read_device()
+    gpu = GpuCosts(fp8=config.fp8, cp_ring=has_gpu and config.te_attention, communicators=has_gpu)
+    profile = load_profile(config.profile) if config.profile else None
+
+    def cost_model(cluster):
+        return CostModel(model, cluster, profile=profile, allowed_recompute=config.recompute,
+                         cp_attention=config.cp_attention, gpu=gpu)
+
+    reading = device if has_gpu else None
+    preset = "cpu" if reading is None else preset_for_device(reading.name, reading.total_bytes)[0]
+    cluster = cluster_preset(preset, domain_size=domain_size, gpus_per_node=config.gpus_per_node)
     changes = {}
     if config.max_cp_size is not None:
         changes["max_cp_size"] = config.max_cp_size
-    if config.memory_budget_gb is not None:
-        changes["mem_bytes_per_gpu"] = int(config.memory_budget_gb * GiB)
+    static_bytes = cost_model(dataclasses.replace(cluster, **changes)).static_bytes if reading is not None else 0
+    choice = choose_device_budget(reading, static_bytes=static_bytes, memory_budget_gb=config.memory_budget_gb,
+                                  device_memory_gb=config.device_memory_gb, safety_frac=cluster.mem_safety_frac)
+    if say is not None:
+        for line in choice.lines:
+            say(line)
+    if choice.mem_bytes_per_gpu is not None:
+        changes["mem_bytes_per_gpu"] = choice.mem_bytes_per_gpu
     if config.memory_limit_bytes is not None:   # a micro-batch ran out of memory at this count before
         changes["mem_bytes_per_gpu"] = capped_memory_bytes(changes.get("mem_bytes_per_gpu", cluster.mem_bytes_per_gpu),
                                                            safety_frac=cluster.mem_safety_frac,
                                                            limit=config.memory_limit_bytes)
     if changes:
         cluster = dataclasses.replace(cluster, **changes)
-    profile = load_profile(config.profile) if config.profile else None
-    gpu = GpuCosts(fp8=config.fp8, cp_ring=has_gpu and config.te_attention, communicators=has_gpu)
-    return CostModel(model, cluster, profile=profile, allowed_recompute=config.recompute,
-                     cp_attention=config.cp_attention, gpu=gpu)
+    return cost_model(cluster)
 
 
-def checked_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool) -> CostModel:
+def checked_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool,
+                       say=None) -> CostModel:
     """build_cost_model at start-up: a --dcp-profile that is not a valid profile, or a --seq-length document that
     fits no CP group, is a DcpUsageError naming the flags to change."""
     from dcp_megatron.config import DcpUsageError
 
     try:
-        cost = build_cost_model(config, model, domain_size=domain_size, has_gpu=has_gpu)
+        cost = build_cost_model(config, model, domain_size=domain_size, has_gpu=has_gpu, say=say)
     except ValueError as err:   # the profile's own checks (cost_profile.check_profile)
         if config.profile is None:
             raise
@@ -216,8 +242,14 @@ def _what_would_fit(config: DcpConfig, cost: CostModel, recompute: str) -> str:
 def _budget_words(config: DcpConfig, cost: CostModel) -> str:
     """The budget a refusal names: the --dcp-memory-budget-gb given and what its safety margin takes."""
     cluster = cost.cluster
-    given = (f"the {cluster.name} preset's {cluster.mem_bytes_per_gpu / GiB:.4g} GiB" if config.memory_budget_gb is None
-             else f"--dcp-memory-budget-gb {config.memory_budget_gb:g}")
+    if config.memory_budget_gb is not None:
+        given = f"--dcp-memory-budget-gb {config.memory_budget_gb:g}"
+    elif cluster.name != "cpu":
+        given = f"the {cluster.mem_bytes_per_gpu / GiB:.4g} GiB read of the device at start (docs/gpu.md)"
+    elif config.device_memory_gb is not None:
+        given = f"--dcp-device-memory-gb {config.device_memory_gb:g}"
+    else:
+        given = f"the {cluster.name} preset's {cluster.mem_bytes_per_gpu / GiB:.4g} GiB"
     if config.memory_limit_bytes is not None:
         given += (f" capped to {cluster.mem_bytes_per_gpu / GiB:.4g} GiB by the out-of-memory records beside the "
                   f"checkpoints, which a larger budget does not lift: move {LIMIT_DIR}/ away to plan without them")

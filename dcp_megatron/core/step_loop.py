@@ -41,7 +41,8 @@ from dcp_megatron.core.out_of_memory import MicrobatchOutOfMemory, TrackedBatche
 from dcp_megatron.core.plan_dump import PlanDumper
 from dcp_megatron.core.planning import check_longest_fits, check_same_plan, plan_global_batch
 from dcp_megatron.planner.ahead import PlanAhead, PlannedStep, plan_synchronously
-from dcp_megatron.planner.memory_correction import MemoryCorrection, MemoryReading, MemoryScale, describe_scale
+from dcp_megatron.planner.memory_correction import (MemoryCorrection, MemoryReading, MemoryScale, describe_scale,
+                                                    noise_floor_bytes)
 from dcp_megatron.planner.refine import TimeCorrection, relative_error
 from dcp_megatron.runtime.group_pool import GroupPool, plan_blocks
 from dcp_megatron.runtime.measured_cost import refined_cost
@@ -133,7 +134,7 @@ class PlannedStepLoop:
         self._measured: tuple[int, Any, tuple[float, ...], tuple | None] | None = None
         self._steps_accepted = 0
         # the memory count's correction: calibrated by a probe, refined from the first steps' readings
-        self._memory_correction = MemoryCorrection()
+        self._memory_correction = MemoryCorrection(min_counted_bytes=noise_floor_bytes(cost))   # the noise guard
         self._memory_steps_left = config.memory_refine_steps if measure_memory else 0
         self.memory_kind = PEAK if torch.device(device).type == "cuda" else SAVED
         self._errors: list[float] = []

@@ -39,6 +39,7 @@ _BLOCK_KEYS = {
     "policy": ("policy", str),
     "max_cp_size": ("max_cp_size", int),
     "memory_budget_gb": ("memory_budget_gb", (int, float)),
+    "device_memory_gb": ("device_memory_gb", (int, float)),
     "recompute": ("recompute", list),
     "profile": ("profile", str),
     "dump_plans": ("dump_plans", str),
@@ -224,6 +225,10 @@ def dcp_config(ds_config: dict, *, cli: dict, seq_length: int, train_iters: int,
                              domain_size=domain_size, timeout_minutes=timeout_minutes, has_gpu=has_gpu))
     if not enabled:
         return None
+    if settings.get("memory_probe"):
+        raise DcpUsageError("--dcp-memory-probe: the memory probe before step 1 runs under megatron.training only; "
+                            "the DeepSpeed script corrects the count from its first steps' readings instead "
+                            "(--dcp-memory-refine, on by default on GPU): drop --dcp-memory-probe")
     if stage == 3 and settings.get("recompute") is not None:
         settings["recompute"] = stage3_recompute(settings["recompute"])
     if settings.get("cp_attention") is None:

@@ -126,7 +126,14 @@ def setup_training(args: argparse.Namespace, *, model_provider, forward_loss, pa
     except (ValueError, OSError, AssertionError) as err:
         raise DcpUsageError(f"--tokenizer-type {args.tokenizer_type}: {err}") from None
     # the ZeRO stage shards the static memory; stage 3 gathers weights per micro-batch: lockstep plans
-    shape = dataclasses.replace(model_shape_from_args(args), zero_stage=zero_stage(ds_config))
+    # the JSON's precision is the run's (--bf16 / --fp16 only fill it): its activations' width
+    half = any((ds_config.get(kind) or {}).get("enabled") for kind in ("bf16", "fp16"))
+    shape = dataclasses.replace(model_shape_from_args(args, dtype_bytes=2 if half else 4),
+                                zero_stage=zero_stage(ds_config))
+    from dcp_megatron.runtime.device_memory import cap_for_run
+
+    cap_for_run(config.device_memory_gb, has_gpu=has_gpu,   # before anything is allocated: torch's allocator capped
+                say=(lambda line: print(line, flush=True)) if os.environ.get("RANK", "0") == "0" else None)
     cost = checked_cost_model(config, shape, domain_size=world_size, has_gpu=has_gpu)
 
     import deepspeed
@@ -157,6 +164,9 @@ def setup_training(args: argparse.Namespace, *, model_provider, forward_loss, pa
         bf16 = bool((ds_config.get("bf16") or {}).get("enabled"))
         model, model_config = model_provider(args, has_gpu=has_gpu, bf16=bf16)
         engine = initialize_engine(model, ds_config, schedule)
+        if has_gpu:   # the device read again now that the model, its gradients and optimizer states are built
+            cost = checked_cost_model(config, shape, domain_size=world_size, has_gpu=True,
+                                      say=(lambda line: print(line, flush=True)) if rank == 0 else None)
         device = torch.device("cuda", torch.cuda.current_device()) if has_gpu else torch.device("cpu")
         pool = GroupPool([list(range(world_size))], timeout=timeout)
         steps = DcpSteps(config=config, shares=shares, cost=cost, pool=pool, model_config=model_config,

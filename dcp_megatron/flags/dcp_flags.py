@@ -47,8 +47,13 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             '"recompute": {"full_layers": 2}} for static (default: the policy\'s own)')
     group.add_argument("--dcp-max-cp-size", type=int, default=None, help="largest CP group a document may use")
     group.add_argument("--dcp-memory-budget-gb", type=float, default=None,
-                       help="memory per rank the planner may fill (GiB; default: the cluster preset's); real bytes on "
+                       help="memory per rank the planner may fill (GiB; default on GPU: the device's, read at start, "
+                            "docs/gpu.md; on CPU the cluster preset's); real bytes on "
                             "GPU and on a CPU run (fp32, --transformer-impl local: planner/memory_spec.py CPU_FP32)")
+    group.add_argument("--dcp-device-memory-gb", type=float, default=None, metavar="G",
+                       help="the device memory this run may use (GiB): on GPU torch's allocator is capped there "
+                            "and the default --dcp-memory-budget-gb derives from it (default: the device read at "
+                            "start, docs/gpu.md)")
     group.add_argument("--dcp-recompute", default=None,
                        help="comma list of the memory reliefs the planner may choose per micro-batch, from "
                        f"{','.join(RECOMPUTE_CHOICES)} (default {','.join(DEFAULT_RECOMPUTE)}; core_attn, mlp, "
@@ -123,6 +128,7 @@ def dcp_flag_settings(args: argparse.Namespace) -> dict:
     return {"policy": args.dcp_policy,
             "policy_setting": policy_setting_from_flag(getattr(args, "dcp_policy_setting", None), args.dcp_policy),
             "max_cp_size": args.dcp_max_cp_size, "memory_budget_gb": args.dcp_memory_budget_gb,
+            "device_memory_gb": getattr(args, "dcp_device_memory_gb", None),
             "recompute": parse_comma_list(args.dcp_recompute), "profile": args.dcp_profile,   # (DcpConfig checks it)
             "dump_plans": args.dcp_dump_plans,
             "check_plans": False if no_check_plans else (True if getattr(args, "dcp_check_plans", False) else None),

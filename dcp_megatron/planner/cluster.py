@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from dcp_megatron.planner.cluster_cpu import (CPU_ATTN_RATE_POINTS, CPU_COLLECTIVE_LATENCY_S, CPU_GEMM_FLOPS, CPU_GLOO_BW,
                                               CPU_MEM_BYTES_PER_RANK, CPU_MICROBATCH_OVERHEAD_S, CPU_RANKS_PER_MACHINE,
                                               CPU_RECOMPUTE_COST_FACTOR)
+from dcp_megatron.planner.cluster_gpu import GPU_DATASHEETS, H200_BF16_FLOPS, H200_GEMM_RATIO, LAYER_SHARE
 
 GiB = 1024 ** 3
 
@@ -137,6 +138,21 @@ def _h200(domain_size: int = 8) -> ClusterSpec:
     )
 
 
+def _datasheet_gpu(name: str):
+    """A preset from a GPU's datasheet (cluster_gpu.py: the H200's measured ratios applied, nothing measured)."""
+    bf16, fp8, memory, nvlink, inter, host = GPU_DATASHEETS[name]
+
+    def build(domain_size: int = 8) -> ClusterSpec:
+        h200 = _h200(domain_size)
+        scale = bf16 / H200_BF16_FLOPS
+        return replace(h200, name=name, mem_bytes_per_gpu=memory,
+                       gemm_flops=LAYER_SHARE * H200_GEMM_RATIO * bf16,
+                       attn_rate_points=tuple((length, rate * scale) for length, rate in h200.attn_rate_points),
+                       intra_node_bw=nvlink / 2, inter_node_bw=inter,
+                       fp8_gemm_flops=LAYER_SHARE * H200_GEMM_RATIO * fp8, host_link_bw=host)
+    return build
+
+
 def cpu_cluster(domain_size: int) -> ClusterSpec:
     """A DCP domain of `domain_size` single-thread CPU ranks on one machine."""
     if not isinstance(domain_size, int) or domain_size <= 0:
@@ -163,7 +179,7 @@ def _cpu(domain_size: int = 2) -> ClusterSpec:
     return cpu_cluster(domain_size)
 
 
-CLUSTER_PRESETS = {"h200": _h200, "cpu": _cpu}
+CLUSTER_PRESETS = {"h200": _h200, "cpu": _cpu, **{name: _datasheet_gpu(name) for name in GPU_DATASHEETS}}
 
 
 def cluster_preset(name: str, *, domain_size: int, gpus_per_node: int | None = None) -> ClusterSpec:

@@ -15,6 +15,14 @@ caller all-reduces with MAX), and `MemoryCorrection.update` turns it into the fa
 - a lower one takes effect only once `lower_after` updates in a row have all been below the factor, and then
   as the highest of them, never below `floor`: one small reading never loosens the count.
 
+A reading whose micro-batch was packed to less than `min_counted_bytes` (its count against the budget,
+`packed_bytes`) is left out (the noise guard): a short micro-batch's reading is
+dominated by fixed allocations (gradient reduction buffers, ZeRO-3 gathers, first-use workspaces) that do not grow
+with its tokens, so its measured / counted says little of the count's per-token error and, raised at once, would
+shrink every later micro-batch (and could refuse the run's --seq-length). The step loop sets the floor to
+`NOISE_SHARE` of the activation room (`noise_floor_bytes`): a fixed cost F then inflates a factor by at most
+F / floor, while the largest micro-batches, the ones a low count would put over the device, are all read.
+
 A relief that has no reading yet is scaled by the largest factor measured, when that is above 1 (reliefs share
 most of their tensors, so a count found low for one is likely low for the others), else left as counted.
 All ranks fold the same all-reduced ratios in the same order, so their factors, and their plans, are identical.
@@ -29,6 +37,12 @@ from typing import Iterable, Mapping, Sequence
 MEMORY_MARGIN = 0.05      # headroom kept above the measured bytes (5%)
 MEMORY_FLOOR = 0.8        # no factor goes below: a count is never trusted to be more than 20% high
 LOWER_AFTER = 3           # updates in a row below the factor in use before it is lowered
+NOISE_SHARE = 0.25        # readings counted below this share of the activation room are noise (fixed costs)
+
+
+def noise_floor_bytes(cost, share: float = NOISE_SHARE) -> float:
+    """The count below which a reading is left out: `share` of what the plans may fill above the static bytes."""
+    return max(0.0, share * (cost.cluster.mem_budget_bytes - cost.static_bytes))
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,9 @@ class MemoryReading:
     relief: str            # str(the micro-batch's Recompute)
     counted_bytes: float
     measured_bytes: float
+    # the micro-batch's count as it was packed against the budget (its peak above the static bytes), what the noise
+    # floor is compared with; None: `counted_bytes` (a reading of that same quantity, the GPU's peak)
+    packed_bytes: float | None = None
 
 
 def relief_buckets(plan) -> list[str]:
@@ -77,7 +94,7 @@ class MemoryCorrection:
     margin: float = MEMORY_MARGIN
     floor: float = MEMORY_FLOOR
     lower_after: int = LOWER_AFTER
-    min_counted_bytes: float = 0.0    # readings counted smaller than this are noise (fixed costs dominate)
+    min_counted_bytes: float = 0.0    # readings packed smaller than this are noise (fixed costs dominate)
     factors: dict[str, float] = field(default_factory=dict)
     lower_targets: dict[str, list[float]] = field(default_factory=dict)   # targets below the factor, in a row
     ratios: dict[str, float] = field(default_factory=dict)                 # the last measured / counted per relief
@@ -99,7 +116,9 @@ class MemoryCorrection:
             i = index.get(reading.relief)
             if i is None:
                 raise ValueError(f"no bucket for relief {reading.relief!r}")
-            if reading.counted_bytes > max(self.min_counted_bytes, 0.0) and math.isfinite(reading.measured_bytes):
+            packed = reading.counted_bytes if reading.packed_bytes is None else reading.packed_bytes
+            if (reading.counted_bytes > 0 and packed >= self.min_counted_bytes
+                    and math.isfinite(reading.measured_bytes)):
                 out[i] = max(out[i], reading.measured_bytes / reading.counted_bytes)
         return out
 

@@ -34,7 +34,7 @@ INT64 = 8
 
 @dataclass(frozen=True, kw_only=True)
 class ActivationSpec:
-    dtype_bytes: int = 2          # 2: bf16 / fp16 (the GPU runs); 4: fp32 (the CPU runs)
+    dtype_bytes: int = 2          # the run's activation dtype: 2 bf16 / fp16, 4 fp32 (Megatron's default, the CPU runs)
     norm: str = "torch"           # "torch" (local spec) or "te" (Transformer Engine's fused norms)
     rope: str = "torch"           # "torch" (unfused, keeps cos and sin) or "fused"
     swiglu: str = "fused"         # "fused" (bias_swiglu keeps its input) or "unfused" (mlp.py's glu)

@@ -81,7 +81,9 @@ def memory_readings(*, cuda: bool, parameters):
 def counted_bytes(cost, lengths, cp_size: int, recompute, kind: str) -> float:
     """What `cost` counts of the quantity a reading of `kind` measures, for one micro-batch on this rank."""
     local = float(int(local_tokens(np.asarray(lengths, dtype=np.int64), cp_size).sum()))
-    per_token = cost.bytes_per_local_token(recompute) if kind == PEAK else cost.held_bytes_per_local_token(recompute)
+    # at the micro-batch's own CP size: our CPU attention keeps per-group tensors (memory_spec.py, cp_size)
+    per_token = (cost.bytes_per_local_token(recompute, cp_size) if kind == PEAK
+                 else cost.held_bytes_per_local_token(recompute, cp_size))
     return local * per_token
 
 
@@ -99,6 +101,7 @@ def refined_memory_scale(correction: MemoryCorrection, base_cost, plan, *, domai
     """The scale after one step: `measured[i]` is the i-th micro-batch this rank ran, in plan order."""
     ran = [(group_, mb) for _, group_ in plan.rank_schedule(domain_rank) for mb in group_.microbatches]
     readings = [MemoryReading(relief=str(mb.recompute), measured_bytes=value,
-                              counted_bytes=counted_bytes(base_cost, mb.lengths, group_.size, mb.recompute, kind))
+                              counted_bytes=counted_bytes(base_cost, mb.lengths, group_.size, mb.recompute, kind),
+                              packed_bytes=counted_bytes(base_cost, mb.lengths, group_.size, mb.recompute, PEAK))
                 for (group_, mb), value in zip(ran, measured) if mb.sequences]
     return fold_readings(correction, readings, relief_buckets(plan), device=device, group=group)

@@ -95,6 +95,10 @@ def start_megatron_run(args: argparse.Namespace) -> RunSpec | None:
         print(note, flush=True)
     spec = RunSpec(dcp=dcp,
                    timeout_minutes=getattr(args, "distributed_timeout_minutes", None), profile=profile)
+    from dcp_megatron.runtime.device_memory import cap_for_run
+
+    cap_for_run(dcp.device_memory_gb, has_gpu=device.has_gpu,   # before the model: torch's allocator capped there
+                say=(lambda line: print(line, flush=True)) if getattr(args, "rank", 0) == 0 else None)
     check_plannable(args, spec)
     return spec
 

@@ -26,7 +26,7 @@ from dcp_megatron.core.probe_guard import untouched_training_state
 from dcp_megatron.core.recompute import restore_recompute, snapshot_recompute
 from dcp_megatron.planner.memory_correction import MemoryReading
 from dcp_megatron.planner.plan import Recompute
-from dcp_megatron.runtime.measured_memory import counted_bytes, memory_readings
+from dcp_megatron.runtime.measured_memory import PEAK, counted_bytes, memory_readings
 from dcp_megatron.training.forward_step import DcpForwardStep
 from dcp_megatron.training.profiler import synthetic_documents
 
@@ -87,8 +87,10 @@ def probe_memory(loop, forward_step_func, model_chunks, *, schedule, seq_length:
     finally:
         restore_recompute(model_chunks, saved_recompute)
     buckets = sorted(str(r) for r in probe_reliefs(cost))   # the same on every rank: they share the cost model
-    scale = loop.calibrate_memory([MemoryReading(r.relief, r.counted_bytes, r.measured_bytes) for r in rows],
-                                  buckets)
+    # (the probe's micro-batches fill the budget: packed_bytes their count against it, above the noise floor)
+    relief_of = {str(r): r for r in probe_reliefs(cost)}
+    scale = loop.calibrate_memory([MemoryReading(r.relief, r.counted_bytes, r.measured_bytes, packed_bytes=counted_bytes(
+        cost, r.lengths, 1, relief_of[r.relief], PEAK)) for r in rows], buckets)
     if is_logging_rank:
         for row in rows:
             print(probe_line(row, worst_ratio=loop.memory_ratios.get(row.relief, 0.0), factor=scale.of(row.relief),

@@ -254,8 +254,13 @@ def run_profile(forward_step_func, model_chunks, *, profile: ProfileConfig, dcp,
     measurements = [Measurement(lengths=p.lengths, cp_size=p.cp_size, recompute=p.recompute, seconds=r[0],
                                 attention_seconds=r[1], saved_bytes=r[2], block_saved_bytes=r[3],
                                 held_back=p.held_back) for p, r in zip(grid, results)]
-    cluster = cluster_preset("h200" if has_gpu else "cpu", domain_size=pool.domain_size,
-                             gpus_per_node=dcp.gpus_per_node)
+    preset = "cpu"
+    if has_gpu:   # the device's preset (planner/device_budget.py): its links where none were measured
+        from dcp_megatron.planner.device_budget import preset_for_device
+
+        preset = preset_for_device(torch.cuda.get_device_name(), torch.cuda.get_device_properties(
+            torch.cuda.current_device()).total_memory)[0]
+    cluster = cluster_preset(preset, domain_size=pool.domain_size, gpus_per_node=dcp.gpus_per_node)
     bandwidth, latency = links or (cluster.intra_node_bw, cluster.collective_latency_s)
     meta = {"profiled_layers": shape.num_layers, "trained_layers": profile.trained_layers, "tp": shape.tp,
             "hidden_size": shape.hidden_size, "seq_length": dcp.seq_length, "domain_size": pool.domain_size,

@@ -71,7 +71,9 @@ class DcpForwardBackward:
         from dcp_megatron.core.domain import build_group_pool
 
         pool = build_group_pool(tp_size=self.model_shape.tp, pp_size=self.model_shape.pp, timeout=self.timeout)
-        cost = build_cost_model(self.config, self.model_shape, domain_size=pool.domain_size, has_gpu=self.has_gpu)
+        # on GPU: the device read now, the model, gradients and optimizer built (what is read and the budget: said once)
+        cost = build_cost_model(self.config, self.model_shape, domain_size=pool.domain_size, has_gpu=self.has_gpu,
+                                say=_say if self.is_logging_rank else None)
         device = torch.device("cuda", torch.cuda.current_device()) if self.has_gpu else torch.device("cpu")
         # refinement times micro-batches of one stage: with PP a micro-batch's time is spread over stages (and
         # several micro-batches are in flight: one reading per micro-batch needs PP 1 too)
@@ -221,3 +223,7 @@ class _MegatronStep:
             print(dcp_iteration_line(record, forward_backward_s=record.measured_s, domain_rank=loop.pool.domain_rank,
                                      corrections=loop.corrections,
                                      memory=loop.memory_text()), flush=True)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)

@@ -278,6 +278,11 @@ MEGATRON_CASES = {
     "attention_dropout": (lambda w: ([*MEGATRON_DCP, "--attention-dropout", "0.1"], 0), ["--attention-dropout"]),
     "ulysses_on_megatron": (lambda w: ([*MEGATRON_DCP, "--dcp-cp-attention", "ulysses"], 0), ["--dcp-cp-attention ulysses", "DeepSpeed"]),
     "timeout_zero": (lambda w: ([*MEGATRON_DCP, "--distributed-timeout-minutes", "0"], 0), ["--distributed-timeout-minutes must be positive"]),
+    # issue 44: memory flags a layout cannot honour, a device memory that is not a size
+    "memory_probe_under_pp2": (lambda w: ([*MEGATRON_DCP, "--pipeline-model-parallel-size", "2", "--dcp-memory-probe"], 0),
+                               ["--dcp-memory-probe cannot run under --pipeline-model-parallel-size 2", "run PP 1"]),
+    "device_memory_negative": (lambda w: ([*MEGATRON_DCP, "--dcp-device-memory-gb", "-1"], 0),
+                               ["--dcp-device-memory-gb must be a positive"]),
     # the longest document against the memory budget: flags to change named, before any model
     "fits_no_group": (lambda w: (["--dcp", "--dcp-memory-budget-gb", "0.0013", "--dcp-recompute", "none"], 0),
                       ["fits no CP group of this 2-rank domain", "--dcp-memory-budget-gb", "--dcp-recompute", "--seq-length",
@@ -461,6 +466,8 @@ DS_CASES = {
     # issue 30 (these cases run as one rank: WORLD_SIZE unset)
     "recompute_empty": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--dcp-recompute", ""]), ["--dcp-recompute: unknown empty list"]),
     "block_max_cp_over_domain": (lambda w: (_block(max_cp_size=2), []), ['"dcp" max_cp_size) 2 exceeds the DCP domain of 1 ranks']),
+    "memory_probe": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--dcp-memory-probe"]),
+                     ["--dcp-memory-probe: the memory probe before step 1 runs under megatron.training only"]),
     "bf16_and_fp16": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN, bf16={"enabled": True}, fp16={"enabled": True}), ["--dcp"]),
                       ['"bf16" and "fp16" are both enabled']),
     "train_batch_size_disagrees": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN, train_batch_size=8), ["--dcp"]),

@@ -183,3 +183,25 @@ def test_the_memory_step_passes_on_its_probes_verdict_and_its_plumbing_runs_on_c
     assert "relief           probe reads" in smoke.stdout
     assert list(counted) == ["none", "mlp", "core_attn", "core_attn+mlp", "full1", "full2"]
     assert counted["none"] > counted["mlp"] > counted["core_attn+mlp"] and counted["full2"] < counted["full1"]
+
+
+def test_on_an_h100_the_check_reports_the_device_read_and_the_budget_it_would_choose(tmp_path):
+    """The lent GPU may be an H100 or an H200: the memory step's `device` section (a fake 80 GB H100 reading here)
+    names the H100's preset and the budget from its memory (not an H200's 141 GB), with the line a run prints;
+    the profiles are named by the device's preset."""
+    from tests.unit.test_device_budget import H100
+
+    sys.path.insert(0, str(TOOLS_DIR))
+    import gpu_check_memory
+
+    cost = gpu_check_memory.counted_model(dict(num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=128,
+                                               vocab=128), cuda=False)
+    section = gpu_check_memory.device_section(H100, cost)
+    assert section["preset"] == "h100-sxm" and section["name"] == H100.name
+    # the tiny model's static count is below the 2 GiB the fake run holds: the difference is taken off
+    held_beyond = H100.allocated_bytes - section["static_bytes"]
+    assert section["budget_bytes"] == H100.free_bytes + H100.reserved_bytes - held_beyond < 80 * 2 ** 30
+    assert len(section["lines"]) == 1 and "h100-sxm" in section["lines"][0] and "budget" in section["lines"][0]
+    steps = {s["name"]: s for s in gpu_check.build_steps(out=str(tmp_path), profiles=str(tmp_path / "p"),
+                                                         python=sys.executable, preset="h100-sxm")}
+    assert steps["profile_bf16"]["profile"] == str(tmp_path / "p" / "h100-sxm_bf16.json")

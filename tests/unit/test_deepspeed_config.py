@@ -34,6 +34,7 @@ def test_block_turns_dcp_on_and_flags_win_over_it():
     ({"enabled": True, "recompute": []}, "non-empty list"),
     ({"enabled": True, "recompute": ["none", "offload"]}, "runs on GPU only"),   # megatron.training --dcp only
     ({"enabled": True, "memory_budget_gb": -1}, "--dcp-memory-budget-gb must be a positive"),
+    ({"enabled": True, "device_memory_gb": 0}, "--dcp-device-memory-gb must be a positive"),
     ({"enabled": True, "policy": "fastest"}, "is not one of"),
     ({"enabled": True, "profile": "/nonexistent/profile.json"}, "no such file"),
     ([1, 2], 'must be an object'),

@@ -130,3 +130,67 @@ def test_a_probe_of_a_deliberately_halved_count_corrects_it_upward():
     freed_after, largest_after, worst_after = relief_and_groups(after)
     assert freed_after > freed_before or largest_after > largest_before
     assert worst_before > COST.cluster.mem_budget_bytes >= worst_after      # the true count: only the corrected fits
+
+
+def test_a_short_micro_batch_dominated_by_fixed_costs_does_not_inflate_the_factor():
+    """The noise guard: readings = a fixed cost (gradient buffers, workspaces) + the true bytes, the count 1% low.
+    The short micro-batch's measured / counted is ~11 (its fixed cost dominates); left out below the floor, the
+    factor is the long ones' (~1.01 x margin), and a --seq-length document still fits the corrected count."""
+    import dataclasses
+
+    from dcp_megatron.config import DcpConfig
+    from dcp_megatron.core.planning import check_longest_fits
+    from dcp_megatron.planner.memory_correction import NOISE_SHARE, noise_floor_bytes
+
+    cost = CostModel(model_preset("llama3-8b"), dataclasses.replace(cluster_preset("h200", domain_size=8),
+                                                                    mem_bytes_per_gpu=80 * 2 ** 30))
+    room = cost.cluster.mem_budget_bytes - cost.static_bytes
+    floor = noise_floor_bytes(cost)
+    assert floor == pytest.approx(NOISE_SHARE * room)
+    fixed = 0.05 * room
+
+    def reading(counted):
+        return MemoryReading("none", counted_bytes=counted, measured_bytes=fixed + 1.01 * counted)
+
+    readings = [reading(0.005 * room), reading(0.5 * room), reading(0.9 * room)]
+    guarded, unguarded = MemoryCorrection(min_counted_bytes=floor), MemoryCorrection()
+    for correction in (guarded, unguarded):
+        correction.update(correction.bucket_ratios(readings, ["none"]), ["none"])
+    assert unguarded.factors["none"] > 10       # what the unguarded correction did: every plan ~10x too small
+    assert guarded.factors["none"] == pytest.approx((fixed + 1.01 * 0.5 * room) / (0.5 * room) * 1.05)
+    assert guarded.factors["none"] < 1.2
+    config = DcpConfig(seq_length=32768)
+    check_longest_fits(config, cost.with_memory_scale(guarded.scale()))    # a healthy run goes on
+    with pytest.raises(ValueError, match="fits no CP group"):
+        check_longest_fits(config, cost.with_memory_scale(unguarded.scale()))
+
+
+def test_cpu_readings_are_compared_with_the_count_at_their_own_cp_size():
+    """Our CPU attention keeps per-CP-group tensors (memory_spec.CPU_FP32): a reading of a CP-2 micro-batch is
+    compared with the CP-2 count, not the CP-1 one."""
+    import dataclasses
+
+    from dcp_megatron.planner.memory_spec import CPU_FP32
+    from dcp_megatron.planner.plan import NO_RECOMPUTE
+    from dcp_megatron.runtime.measured_memory import PEAK, SAVED, counted_bytes
+
+    shape = dataclasses.replace(model_preset("llama3-8b"), activations=CPU_FP32)
+    cost = CostModel(shape, cluster_preset("cpu", domain_size=4))
+    lengths = [400, 200]
+    local = sum(length // 2 for length in lengths)      # each even length split over 2 ranks
+    assert counted_bytes(cost, lengths, 2, NO_RECOMPUTE, SAVED) == local * cost.held_bytes_per_local_token(
+        NO_RECOMPUTE, 2)
+    assert counted_bytes(cost, lengths, 2, NO_RECOMPUTE, PEAK) == local * cost.bytes_per_local_token(NO_RECOMPUTE, 2)
+    assert cost.held_bytes_per_local_token(NO_RECOMPUTE, 2) != cost.held_bytes_per_local_token(NO_RECOMPUTE, 1)
+
+
+def test_the_noise_floor_compares_the_micro_batchs_packed_count_not_the_quantity_read():
+    """A CPU reading is the bytes saved for backward; under full recompute that is a small share of the count the
+    micro-batch was packed to. The floor looks at the packed count: a full micro-batch's reading is used however
+    little it holds, a short one's is left out whatever it measured."""
+    floor = 100.0
+    correction = MemoryCorrection(min_counted_bytes=floor)
+    full = MemoryReading("full2", counted_bytes=10.0, measured_bytes=13.0, packed_bytes=400.0)   # fills the room
+    short = MemoryReading("none", counted_bytes=60.0, measured_bytes=600.0, packed_bytes=80.0)   # below the floor
+    assert correction.bucket_ratios([full, short], ["full2", "none"]) == [pytest.approx(1.3), 0.0]
+    assert MemoryCorrection().bucket_ratios([short], ["none"]) == [pytest.approx(10.0)]

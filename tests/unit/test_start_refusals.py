@@ -222,3 +222,35 @@ def test_deepspeed_resume_under_another_zero_stage_names_both(tmp_path):
     check_zero_stage("ckpt", zero2, stage(1), saved_stage=2)   # stages 1 and 2 load each other's files
     check_zero_stage("ckpt", zero3, stage(3))
     check_zero_stage("ckpt", zero3, {**stage(2), "checkpoint": {"load_universal": True}})
+
+
+# ------------------------------------------------------------- memory flags a layout cannot honour (issue 44)
+
+@pytest.mark.parametrize("flags, named", [
+    (["--dcp-memory-refine"], "--dcp-memory-refine cannot run"),
+    (["--dcp-memory-probe"], "--dcp-memory-probe cannot run"),
+    (["--dcp-memory-refine", "--dcp-memory-probe"], "--dcp-memory-refine and --dcp-memory-probe cannot run"),
+])
+def test_memory_flags_given_under_pipelining_are_refused_not_dropped(parser, flags, named):
+    from dcp_megatron.training.checks.layout_checks import check_dcp_layout
+
+    pp2 = ["--dcp", "--dataloader-inter-document-masking", "--pipeline-model-parallel-size", "2"]
+    with pytest.raises(DcpUsageError) as err:
+        check_dcp_layout(_args(parser, *pp2, *flags))
+    assert named in str(err.value) and "--pipeline-model-parallel-size 2" in str(err.value)
+    assert "run PP 1" in str(err.value) and "\n" not in str(err.value)
+    check_dcp_layout(_args(parser, *pp2))                                       # off by default there
+    check_dcp_layout(_args(parser, *pp2, "--dcp-no-memory-refine", "--dcp-no-memory-probe"))
+    check_dcp_layout(_args(parser, "--dcp", *flags))                              # PP 1 runs them
+
+
+def test_the_memory_probe_on_deepspeed_is_refused_not_dropped():
+    from dcp_megatron.deepspeed.config import dcp_config
+
+    cli = {"policy": None, "max_cp_size": None, "recompute": None}
+    with pytest.raises(DcpUsageError, match="--dcp-memory-probe: the memory probe before step 1 runs under "
+                                            "megatron.training only"):
+        dcp_config({}, cli={**cli, "memory_probe": True}, seq_length=64, train_iters=2, log_interval=1,
+                   dcp_flag=True)
+    assert dcp_config({}, cli={**cli, "memory_probe": False}, seq_length=64, train_iters=2, log_interval=1,
+                      dcp_flag=True).memory_probe is False

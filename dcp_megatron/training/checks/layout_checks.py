@@ -45,6 +45,16 @@ def check_dcp_layout(args: argparse.Namespace) -> None:
          "without it Megatron-LM's get_batch hands middle stages no batch, so their attention would run without "
          "the micro-batch's documents and CP group"),
     )
+    # the memory readings are one per micro-batch of one stage; pipelining interleaves them (off by default there)
+    memory_flags = [f"--dcp-memory-{name}" for name in ("refine", "probe")
+                    if getattr(args, f"dcp_memory_{name}", False)]
+    refusals += (
+        (args.pipeline_model_parallel_size > 1 and bool(memory_flags),
+         f"{' and '.join(memory_flags)} cannot run under --pipeline-model-parallel-size "
+         f"{args.pipeline_model_parallel_size}: the memory probe and refinement read one micro-batch at a time on one "
+         f"stage, which pipelining interleaves; drop {' and '.join(memory_flags)} (off by default with PP > 1) or "
+         "run PP 1"),
+    )
     for flag, sharded in (("--use-megatron-fsdp", getattr(args, "use_megatron_fsdp", False)),
                           ("--use-torch-fsdp2", getattr(args, "use_torch_fsdp2", False))):
         refusals += (

@@ -5,8 +5,8 @@ group-limited top-k, top-k scaling and a shared expert, and one multi-token-pred
 Against megatron-core itself (`make test`): 2 ranks under `--dcp` against one rank of megatron-core and
 megatron.training without --dcp and without dcp-megatron's patches (our script with only the CPU shims applied:
 tests/support/megatron_runs.cpu_shims_only_script; they include our core attention for the local spec, since
-megatron-core's own takes neither packed input nor MLA's head dims), the loss and MTP / balancing loss traces, every parameter's
-gradient at every step and the expert biases after the last update. Without --dataloader-inter-document-masking a
+megatron-core's own takes neither packed input nor MLA's head dims), the loss and MTP / balancing loss traces, every
+parameter's gradient at every step and the expert biases after the last update. Without --dataloader-inter-document-masking a
 document is one of Megatron's samples, so the objective (per-sequence balancing loss, MTP's shift) is Megatron's own
 at --micro-batch-size 1; the budget makes every sample a CP-2 micro-batch with one layer recomputed (MLA's THD path
 over a CP group, against Megatron's unpacked one).

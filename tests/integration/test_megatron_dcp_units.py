@@ -313,6 +313,21 @@ def _recompute_worker(rank: int, world_size: int) -> dict:
         trace.detach()
         with open(trace.path) as f:
             results["trace"] = [json.loads(line) for line in f]
+        # Switches that ask for a replay the module does not run: megatron-core checkpoints full layers and core
+        # attention only in training mode, so a forward in eval mode with grads keeps every activation and its
+        # backward replays nothing. The trace must say what ran ("none"), not what the switches asked.
+        trace = MicrobatchTrace(directory, rank=0)
+        trace.attach([model], config, iteration=8)
+        model.eval()
+        try:
+            unreplayed = [forward(Recompute("full", 2)), forward(Recompute("selective"))]
+        finally:
+            model.train()
+        for loss in reversed(unreplayed):
+            loss.backward()
+        trace.detach()
+        with open(trace.path) as f:
+            results["trace_unreplayed"] = [r for r in map(json.loads, f) if r["iteration"] == 8]
         # activation offload (GPU only to run): DCP's switch on megatron-core's real layers, built as DCP builds
         # them (--offload-modules core_attn attn_proj), is each micro-batch's set, then off
         from dcp_megatron.core.offload import apply_offload
@@ -437,6 +452,11 @@ def test_the_recompute_a_microbatch_asks_for_really_runs_in_backward():
     assert trace[0]["replayed"] == {"layer": 2, "core_attention": 2, "mlp": 2}, trace
     assert trace[3]["replayed"] == {"layer": 0, "core_attention": 0, "mlp": 3}, trace
     assert trace[1]["replayed"] == {"layer": 0, "core_attention": 3, "mlp": 0}, trace
+    # switches on, no replay (eval mode): the trace is what the backward ran, not what the switches or plan asked
+    unreplayed = results["trace_unreplayed"]
+    assert [(r["recompute"], r["recompute_set"]) for r in unreplayed] == [("none", "full2"), ("none", "selective")], \
+        unreplayed
+    assert all(set(r["replayed"].values()) == {0} for r in unreplayed), unreplayed
     on, attention_only, off = [(True, True)] * 2, [(True, False)] * 2, [(False, False)] * 2
     assert results["offload"] == [on, attention_only, off, on], results["offload"]
     assert results["chunks"] == [[("full", 1, False)] * 2, [("full", 1, False)] * 2, [(None, None, True)] * 2,

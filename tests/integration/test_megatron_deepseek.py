@@ -2,7 +2,16 @@
 with a value head dim unlike the query's, a dense first layer, then MoE with sigmoid scores, the expert bias,
 group-limited top-k, top-k scaling and a shared expert, and one multi-token-prediction layer; CPU, gloo, fp32).
 
-2-rank domains at EP 1 and EP 2 (plans mixing CP 1 and CP 2) against one rank training the same global batch with
+Against megatron-core itself (`make test`): 2 ranks under `--dcp` against one rank of megatron-core and
+megatron.training without --dcp and without dcp-megatron's patches (our script with only the CPU shims applied:
+tests/support/megatron_runs.cpu_shims_only_script; they include our core attention for the local spec, since
+megatron-core's own takes neither packed input nor MLA's head dims), the loss and MTP / balancing loss traces, every
+parameter's gradient at every step and the expert biases after the last update. Without --dataloader-inter-document-masking a
+document is one of Megatron's samples, so the objective (per-sequence balancing loss, MTP's shift) is Megatron's own
+at --micro-batch-size 1; the budget makes every sample a CP-2 micro-batch with one layer recomputed (MLA's THD path
+over a CP group, against Megatron's unpacked one).
+
+Slow: 2-rank domains at EP 1 and EP 2 (plans mixing CP 1 and CP 2) against one rank training the same global batch with
 `--dcp` (CP 1, its own packing), all from one set of initial weights (a 1-rank checkpoint): the loss and balancing
 loss traces, every parameter's gradient at every step (experts by global index), and the expert bias after every
 step's update (megatron-core's counts, summed over all of a step's micro-batches on each rank and all-reduced over
@@ -16,9 +25,10 @@ import pytest
 import torch
 
 from tests.integration.test_megatron_moe import _assert_same_gradients
-from tests.support.megatron_runs import DEEPSEEK_FLAGS, DEEPSEEK_TINY, OUR_SCRIPT, LazyRuns, read_plan_dumps, run_training
+from tests.support.megatron_runs import (DEEPSEEK_FLAGS, DEEPSEEK_TINY, OUR_SCRIPT, LazyRuns, cpu_shims_only_script,
+                                         is_own_plan, read_plan_dumps, run_training)
 
-pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
+pytestmark = pytest.mark.timeout(1500)
 
 ITERS = 3
 TOLERANCE = 1e-5
@@ -27,6 +37,11 @@ EP1 = [*DEEPSEEK_FLAGS, "--moe-token-dispatcher-type", "alltoall", "--mtp-num-la
        "--mtp-loss-scaling-factor", "0.1"]
 EP2 = [*EP1, "--expert-model-parallel-size", "2"]
 BUDGET = ["--dcp-memory-budget-gb", "0.015"]   # real bytes (planner/memory_spec.py CPU_FP32): EP 2 needs 0.013 to fit a --seq-length document
+# The case against megatron-core: whole samples as documents, 4 per step (2 per rank)
+SAMPLES = [*(flag for flag in DEEPSEEK_TINY if flag != "--dataloader-inter-document-masking"),
+           "--global-batch-size", "4"]
+# every 1,024-token sample a CP-2 micro-batch with full recompute of one layer (real bytes, CPU_FP32)
+SAMPLES_BUDGET = ["--dcp-memory-budget-gb", "0.012"]
 
 
 def _saves(root, name) -> list[str]:
@@ -47,6 +62,16 @@ def runs(tmp_path_factory):
             OUR_SCRIPT, [*EP1, *from_init, *_saves(root, "one_rank"), "--dcp"], nproc=1, iters=ITERS,
             base=DEEPSEEK_TINY)),
     }
+    upstream = str(root / "upstream_pretrain_gpt.py")
+    cpu_shims_only_script(OUR_SCRIPT, upstream)
+    wgrads = ["--save-interval", "1000", "--save-wgrads-interval", "1", "--no-save-optim", "--no-save-rng"]
+    specs.update({
+        "upstream": lambda: run_training(upstream, [*EP1, "--save", str(root / "upstream"), *wgrads], nproc=1,
+                                         launcher=False, iters=ITERS, base=SAMPLES),
+        "samples_dcp": lambda: run_training(
+            OUR_SCRIPT, [*EP1, "--save", str(root / "samples_dcp"), *wgrads, "--dcp", *SAMPLES_BUDGET,
+                         "--dcp-dump-plans", str(root / "samples_dcp_plans")], nproc=2, iters=ITERS, base=SAMPLES),
+    })
     for name, layout in (("ep1", EP1), ("ep2", EP2)):
         specs[name] = (lambda name=name, layout=layout: after("init", lambda: run_training(
             OUR_SCRIPT, [*layout, *from_init, *_saves(root, name), "--dcp", *BUDGET, "--dcp-dump-plans",
@@ -67,6 +92,31 @@ def expert_biases(directory, step: int) -> dict[str, torch.Tensor]:
     return biases
 
 
+def test_deepseek_layers_under_dcp_train_megatron_cores_own_steps(runs):
+    """MLA + MoE (sigmoid, expert bias, group top-k, shared expert) + MTP under --dcp on 2 ranks against one rank of
+    megatron-core without --dcp and without our patches: losses, gradients and the expert biases."""
+    dcp, upstream = runs("samples_dcp"), runs("upstream")
+    # the reference's parser had no --dcp flags (Megatron prints every argument; the patched parser adds dcp_*)
+    assert not upstream.dcp_steps and "dcp_memory_budget_gb" not in upstream.output
+    assert "dcp_memory_budget_gb" in dcp.output
+    assert sorted(dcp.losses) == sorted(upstream.losses) == list(range(1, ITERS + 1))
+    for step, loss in upstream.losses.items():
+        assert dcp.losses[step] == pytest.approx(loss, rel=TOLERANCE), ("lm loss", step)
+        for metric in ("seq_load_balancing_loss", "mtp_1 loss"):
+            logged = upstream.moe_metrics[metric][step]
+            assert dcp.moe_metrics[metric][step] == pytest.approx(logged, rel=TOLERANCE), (metric, step)
+    _assert_same_gradients(runs.root, "samples_dcp", "upstream", steps=list(range(1, ITERS + 1)))
+    got, expected = expert_biases(runs.root / "samples_dcp", ITERS), expert_biases(runs.root / "upstream", ITERS)
+    assert got.keys() == expected.keys() and all(torch.equal(got[key], expected[key]) for key in got), (got, expected)
+    # what dcp ran: its own plans, every sample a CP-2 micro-batch with one layer recomputed
+    plans = read_plan_dumps(runs.root / "samples_dcp_plans", count=ITERS)
+    assert all(is_own_plan(plan) for plan in plans), [plan.extra for plan in plans]
+    kinds = {(g.size, str(mb.recompute)) for plan in plans for wave in plan.waves for g in wave.groups
+             for mb in g.microbatches if mb.sequences}
+    assert kinds == {(2, "full1")}, kinds
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ep1", "ep2"])
 def test_deepseek_layers_under_dcp_train_one_ranks_step_and_expert_bias(runs, layout):
     dcp, one_rank = runs(layout), runs("one_rank")

@@ -9,7 +9,8 @@ checkpoint loaded by one rank gives the same losses to 7 digits (docs/megatron.m
 
 - TP 2 + sequence parallelism: every TP rank builds its own micro-batches from the same plan
   (nothing is broadcast per micro-batch), documents are padded so rows split evenly over TP, the
-  plans mix CP 1 and 2, full and selective recompute and unequal micro-batch counts.
+  plans mix CP 1 and 2, no recompute and full recompute and unequal micro-batch counts (in the steps planned
+  before measured times refine the cost model: fixed by the lengths and the count).
 - PP 2: Megatron's 1F1B schedule with per-micro-batch shapes; the plan gives every rank one
   micro-batch per wave (equal counts), mixing CP 1 and 2, and MLP recompute beside full recompute of the
   stage's layers in every step of dcp's own. The model is GPT-2-style (a GELU MLP with linear biases,
@@ -44,9 +45,14 @@ GELU_WITH_BIASES = [flag for flag in LLAMA_TINY if flag not in ("--swiglu", "--d
 UNREFINED_STEPS = 3
 # Budgets (real bytes: planner/memory_spec.py CPU_FP32) that make 1,024-token documents need CP 2 or recompute at
 # this layout (TP halves the activations per rank; 1F1B keeps two micro-batches per stage in flight).
-# core attention and full k, no "none": under the CPU count core-attention recompute frees 144 of a layer's 1,296 B
-# per token, so the first (unrefined) steps pack to full recompute's room; measured times make it worth running later
-TP_BUDGET = ["--dcp-memory-budget-gb", "0.0037", "--dcp-recompute", "selective,full"]
+# The unrefined steps' plans follow from the lengths and this count alone (checked below, so the test does not depend
+# on measured times): CP 1 beside CP 2, none beside full recompute of one layer, 8 and 9 micro-batches. Found offline
+# by planning these steps' global batches (from the run's plan dumps) with the run's cost model over budgets
+# 0.0030-0.0045 and the menus none,selective / selective,full / none,selective,full (also with recompute made up to
+# 30x dearer by a profile): no budget makes the count choose core-attention recompute here (at CP 2 it frees too
+# little to change what fits: a 1,024-token document fits CP 2 without recompute from 0.00366, and not with it at
+# 0.003655), so core attention runs only where measured times choose it and is not asserted.
+TP_BUDGET = ["--dcp-memory-budget-gb", "0.0037", "--dcp-recompute", "none,selective,full"]
 # 2 layers per stage: at this budget some micro-batches fit with MLP recompute, fuller ones need a layer recomputed
 # (counted as the CPU run keeps them, one layer's full recompute holds more than MLP recompute), 1,024-token
 # documents need CP 2
@@ -144,10 +150,8 @@ def test_tp_dcp_path_ran_dcps_own_plans_with_mixed_cp_recompute_and_counts(runs)
     assert {g.size for plan in first for wave in plan.waves for g in wave.groups} == {1, 2}
     kinds = {mb.recompute.kind for plan in first for wave in plan.waves for g in wave.groups
              for mb in g.microbatches if mb.sequences}
-    # full k: under the CPU count core-attention recompute frees 144 of a layer's 1,296 B per token, so the
-    # configured cost model packs these steps to full recompute's room; core attention comes with measured times
-    # (test_every_microbatch_replayed_its_plans_recompute_under_tp_and_pp asks for both over all steps)
-    assert "full" in kinds, kinds
+    # none beside full k in the steps the count alone plans (TP_BUDGET)
+    assert {"none", "full"} <= kinds, kinds
     assert any(min(dcp.dcp_steps[i]["counts"]) != max(dcp.dcp_steps[i]["counts"])
                for i in range(1, UNREFINED_STEPS + 1))
     # The cost model was refined from measured times (the default), identically on all 4 ranks: every plan's
@@ -200,7 +204,8 @@ def test_every_microbatch_replayed_its_plans_recompute_under_tp_and_pp(runs):
     runs("tp_dcp")
     ran = _assert_every_microbatch_ran_as_planned(runs.root / "tp_plans", _plans(runs.root / "tp_plans"),
                                                   coordinates=(0, 1), to_global=lambda r, tp: tp + 2 * r)
-    assert "selective" in ran and any(kind.startswith("full") for kind in ran), ran
+    # none and full k run in the unrefined steps (TP_BUDGET); what later, refined, steps choose is checked as it ran
+    assert "none" in ran and any(kind.startswith("full") for kind in ran), ran
     runs("pp_dcp")
     ran = _assert_every_microbatch_ran_as_planned(runs.root / "pp_plans", _plans(runs.root / "pp_plans"),
                                                   coordinates=(0, 1), to_global=lambda r, stage: r + 2 * stage)

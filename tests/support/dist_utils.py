@@ -37,9 +37,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def resident_bytes(pid: int) -> int:
+    """A live process's resident set (VmRSS), 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
-                    backend: str = "gloo", group_timeout_s: float = 60.0) -> list[Any]:
-    """fn(rank, world_size, *args) on world_size spawned ranks; returns their results in rank order."""
+                    backend: str = "gloo", group_timeout_s: float = 60.0,
+                    max_rss_bytes: float | None = None) -> list[Any]:
+    """fn(rank, world_size, *args) on world_size spawned ranks; returns their results in rank order.
+    `max_rss_bytes`: a rank whose resident set grows past it (read every half second) is killed and reported as
+    failed, so a run whose memory runs away fails the test long before the machine runs out."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
@@ -65,6 +77,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                         errors[rank] = f"rank {rank} exited with code {proc.exitcode} without reporting"
             else:
                 (results if ok else errors)[rank] = payload
+            for rank, proc in enumerate(procs if max_rss_bytes else ()):
+                rss = resident_bytes(proc.pid) if proc.is_alive() else 0
+                if rss > max_rss_bytes:
+                    proc.kill()
+                    errors[rank] = (f"rank {rank} killed: resident set {rss / 2**30:.2f} GiB past the test's "
+                                    f"bound of {max_rss_bytes / 2**30:.2f} GiB")
             if errors:
                 give_up_at = min(give_up_at, time.monotonic() + _FAILURE_GRACE_S)
     finally:

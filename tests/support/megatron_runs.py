@@ -218,6 +218,20 @@ def strip_dcp_lines(source: str, destination: str) -> None:
         f.write(stripped)
 
 
+def cpu_shims_only_script(source: str, destination: str) -> None:
+    """A copy of our script that applies none of dcp-megatron's patches but the CPU shims (patches/compat.py:
+    upstream's CUDA calls bound to the CPU; without them upstream cannot run without a GPU at all; among them our
+    core attention for the local spec, since megatron-core's local DotProductAttention takes neither packed input
+    nor MLA's head dims): megatron-core and megatron.training as upstream ships them otherwise, no --dcp flags."""
+    with open(source) as f:
+        text = f.read()
+    shimmed = text.replace("import dcp_megatron\n\ndcp_megatron.enable()\n",
+                           "from patches.compat import cpu_compat_registry\n\ncpu_compat_registry().apply()\n")
+    assert shimmed != text, "pretrain_gpt.py no longer has the two lines this helper replaces"
+    with open(destination, "w") as f:
+        f.write(shimmed)
+
+
 def microbatches_seen(directory, rank: int, iteration: int, *, chunk: int | None = None) -> list[tuple]:
     """(CP group's global ranks or None, recompute that RAN) of each micro-batch a rank's decoder ran at an
     iteration, from the trace --dcp-dump-plans writes next to the plans (dcp_megatron/core/microbatch_trace.py:

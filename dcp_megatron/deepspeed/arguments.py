@@ -91,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if applied and args.rank == 0:
             print(cpu_defaults_notice(applied), flush=True)
     check_backend(args, has_gpu=torch.cuda.is_available())   # an explicit nccl without a GPU (flag_checks.py)
+    # validate_args deletes --recompute-activations (as granularity selective): kept for the refusal under --dcp
+    args.recompute_activations_given = bool(getattr(args, "recompute_activations", False))
     try:
         _unwrapped_validate(arguments)(args, {"tokenizer_type": "NullTokenizer"})
     except AssertionError as err:   # Megatron's checks are bare asserts: name them as a usage error

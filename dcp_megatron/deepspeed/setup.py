@@ -56,6 +56,9 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
         from dcp_megatron.flags.recompute_flags import check_megatron_recompute
 
         check_megatron_recompute(args)
+    if getattr(args, "dcp_dump_saved_bytes", None):
+        raise DcpUsageError(f"--dcp-dump-saved-bytes {args.dcp_dump_saved_bytes}: the saved-bytes record is written "
+                            "by the megatron.training path's forward step only; drop it here")
     if config is not None and config.dump_plans and not args.dcp_dump_plans:   # (the flag: checkpoint paths)
         check_writable_dir(config.dump_plans, '"dcp" dump_plans')
     if args.load:

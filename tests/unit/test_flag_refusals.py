@@ -174,3 +174,11 @@ def test_the_token_scan_reads_in_chunks_up_to_its_bound(tmp_path, monkeypatch):
     assert data_files.largest_token_id(prefix) == 900
     monkeypatch.setattr(data_files, "SCAN_BYTES", 2 * 700)
     assert data_files.largest_token_id(prefix) == 0
+
+
+def test_the_deepspeed_script_refuses_the_megatron_path_diagnostics_flag(tmp_path, monkeypatch):
+    from dcp_megatron.deepspeed.setup import deepspeed_setup
+
+    args = _deepspeed_args(tmp_path, monkeypatch, ["--dcp", "--dcp-dump-saved-bytes", str(tmp_path)])
+    with pytest.raises(DcpUsageError, match=r"^--dcp-dump-saved-bytes .*megatron.training path"):
+        deepspeed_setup(args, has_gpu=False)

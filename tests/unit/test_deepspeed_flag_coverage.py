@@ -100,5 +100,9 @@ def test_flags_the_deepspeed_script_does_not_run_are_named(tmp_path, monkeypatch
     with pytest.raises(DcpUsageError) as err:
         parse_args([*base, *flags])
     assert message in str(err.value)
-    args = parse_args([*base, "--exit-interval", "2"])   # honoured (trainer.py)
-    assert args.exit_interval == 2
+    honoured = ["--exit-interval", "2", "--eval-iters", "2", "--eval-interval", "3", "--save", str(tmp_path / "ckpt"),
+                "--save-interval", "2", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--min-lr", "1e-5",
+                "--lr", "3e-3", "--clip-grad", "1.0", "--weight-decay", "0.1", "--init-method-std", "0.02",
+                "--no-bias-swiglu-fusion", "--recompute-activations", "--eod-mask-loss"]
+    args = parse_args([*base, *honoured])   # what the script runs (trainer.py, lr_schedule.py, the JSON, the model)
+    assert args.exit_interval == 2 and args.eval_interval == 3

@@ -182,3 +182,33 @@ def test_the_deepspeed_script_refuses_the_megatron_path_diagnostics_flag(tmp_pat
     args = _deepspeed_args(tmp_path, monkeypatch, ["--dcp", "--dcp-dump-saved-bytes", str(tmp_path)])
     with pytest.raises(DcpUsageError, match=r"^--dcp-dump-saved-bytes .*megatron.training path"):
         deepspeed_setup(args, has_gpu=False)
+
+
+@pytest.mark.parametrize("before_megatron", [True, False])
+def test_the_megatron_start_refuses_recompute_activations_as_validate_args_leaves_it(parser, monkeypatch, capsys,
+                                                                                   before_megatron):
+    """Through the patched validate_args with Megatron's own checks between ours: refused before them (naming the
+    flag given), and, with that first check taken out, after them (as granularity selective)."""
+    from megatron.training import arguments as megatron_arguments
+
+    from dcp_megatron.config import RunSpecSlot
+    from dcp_megatron.flags.dcp_flags import unwrapped
+    from dcp_megatron.training import arguments
+    from patches.training_arguments import _with_dcp_validation
+    from tests.support.deepspeed_runs import TINY_MODEL
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py"])
+    if not before_megatron:
+        monkeypatch.setattr(arguments, "refuse_conflicting_flags", lambda args: None)
+    args = parser.parse_args(["--deepspeed-config", "x.json", *TINY_MODEL, "--train-iters", "4", "--eval-iters", "0",
+                              "--dcp", "--recompute-activations"])
+    args.world_size, args.rank = 1, 0
+    validate = _with_dcp_validation(unwrapped(megatron_arguments.validate_args), RunSpecSlot())
+    with pytest.raises(SystemExit) as exit_:
+        validate(args, {"tokenizer_type": "NullTokenizer"})
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    given = "--recompute-activations" if before_megatron else "--recompute-granularity selective"
+    assert exit_.value.code == 2 and line.startswith(f"dcp: error: {given} conflicts with --dcp"), line
+    assert "--dcp-recompute none,selective" in line

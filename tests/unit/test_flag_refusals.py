@@ -212,3 +212,21 @@ def test_the_megatron_start_refuses_recompute_activations_as_validate_args_leave
     given = "--recompute-activations" if before_megatron else "--recompute-granularity selective"
     assert exit_.value.code == 2 and line.startswith(f"dcp: error: {given} conflicts with --dcp"), line
     assert "--dcp-recompute none,selective" in line
+
+
+def test_a_plain_megatron_run_refuses_a_split_without_validation_at_start(parser, monkeypatch, capsys):
+    """Without --dcp too: the seam every megatron.training run goes through (also under dcp_megatron.launch)."""
+    from patches.training_arguments import _with_dcp_validation
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py"])
+
+    def megatron_validate(args, defaults):
+        raise AssertionError("refused before Megatron's own checks")
+
+    args = _args(parser, "--data-path", "corpus", "--split", "100,0,0", "--eval-iters", "2", "--eval-interval", "3",
+                 "--train-iters", "6")
+    with pytest.raises(SystemExit) as exit_:
+        _with_dcp_validation(megatron_validate)(args)
+    line = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and line.startswith("dcp: error: --split 100,0,0 gives the validation set no share")

@@ -23,14 +23,17 @@ from dcp_megatron.config import DcpUsageError
 
 
 def log_step(training, outcome, *, iteration: int, train_iters: int, consumed: int) -> None:
-    """Megatron's iteration line (loss, grad norm, learning rate) and the step's plan line."""
+    """Megatron's iteration line (loss, grad norm, learning rate) and the step's plan line. The engine steps its
+    scheduler after each update, so the rate read here is the one iteration + 1's update will use (Megatron logs
+    the same); the line says which iteration's it is."""
     from dcp_megatron.core.plan_log import dcp_iteration_line
 
     engine, steps = training.engine, training.steps
     norm = f" grad norm: {outcome.grad_norm:.6f} |" if outcome.grad_norm is not None else ""
     lr = engine.get_lr()[0] if engine.get_lr() else float("nan")
     print(f" iteration {iteration:8d}/{train_iters:8d} | consumed tokens: {consumed:12d} | "
-          f"lm loss: {outcome.loss:.6E} |{norm} learning rate: {lr:.6E} | step time (ms): "
+          f"lm loss: {outcome.loss:.6E} |{norm} learning rate: {lr:.6E} | (the rate of iteration {iteration + 1}) | "
+          f"step time (ms): "
           f"{outcome.seconds * 1000:.1f} |", flush=True)
     print(dcp_iteration_line(steps.loop.last_record, forward_backward_s=outcome.seconds,
                              domain_rank=steps.pool.domain_rank, corrections=steps.corrections,

@@ -170,5 +170,6 @@ class DcpForwardStep:
                   "local_tokens": int(batch["tokens"].shape[-1]), "documents": len(facts.padded_lengths),
                   "recompute": facts.recompute.to_json(), "saved_bytes": sum(saved.bytes_by_bucket().values())}
         rank = torch.distributed.get_rank()
+        os.makedirs(self._saved_bytes_dir, exist_ok=True)
         with open(os.path.join(self._saved_bytes_dir, f"saved_bytes_rank{rank}.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -230,3 +230,13 @@ def test_a_plain_megatron_run_refuses_a_split_without_validation_at_start(parser
         _with_dcp_validation(megatron_validate)(args)
     line = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and line.startswith("dcp: error: --split 100,0,0 gives the validation set no share")
+
+
+def test_the_saved_bytes_directory_is_checked_at_start(parser, tmp_path):
+    from dcp_megatron.training.checks.run_paths import check_run_paths
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    with pytest.raises(DcpUsageError, match=r"^--dcp-dump-saved-bytes .*a_file: exists and is not a directory"):
+        check_run_paths(_args(parser, "--dcp", "--dcp-dump-saved-bytes", str(a_file)))
+    check_run_paths(_args(parser, "--dcp", "--dcp-dump-saved-bytes", str(tmp_path / "new")))

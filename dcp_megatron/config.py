@@ -62,6 +62,11 @@ class DcpConfig:
     # whether this run executes megatron-core's activation offload (the megatron.training adapter sets it where it
     # built the layers with it, on GPU: training/checks/offload_checks.py); without it "offload" is refused
     offload_runs: bool = False
+    # fault injection and diagnostics (docs/reliability.md): raise an out-of-memory when global rank R takes
+    # micro-batch M of iteration I (--dcp-inject-out-of-memory-at I:R:M); write each micro-batch's measured
+    # saved-for-backward bytes into a directory (--dcp-dump-saved-bytes DIR, megatron.training path)
+    inject_out_of_memory_at: tuple[int, int, int] | None = None
+    dump_saved_bytes: str | None = None
     # --dcp-policy-setting: a baseline's run-wide setting (planner/baselines/settings.py's StaticSetting or
     # DynamicSetting; typed loosely, this module imports nothing of the project); None: the policy's default
     policy_setting: object | None = None

@@ -15,8 +15,9 @@ The same command resumed from the last checkpoint reads the records (`--load` an
 planner then keeps every micro-batch's count below `LIMIT_HEADROOM` times the smallest count that failed, so the
 micro-batch that ran out gets more relief or a larger CP group (`capped_memory_bytes`).
 
-Test hook: `DCP_TEST_OUT_OF_MEMORY_AT=<iteration>:<rank>:<micro-batch>` raises the error when that rank's engine
-takes that micro-batch of that iteration (global rank, 0-based micro-batch index in plan order).
+Fault injection: `--dcp-inject-out-of-memory-at <iteration>:<rank>:<micro-batch>` (DcpConfig.inject_out_of_memory_at)
+raises the error when that rank's engine takes that micro-batch of that iteration (global rank, 0-based micro-batch
+index in plan order).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 
 LIMIT_DIR = "dcp_memory_limits"
 LIMIT_HEADROOM = 0.95       # a resumed run plans each micro-batch at most this fraction of the count that failed
-INJECT_ENV = "DCP_TEST_OUT_OF_MEMORY_AT"
+INJECT_FLAG = "--dcp-inject-out-of-memory-at"
 GiB = 1 << 30
 
 
@@ -71,7 +72,7 @@ class MicrobatchOutOfMemory(RuntimeError):
 
 class TrackedBatches(list):
     """This rank's micro-batch dicts as the engine iterates them: `started` is the index of the last one it took
-    (the one running when an error comes). `inject_at`: the test hook's micro-batch, raised when taken."""
+    (the one running when an error comes). `inject_at`: the injected fault's micro-batch (--dcp-inject-out-of-memory-at), raised when taken."""
 
     def __init__(self, batches, *, inject_at: int | None = None) -> None:
         super().__init__(batches)
@@ -84,19 +85,15 @@ class TrackedBatches(list):
             if index == self._inject_at:
                 import torch
 
-                raise torch.OutOfMemoryError(f"injected by {INJECT_ENV} at micro-batch {index}")
+                raise torch.OutOfMemoryError(f"injected by {INJECT_FLAG} at micro-batch {index}")
             yield batch
 
 
-def injected_microbatch(iteration: int, rank: int) -> int | None:
-    """The micro-batch index the test hook names for this iteration and rank, else None."""
-    spec = os.environ.get(INJECT_ENV)
-    if not spec:
+def injected_microbatch(iteration: int, rank: int, at: tuple[int, int, int] | None) -> int | None:
+    """The micro-batch index `at` (DcpConfig.inject_out_of_memory_at) names for this iteration and rank, else None."""
+    if at is None:
         return None
-    try:
-        at_iteration, at_rank, index = (int(part) for part in spec.split(":"))
-    except ValueError:
-        raise ValueError(f"{INJECT_ENV}={spec!r}: give <iteration>:<rank>:<micro-batch>") from None
+    at_iteration, at_rank, index = at
     return index if (at_iteration, at_rank) == (iteration, rank) else None
 
 

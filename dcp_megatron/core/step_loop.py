@@ -228,7 +228,8 @@ class PlannedStepLoop:
                                row_multiple=self.config.row_multiple, equal_rows=self.equal_rows)
         # the engine takes them from a tracked list: an out-of-memory names the micro-batch that was running
         batches = TrackedBatches(engine.adapt_batches(batches),
-                                 inject_at=injected_microbatch(iteration, torch.distributed.get_rank()))
+                                 inject_at=injected_microbatch(iteration, torch.distributed.get_rank(),
+                                                               self.config.inject_out_of_memory_at))
         before_run_s = time.perf_counter() - started
         trace = None
         if self.config.dump_plans:   # what each micro-batch ran with, next to the plans (microbatch_trace.py)

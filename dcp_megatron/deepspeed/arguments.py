@@ -15,7 +15,9 @@ or context parallelism (DeepSpeed's data-parallel group is the DCP domain), `--u
 JSON's ZeRO stage; `--lr`, `--optimizer`, `--adam-*`, `--weight-decay`, `--clip-grad`, `--bf16`/`--fp16` are
 written into the JSON: megatron_flags.py), a schedule flag beside the JSON's "scheduler" block (two schedules),
 Megatron's `--tensorboard-dir`/`--wandb-*` writers (the JSON's monitor blocks), and `--train-samples` and the
-sample-counted schedule flags (the run counts steps). Evaluation (`--eval-interval`, `--eval-iters`) runs once either is given (evaluation.py).
+sample-counted schedule flags (the run counts steps), and every other Megatron flag it does not run
+(flag_coverage.py: one line naming it). `--exit-interval N` stops after the step N divides, saved first under
+--save, as Megatron's loop. Evaluation (`--eval-interval`, `--eval-iters`) runs once either is given (evaluation.py).
 """
 from __future__ import annotations
 
@@ -67,8 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from dcp_megatron.flags.flag_checks import check_backend
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = megatron_parser()
     try:
-        args = megatron_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as err:   # argparse printed its usage line; a bad flag is a usage error (exit 2)
         if err.code == 0:
             raise
@@ -85,12 +88,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
     adopt_config_batch_size(args)
     check_before_megatron(args)   # what Megatron's bare asserts would report without naming the flag
+    from dcp_megatron.deepspeed.flag_coverage import refuse_unhonoured_flags
+
+    # every other Megatron flag: honoured or refused by name (after the specific refusals, before the CPU defaults)
+    refuse_unhonoured_flags(parser, args, argv)
     args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
     if not torch.cuda.is_available():
         applied = apply_cpu_defaults(args, argv=argv)
         if applied and args.rank == 0:
             print(cpu_defaults_notice(applied), flush=True)
     check_backend(args, has_gpu=torch.cuda.is_available())   # an explicit nccl without a GPU (flag_checks.py)
+    # validate_args deletes --recompute-activations (as granularity selective): kept for the refusal under --dcp
+    args.recompute_activations_given = bool(getattr(args, "recompute_activations", False))
     try:
         _unwrapped_validate(arguments)(args, {"tokenizer_type": "NullTokenizer"})
     except AssertionError as err:   # Megatron's checks are bare asserts: name them as a usage error

@@ -111,6 +111,11 @@ def prepare_deepspeed_config(ds_config: dict) -> dict:
     """A copy of the user's DeepSpeed config that the planned step can run (see the module docstring)."""
     config = copy.deepcopy(ds_config)
     config.pop("dcp", None)
+    if config.get("activation_checkpointing"):
+        raise DcpUsageError('the DeepSpeed config\'s "activation_checkpointing" block configures deepspeed.checkpointing, '
+                            "which megatron-core's GPTModel never calls (the block would be ignored): remove it; "
+                            "under --dcp the planner chooses recompute per micro-batch (--dcp-recompute, e.g. "
+                            "none,selective,full), without --dcp give Megatron's --recompute-granularity")
     stage = zero_stage(config)
     for key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu"):
         if config.get(key, 1) != 1:

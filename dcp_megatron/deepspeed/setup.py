@@ -52,6 +52,13 @@ def deepspeed_setup(args: argparse.Namespace, *, has_gpu: bool):
                         default_cp_attention=("allgather",) if has_gpu else DEFAULT_CP_ATTENTION,
                         domain_size=int(os.environ.get("WORLD_SIZE", 1)), stage=zero_stage(ds_config),
                         timeout_minutes=args.distributed_timeout_minutes, has_gpu=has_gpu)
+    if config is not None:   # Megatron's run-wide recompute flags: the plan's per-micro-batch recompute overrides them
+        from dcp_megatron.flags.recompute_flags import check_megatron_recompute
+
+        check_megatron_recompute(args)
+    if getattr(args, "dcp_dump_saved_bytes", None):
+        raise DcpUsageError(f"--dcp-dump-saved-bytes {args.dcp_dump_saved_bytes}: the saved-bytes record is written "
+                            "by the megatron.training path's forward step only; drop it here")
     if config is not None and config.dump_plans and not args.dcp_dump_plans:   # (the flag: checkpoint paths)
         check_writable_dir(config.dump_plans, '"dcp" dump_plans')
     if args.load:
@@ -125,6 +132,11 @@ def setup_training(args: argparse.Namespace, *, model_provider, forward_loss, pa
         tokenizer = build_tokenizer(args)   # also sets args.padded_vocab_size, as Megatron pads it
     except (ValueError, OSError, AssertionError) as err:
         raise DcpUsageError(f"--tokenizer-type {args.tokenizer_type}: {err}") from None
+    if args.tokenizer_type != "NullTokenizer":   # (NullTokenizer's ids were checked with the flags, data_files.py)
+        from dcp_megatron.flags.data_files import check_token_ids
+
+        check_token_ids(args, vocab_size=tokenizer.vocab_size,
+                        what=f"--tokenizer-type {args.tokenizer_type} ({tokenizer.vocab_size} ids)")
     # the ZeRO stage shards the static memory; stage 3 gathers weights per micro-batch: lockstep plans
     # the JSON's precision is the run's (--bf16 / --fp16 only fill it): its activations' width
     half = any((ds_config.get(kind) or {}).get("enabled") for kind in ("bf16", "fp16"))

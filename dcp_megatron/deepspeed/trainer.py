@@ -5,7 +5,8 @@
 set-up (setup.py), an optional resume (checkpoint.py: the data position travels in DeepSpeed's client state), then
 `--train-iters` planned steps (steps.py), each logged as Megatron logs it plus the ` dcp iteration` line both
 engines print (core/plan_log.py), the evaluation after every `--eval-interval` steps and at the end
-(evaluation.py), and a checkpoint every `--save-interval` steps. A collective that times out ends the run with
+(evaluation.py), and a checkpoint every `--save-interval` steps; `--exit-interval N` saves (under --save) and
+stops after the first step N divides, as Megatron's loop does. A collective that times out ends the run with
 the one line both engines give (core/collective_watch.py), as does a micro-batch that runs out of memory (recorded
 for the resumed run: core/out_of_memory.py); a usage error with one line and exit status 2.
 """
@@ -22,14 +23,17 @@ from dcp_megatron.config import DcpUsageError
 
 
 def log_step(training, outcome, *, iteration: int, train_iters: int, consumed: int) -> None:
-    """Megatron's iteration line (loss, grad norm, learning rate) and the step's plan line."""
+    """Megatron's iteration line (loss, grad norm, learning rate) and the step's plan line. The engine steps its
+    scheduler after each update, so the rate read here is the one iteration + 1's update will use (Megatron logs
+    the same); the line says which iteration's it is."""
     from dcp_megatron.core.plan_log import dcp_iteration_line
 
     engine, steps = training.engine, training.steps
     norm = f" grad norm: {outcome.grad_norm:.6f} |" if outcome.grad_norm is not None else ""
     lr = engine.get_lr()[0] if engine.get_lr() else float("nan")
     print(f" iteration {iteration:8d}/{train_iters:8d} | consumed tokens: {consumed:12d} | "
-          f"lm loss: {outcome.loss:.6E} |{norm} learning rate: {lr:.6E} | step time (ms): "
+          f"lm loss: {outcome.loss:.6E} |{norm} learning rate: {lr:.6E} | (the rate of iteration {iteration + 1}) | "
+          f"step time (ms): "
           f"{outcome.seconds * 1000:.1f} |", flush=True)
     print(dcp_iteration_line(steps.loop.last_record, forward_backward_s=outcome.seconds,
                              domain_rank=steps.pool.domain_rank, corrections=steps.corrections,
@@ -99,11 +103,16 @@ def train(args: argparse.Namespace, *, model_provider, forward_loss, patches) ->
                     where = f"evaluating at iteration {iteration}"
                     # before the save, as Megatron
                     log_validation(training, f"iteration {iteration} on validation set")
-                if args.save and args.save_interval and (iteration % args.save_interval == 0
-                                                         or iteration == args.train_iters):
+                exiting = bool(args.exit_interval) and iteration % args.exit_interval == 0
+                if args.save and ((args.save_interval and (iteration % args.save_interval == 0
+                                                           or iteration == args.train_iters)) or exiting):
                     where = f"saving iteration {iteration}"
                     save(training, args, iteration=iteration, consumed=consumed)
-            if training.evaluation is not None:
+                if exiting and iteration < args.train_iters:   # as Megatron's loop: saved first, no final evaluation
+                    if rank == 0:
+                        print(f"exiting at iteration {iteration} (--exit-interval {args.exit_interval})", flush=True)
+                    break
+            if training.evaluation is not None and iteration == args.train_iters:
                 where = "evaluating at the end of training"
                 log_validation(training, "the end of training for val data")
         except MicrobatchOutOfMemory as err:   # one line, recorded beside the checkpoints (out_of_memory.py)

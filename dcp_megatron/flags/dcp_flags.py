@@ -90,6 +90,13 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="all-reduce a hash of every plan to prove all ranks planned the same step (the default)")
     group.add_argument("--dcp-no-check-plans", action="store_true",
                        help="skip the per-step plan hash all-reduce (one 16-byte collective per step)")
+    # fault injection and diagnostics (docs/reliability.md)
+    group.add_argument("--dcp-inject-out-of-memory-at", default=None, metavar="ITERATION:RANK:MICROBATCH",
+                       help="fault injection: raise an out-of-memory when global rank RANK takes micro-batch "
+                            "MICROBATCH (0-based, plan order) of ITERATION, to test the out-of-memory handling")
+    group.add_argument("--dcp-dump-saved-bytes", default=None, metavar="DIR",
+                       help="diagnostics: append each micro-batch's measured saved-for-backward bytes to "
+                            "DIR/saved_bytes_rank<R>.jsonl (megatron.training path)")
     # set by dcp-profile (dcp_megatron/profile.py), which runs the user's script with them
     group.add_argument("--dcp-profile-out", default=None, metavar="PROFILE.json",
                        help="profile the model instead of training: time a grid of micro-batches, fit the cost "
@@ -138,7 +145,26 @@ def dcp_flag_settings(args: argparse.Namespace) -> dict:
             "memory_refine": _on_off(args, "dcp_memory_refine", "dcp_no_memory_refine"),
             "memory_refine_steps": getattr(args, "dcp_memory_refine_steps", None),
             "memory_probe": _on_off(args, "dcp_memory_probe", "dcp_no_memory_probe"),
-            "cp_attention": parse_comma_list(getattr(args, "dcp_cp_attention", None))}
+            "cp_attention": parse_comma_list(getattr(args, "dcp_cp_attention", None)),
+            "inject_out_of_memory_at": injection_point(getattr(args, "dcp_inject_out_of_memory_at", None)),
+            "dump_saved_bytes": getattr(args, "dcp_dump_saved_bytes", None)}
+
+
+def injection_point(text: str | None) -> tuple[int, int, int] | None:
+    """--dcp-inject-out-of-memory-at ITERATION:RANK:MICROBATCH as three integers (None when not given)."""
+    from dcp_megatron.config import DcpUsageError
+
+    if text is None:
+        return None
+    try:
+        iteration, rank, index = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise DcpUsageError(f"--dcp-inject-out-of-memory-at {text}: give ITERATION:RANK:MICROBATCH (three integers, "
+                            "e.g. 3:0:1)") from None
+    if iteration < 1 or rank < 0 or index < 0:
+        raise DcpUsageError(f"--dcp-inject-out-of-memory-at {text}: ITERATION counts from 1, RANK and MICROBATCH "
+                            "from 0")
+    return iteration, rank, index
 
 
 def _on_off(args: argparse.Namespace, on: str, off: str) -> bool | None:

@@ -8,6 +8,10 @@
 - `--mock-data` ignores `--split`: megatron-core's dataset config sets the split to 1,1,1 for mock data and logs
   it at INFO only, so a `--split 1,0,0` meant to turn evaluation off still evaluates on mock validation data.
   The run says so in one line.
+- `--split` with no validation share (`100,0,0`) over `--data-path` while evaluation is asked (`--eval-iters N > 0`
+  with `--eval-interval`, or `--full-validation`): megatron-core builds no validation dataset and the first
+  evaluation dies with `TypeError: 'NoneType' object is not an iterator` after the interval's steps trained.
+  Refused, naming both flags.
 
 Both paths call these: the Megatron path from the patched `validate_args` (patches/training_arguments.py), the
 DeepSpeed script when it evaluates (its evaluation sizes the validation data the same way, evaluation.py).
@@ -44,9 +48,36 @@ def settle_eval_interval(args: argparse.Namespace) -> str | None:
 
 def settle_evaluation_flags(args: argparse.Namespace) -> None:
     """Both of the module docstring's checks, their lines printed once (rank 0); both entry points call this."""
+    check_validation_split(args)
     notes = [note for note in (settle_eval_interval(args), mock_split_note(args)) if note]
     if notes and getattr(args, "rank", 0) == 0:
         print("\n".join(notes), flush=True)
+
+
+def _split_shares(split: str) -> list[float]:
+    return [float(part) for part in re.findall(r"[.0-9]+", split)] + [0.0, 0.0, 0.0]   # as megatron-core parses it
+
+
+def check_validation_split(args: argparse.Namespace) -> None:
+    """Refuse a --split without a validation share over --data-path when evaluation is asked (module docstring)."""
+    split = getattr(args, "split", None)
+    blended = getattr(args, "data_path", None) or getattr(args, "data_args_path", None)
+    per_split = any(getattr(args, name, None) for name in ("valid_data_path", "per_split_data_args_path"))
+    if not split or not blended or per_split or getattr(args, "mock_data", False):
+        return
+    eval_iters = getattr(args, "eval_iters", 0) or 0
+    full = getattr(args, "full_validation", False)
+    if not (full or (eval_iters > 0 and getattr(args, "eval_interval", None) is not None)):
+        return   # (an --eval-iters without an interval is refused by settle_eval_interval)
+    shares = _split_shares(split)
+    if shares[1] > 0:
+        return
+    asked = "--full-validation" if full else f"--eval-iters {eval_iters} --eval-interval {args.eval_interval}"
+    train, test = shares[0], shares[2]
+    example = f"{max(train - 2, 1):g},2,{test:g}" if train > 2 else "98,2,0"
+    raise DcpUsageError(f"--split {split} gives the validation set no share, but evaluation is asked ({asked}): "
+                        f"give a --split with a validation share (e.g. --split {example}), or --eval-iters 0 to "
+                        "train without evaluation")
 
 
 def mock_split_note(args: argparse.Namespace) -> str | None:
@@ -56,8 +87,7 @@ def mock_split_note(args: argparse.Namespace) -> str | None:
         return None
     if not (getattr(args, "full_validation", False) or (getattr(args, "eval_iters", 0) or 0) > 0):
         return None
-    shares = [float(part) for part in re.findall(r"[.0-9]+", split)] + [0.0, 0.0, 0.0]   # as megatron-core parses it
-    if shares[1] > 0:
+    if _split_shares(split)[1] > 0:
         return None
     return (f"dcp: note: --mock-data ignores --split {split} (megatron-core splits mock data 1,1,1), so this run "
             f"still evaluates, on mock validation data; give --eval-iters 0 to train without evaluation")

@@ -20,7 +20,7 @@ from dcp_megatron.flags.start_checks import MEGATRON, DcpStart, check_dcp_start
 from dcp_megatron.training.checks.gpu_checks import check_gpu_path
 from dcp_megatron.training.checks.layout_checks import check_dcp_layout
 from dcp_megatron.training.checks.offload_checks import check_offload
-from dcp_megatron.training.checks.recompute_checks import check_megatron_recompute
+from dcp_megatron.flags.recompute_flags import check_megatron_recompute
 
 
 def refuse_conflicting_flags(args: argparse.Namespace) -> None:
@@ -81,6 +81,7 @@ def start_megatron_run(args: argparse.Namespace) -> RunSpec | None:
     device = DeviceFacts.of_this_machine()
     check_gpu_path(args, device)   # FP8 recipes, apex's fusion kernel, the row alignment (gpu_checks.py)
     if getattr(args, "dcp", False):
+        check_megatron_recompute(args)   # again, on the flags as validate_args left them (--recompute-activations)
         check_offload(args, device)   # GPU: builds the layers with activation offload; else refused (offload_checks.py)
     check_dcp_start(dcp_start_of(args, has_gpu=device.has_gpu))
     if not getattr(args, "dcp", False):

@@ -39,7 +39,6 @@ from dcp_megatron.core.offload import switch_offload
 from dcp_megatron.core.recompute import apply_recompute, decoder_layers
 from dcp_megatron.runtime.memory_probe import SavedBytes
 
-SAVED_BYTES_ENV = "DCP_TEST_SAVED_BYTES_DIR"    # the test hook (module docstring)
 
 # Only for get_batch_on_this_tp_rank on TP ranks > 0 (module docstring); patches read the facts from the params.
 _RUNNING_BATCH: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
@@ -94,7 +93,7 @@ class DcpForwardStep:
     """The user's forward step fed this rank's DCP micro-batches in plan order (module docstring)."""
 
     def __init__(self, forward_step_func, batches: list[dict], *, model_chunks, config,
-                 cuda_events: bool = False, memory=None, record_saved_bytes: bool = True) -> None:
+                 cuda_events: bool = False, memory=None, saved_bytes_dir: str | None = None) -> None:
         functools.update_wrapper(self, forward_step_func)  # Megatron inspects the step's parameters
         self._forward_step = forward_step_func
         # Virtual pipeline stages: the interleaved schedule runs every micro-batch once per model chunk, each
@@ -106,7 +105,7 @@ class DcpForwardStep:
         self._clock = Clock(cuda=cuda_events)
         self._marks: list = []    # when each forward started
         self.num_run = 0          # forward steps run, over all model chunks
-        self._saved_bytes_dir = os.environ.get(SAVED_BYTES_ENV) if record_saved_bytes else None
+        self._saved_bytes_dir = saved_bytes_dir   # --dcp-dump-saved-bytes (DcpConfig.dump_saved_bytes), or None
         self._memory = memory     # runtime/measured_memory.py's reading of each micro-batch, or None
 
     def memory_readings(self) -> list[float]:
@@ -148,7 +147,7 @@ class DcpForwardStep:
             switch_offload(self._model_chunks, self._config, frozenset())
 
     def _run(self, batch: dict, model, *args, **kwargs):
-        """The user's forward step, measured where asked (the memory reading, the test hook's saved bytes)."""
+        """The user's forward step, measured where asked (the memory reading, --dcp-dump-saved-bytes)."""
         def forward(saved):
             if saved is None and self._saved_bytes_dir:
                 saved = SavedBytes(exclude=[p for chunk in self._model_chunks for p in chunk.parameters()])
@@ -165,11 +164,12 @@ class DcpForwardStep:
         return self._memory.run_forward(forward) if self._memory is not None else forward(None)
 
     def _write_saved_bytes(self, batch: dict, saved: SavedBytes) -> None:
-        """The forward's saved bytes appended to this rank's record (the test hook)."""
+        """The forward's saved bytes appended to this rank's record (--dcp-dump-saved-bytes)."""
         facts = batch[MICROBATCH_KEY]
         record = {"wave": facts.wave_index, "microbatch": facts.microbatch_index, "cp_size": facts.cp_size,
                   "local_tokens": int(batch["tokens"].shape[-1]), "documents": len(facts.padded_lengths),
                   "recompute": facts.recompute.to_json(), "saved_bytes": sum(saved.bytes_by_bucket().values())}
         rank = torch.distributed.get_rank()
+        os.makedirs(self._saved_bytes_dir, exist_ok=True)
         with open(os.path.join(self._saved_bytes_dir, f"saved_bytes_rank{rank}.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")

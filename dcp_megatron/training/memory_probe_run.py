@@ -119,7 +119,7 @@ def _run_once(schedule, forward_step_func, model_chunks, config, batch: dict, *,
     memory = memory_readings(cuda=loop.memory_kind == "peak",
                              parameters=[p for chunk in model_chunks for p in chunk.parameters()])
     step = DcpForwardStep(forward_step_func, [batch], model_chunks=model_chunks, config=config, memory=memory,
-                          record_saved_bytes=False)
+                          saved_bytes_dir=None)
     if offload_built(config):   # GPU: the probe's offload set is its own warm-up, as every step's
         own_warmup_every_step()
     schedule(forward_step_func=step, data_iterator=iter(()), model=model_chunks, num_microbatches=1,

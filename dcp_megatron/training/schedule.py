@@ -193,7 +193,8 @@ class _MegatronStep:
         memory = (memory_readings(cuda=self.owner.has_gpu, parameters=[p for c in chunks for p in c.parameters()])
                   if loop.measures_memory() and len(chunks) == 1 else None)
         step = DcpForwardStep(self.forward_step_func, batches, model_chunks=chunks, config=config,
-                              cuda_events=self.owner.has_gpu, memory=memory)
+                              cuda_events=self.owner.has_gpu, memory=memory,
+                              saved_bytes_dir=self.owner.config.dump_saved_bytes)
         # With PP, stages send activations of each micro-batch's own length: shapes go with them.
         config.variable_seq_lengths = config.variable_seq_lengths or self.owner.model_shape.pp > 1
         if offload_built(config):   # GPU: this step's micro-batches and offload sets are its own

@@ -448,3 +448,19 @@ def test_deepspeed_monitor_holds_the_dcp_scalars(runs):
     assert predicted == pytest.approx([p.est_step_time_s for p in plans], rel=1e-6)
     counts = [max(p.num_microbatches(r) for r in range(p.domain_size)) for p in plans]
     assert [e.value for e in events.Scalars("dcp/microbatches_per_rank_max")] == counts
+
+
+def test_exit_interval_saves_and_stops_as_megatrons_loop(tmp_path):
+    """--exit-interval (issue 46: ran past it): the run saves and stops after the first step the interval divides,
+    and each iteration line says which iteration's learning rate it shows (the engine's scheduler steps after the
+    update, so the rate read after iteration N is iteration N + 1's). One plain process."""
+    save = tmp_path / "ckpt"
+    run = run_deepspeed(ds_config(stage=0, total_steps=6), ["--dcp", "--exit-interval", "2", "--save", str(save),
+                                                            "--save-interval", "5"],
+                        nproc=1, iters=6, directory=str(tmp_path), torchrun=False).check()
+    assert sorted(run.losses) == [1, 2], run.output[-3000:]
+    assert "exiting at iteration 2 (--exit-interval 2)" in run.output
+    assert "saving checkpoint at iteration 2" in run.output and (save / "latest").is_file()
+    labels = re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?learning rate: [0-9.E+-]+ \| \(the rate of iteration (\d+)\)",
+                        run.output)
+    assert [(int(a), int(b)) for a, b in labels] == [(1, 2), (2, 3)], run.output[-3000:]

@@ -343,6 +343,9 @@ MEGATRON_CASES = {
                          ["--distributed-backend nccl needs a GPU", "--distributed-backend gloo"]),
     "resume_torch_dist_as_torch": (_megatron_changed("--ckpt-format", "torch"),
                                    ["is a torch_dist checkpoint and --ckpt-format is torch", "--ckpt-format torch_dist"]),
+    # issue 46: validate_args turned it into granularity selective after our check
+    "recompute_activations": (lambda w: ([*MEGATRON_DCP, "--recompute-activations"], 0),
+                              ["--recompute-activations conflicts with --dcp", "--dcp-recompute none,selective"]),
 }
 
 
@@ -485,6 +488,17 @@ DS_CASES = {
     # issue 36
     "nccl_without_gpu": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--distributed-backend", "nccl"]),
                          ["--distributed-backend nccl needs a GPU", "--distributed-backend gloo"]),
+    # issue 46: Megatron's recompute flags and DeepSpeed's own block under DCP, flags the script does not run
+    "recompute_activations_under_dcp": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--recompute-activations"]),
+                                        ["--recompute-activations conflicts with --dcp", "--dcp-recompute none,selective"]),
+    "recompute_full_under_dcp_block": (lambda w: (_block(), ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                                             "--recompute-num-layers", "1"]),
+                                       ["--recompute-granularity full conflicts with --dcp", "--dcp-recompute none,full"]),
+    "activation_checkpointing_block": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN, activation_checkpointing={"partition_activations": True}), ["--dcp"]),
+                                       ['"activation_checkpointing" block', "--dcp-recompute"]),
+    "ckpt_step": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--ckpt-step", "3"]), ["--ckpt-step 3", "'latest' file"]),
+    "megatron_flag_not_run": (lambda w: (ds_config(stage=1, total_steps=LONG_RUN), ["--dcp", "--exit-duration-in-mins", "1"]),
+                              ["--exit-duration-in-mins is a megatron.training flag the DeepSpeed script does not run"]),
 }
 
 

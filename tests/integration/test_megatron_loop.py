@@ -172,8 +172,8 @@ def _out_of_memory_run(root, *, resumed: bool):
     if resumed:
         return run_training(OUR_SCRIPT, [*flags, "--load", checkpoints], launcher=False, iters=ITERS,
                             base=RESUME_BASE)
-    return run_training(OUR_SCRIPT, flags, launcher=False, iters=ITERS, base=RESUME_BASE,
-                        env={"DCP_TEST_OUT_OF_MEMORY_AT": f"{step}:{rank}:{index}"})
+    return run_training(OUR_SCRIPT, [*flags, "--dcp-inject-out-of-memory-at", f"{step}:{rank}:{index}"],
+                        launcher=False, iters=ITERS, base=RESUME_BASE)
 
 
 def _assert_same_trace(trace, reference, what):

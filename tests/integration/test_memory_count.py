@@ -2,7 +2,7 @@
 every micro-batch's forward saved for backward what the planner counted for its relief, within a few %, and no
 more than the budget the plan was made for.
 
-The forward step's test hook (training/forward_step.py, `SAVED_BYTES_ENV`) measures, with runtime/memory_probe.py's
+The forward step's diagnostics flag (--dcp-dump-saved-bytes, training/forward_step.py) measures, with runtime/memory_probe.py's
 `SavedBytes` on the real tensors, the bytes each micro-batch's forward saved for backward (each storage once;
 the weights not counted) and writes them next to the plan dumps. What is comparable is the activations held:
 the planner's `held_bytes_per_local_token` (the layers' tensors for the relief plus the output layer's and the
@@ -30,7 +30,6 @@ import pytest
 from dcp_megatron.config import DcpConfig
 from dcp_megatron.core.planning import build_cost_model, model_shape_from_args
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute
-from dcp_megatron.training.forward_step import SAVED_BYTES_ENV
 from tests.support.megatron_runs import OUR_SCRIPT, read_plan_dumps, run_training
 
 pytestmark = pytest.mark.timeout(900)
@@ -57,8 +56,9 @@ def measured(tmp_path_factory):
     plans = tmp_path_factory.mktemp("memory_count") / "plans"
     plans.mkdir()
     run_training(OUR_SCRIPT, ["--dcp", "--dcp-memory-budget-gb", str(BUDGET_GB),
-                              "--dcp-recompute", RECOMPUTE, "--dcp-dump-plans", str(plans)],
-                 iters=ITERS, env={SAVED_BYTES_ENV: str(plans)}).check()
+                              "--dcp-recompute", RECOMPUTE, "--dcp-dump-plans", str(plans),
+                              "--dcp-dump-saved-bytes", str(plans)],
+                 iters=ITERS).check()
     records = []
     for path in sorted(glob.glob(os.path.join(plans, "saved_bytes_rank*.jsonl"))):
         with open(path) as f:

@@ -40,15 +40,23 @@ def test_tracked_batches_name_the_running_micro_batch_and_the_hook_raises_at_its
     assert taken == ["a"] and injected.started == 1
 
 
-def test_the_hook_names_one_iteration_and_rank(monkeypatch):
-    monkeypatch.setenv(oom.INJECT_ENV, "3:1:2")
-    assert oom.injected_microbatch(3, 1) == 2
-    assert oom.injected_microbatch(3, 0) is None and oom.injected_microbatch(2, 1) is None
-    monkeypatch.setenv(oom.INJECT_ENV, "3-1")
-    with pytest.raises(ValueError, match="<iteration>:<rank>:<micro-batch>"):
-        oom.injected_microbatch(3, 1)
-    monkeypatch.delenv(oom.INJECT_ENV)
-    assert oom.injected_microbatch(3, 1) is None
+def test_the_injection_flag_names_one_iteration_and_rank():
+    """--dcp-inject-out-of-memory-at ITERATION:RANK:MICROBATCH reaches the step loop as DcpConfig's field."""
+    import argparse
+
+    from dcp_megatron.config import DcpUsageError
+    from dcp_megatron.flags.dcp_flags import add_dcp_arguments, dcp_flag_settings
+
+    parser = add_dcp_arguments(argparse.ArgumentParser())
+    at = dcp_flag_settings(parser.parse_args(["--dcp-inject-out-of-memory-at", "3:1:2"]))["inject_out_of_memory_at"]
+    assert at == (3, 1, 2)
+    assert oom.injected_microbatch(3, 1, at) == 2
+    assert oom.injected_microbatch(3, 0, at) is None and oom.injected_microbatch(2, 1, at) is None
+    for bad in ("3-1", "0:0:0"):
+        with pytest.raises(DcpUsageError, match=f"--dcp-inject-out-of-memory-at {bad}: "):
+            dcp_flag_settings(parser.parse_args(["--dcp-inject-out-of-memory-at", bad]))
+    assert dcp_flag_settings(parser.parse_args([]))["inject_out_of_memory_at"] is None
+    assert oom.injected_microbatch(3, 1, None) is None
 
 
 def test_records_beside_the_checkpoints_give_the_smallest_count(tmp_path):

@@ -31,7 +31,7 @@ def holds_checkpoint(path: str) -> bool:
 def check_run_paths(args: argparse.Namespace) -> None:
     """All start-up path checks of a megatron.training run (see the module docstring)."""
     for flag, attr in (("--save", "save"), ("--tensorboard-dir", "tensorboard_dir"),
-                       ("--dcp-dump-plans", "dcp_dump_plans")):
+                       ("--dcp-dump-plans", "dcp_dump_plans"), ("--dcp-dump-saved-bytes", "dcp_dump_saved_bytes")):
         path = getattr(args, attr, None)
         if path:
             check_writable_dir(path, flag)

@@ -3,10 +3,13 @@
 Under --dcp each micro-batch's recompute is switched onto the layers just before its forward
 (dcp_megatron/core/recompute.py): granularity, method, layer count and the module flags are the plan's, so
 Megatron's run-wide `--recompute-granularity`, `--recompute-modules`, `--recompute-method`,
-`--recompute-num-layers` and `--moe-layer-recompute` would be overridden without a word. Each is refused
-(one line, naming the flag) with the `--dcp-recompute` menu that lets the planner choose that relief. Under
+`--recompute-num-layers`, `--moe-layer-recompute` and `--recompute-activations` (Megatron's validate_args turns
+it into `--recompute-granularity selective`) would be overridden without a word. Each is refused (one line, naming
+the flag) with the `--dcp-recompute` menu that lets the planner choose that relief. The check runs before
+Megatron's validate_args (whose own recompute assertions are bare) and again after it, on the flags as the engine
+reads them; the DeepSpeed script runs it on its validated flags once DCP is on (deepspeed/setup.py). Under
 EP > 1 `moe` recompute is off (a replay reruns the MoE all-to-alls on the recomputing ranks only,
-layout_checks.py), so `--moe-layer-recompute` has no equivalent there, and the line says so.
+training/checks/layout_checks.py), so `--moe-layer-recompute` has no equivalent there, and the line says so.
 """
 from __future__ import annotations
 
@@ -14,15 +17,20 @@ import argparse
 
 from dcp_megatron.config import RECOMPUTE_CHOICES, DcpUsageError
 
-_EP_REPLAYS = ("full", "moe")   # kinds layout_checks._without_full_recompute takes out under EP > 1
+_EP_REPLAYS = ("full", "moe")   # kinds training/checks/layout_checks._without_full_recompute takes out under EP > 1
 
 
 def check_megatron_recompute(args: argparse.Namespace) -> None:
     """Under --dcp: refuse (DcpUsageError) each of Megatron's recompute flags given (module docstring)."""
+    # validate_args turns --recompute-activations into granularity selective and deletes it; the DeepSpeed script
+    # keeps what was given (arguments.py) so the line names the flag the user wrote
+    if getattr(args, "recompute_activations", False) or getattr(args, "recompute_activations_given", False):
+        raise DcpUsageError(_refusal(args, "--recompute-activations", ["selective"],
+                                     what="recompute (Megatron's flag means selective)"))
     granularity = getattr(args, "recompute_granularity", None)
     if granularity is not None:
-        raise DcpUsageError(f"--recompute-granularity {granularity} conflicts with --dcp: DCP chooses recompute per "
-                            "micro-batch; restrict its choices with --dcp-recompute")
+        raise DcpUsageError(_refusal(args, f"--recompute-granularity {granularity}", [granularity],
+                                     what="recompute"))
     modules = list(getattr(args, "recompute_modules", None) or [])
     if modules:
         raise DcpUsageError(_refusal(args, f"--recompute-modules {' '.join(modules)}", modules))

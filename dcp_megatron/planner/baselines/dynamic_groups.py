@@ -63,10 +63,17 @@ class SizeGroups:
 
     def least_after(self, room: int, workload: float, limit: float) -> tuple[float, int] | None:
         """(work + workload, j) least over the groups with packed <= room and work + workload <= limit, the first
-        on ties; None when none."""
+        on ties; None when none. Blocks are read from the least block minimum up, until none can do better."""
+        packed, work, block_work = self.packed, self.work, self.block_work
+        blocks = sorted((block_work[b], b) for b, least_packed in enumerate(self.block_packed)
+                        if least_packed <= room and block_work[b] + workload <= limit)
         best, best_j = math.inf, -1
-        for j, (p, w) in enumerate(zip(self.packed, self.work)):
-            after = w + workload
-            if p <= room and after <= limit and after < best:
-                best, best_j = after, j
+        for least_work, b in blocks:
+            if least_work + workload > best:
+                break
+            lo = b * BLOCK
+            for j in range(lo, min(lo + BLOCK, len(packed))):
+                after = work[j] + workload
+                if packed[j] <= room and after <= limit and (after < best or (after == best and j < best_j)):
+                    best, best_j = after, j
         return None if best_j < 0 else (best, best_j)

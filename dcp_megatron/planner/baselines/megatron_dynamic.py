@@ -28,12 +28,13 @@ the full-domain fallback is not allowed and the unfilled ranks idle.
 from __future__ import annotations
 
 import heapq
+import itertools
+import math
 from typing import NamedTuple
 
 import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, StepPlan, Wave
-from dcp_megatron.planner.layout import microbatch_from_sums
 from dcp_megatron.planner.baselines.dynamic_groups import SizeGroups
 from dcp_megatron.planner.baselines.settings import DynamicSetting, check_recompute_fits, default_dynamic_setting
 from dcp_megatron.planner.timeline import plan_makespan
@@ -219,16 +220,29 @@ def waves_of_schedule(waves_of_groups, ids, lengths, cost, recompute) -> tuple[W
     sums = []                                         # per wave, per group: (local, compute, attn)
     for groups in waves_of_groups:
         sums.append([tuple(float(x[members].sum()) for x in terms[s]) for s, members in groups])
-    waves = []
-    for groups, group_sums in zip(waves_of_groups, sums):
-        out, first = [], 0
-        for (s, members), (loc, comp, attn) in zip(groups, group_sums):
-            mb = microbatch_from_sums(cost, tuple(seqs[j] for j in members), loc, comp, attn, s, first, recompute)
-            out.append(Group(first, s, (mb,)))
-            first += s
-        out.extend(_idle(rank, cost, recompute) for rank in range(first, D))
+    # every group's estimates at once (`times_from_sums`: the same floats as one micro-batch at a time)
+    flat = [(s, first) for groups in waves_of_groups for s, first in zip(*_firsts(groups))]
+    loc, comp, attn = (np.array([t[n] for wave_sums in sums for t in wave_sums], dtype=np.float64) for n in range(3))
+    size_arr = np.array([s for s, _ in flat], dtype=np.int64)
+    times = cost.times_from_sums(loc, comp, attn, size_arr, np.array([f for _, f in flat], dtype=np.int64),
+                                 recompute).tolist()
+    per_token = {s: cost.bytes_per_local_token(recompute, s) for s in set(size_arr.tolist())}
+    mems = [cost.static_bytes + int(math.ceil(x * per_token[s])) for x, (s, _) in zip(loc.tolist(), flat)]
+    waves, n = [], 0
+    for groups in waves_of_groups:
+        out = []
+        for (s, members), first in zip(groups, _firsts(groups)[1]):
+            out.append(Group(first, s, (MicroBatch(tuple(seqs[j] for j in members), recompute, times[n], mems[n]),)))
+            n += 1
+        out.extend(_idle(rank, cost, recompute) for rank in range(sum(s for s, _ in groups), D))
         waves.append(Wave(tuple(out)))
     return tuple(waves)
+
+
+def _firsts(groups) -> tuple[list[int], list[int]]:
+    """(sizes, first ranks) of a wave's groups laid out from rank 0 in order."""
+    sizes = [s for s, _ in groups]
+    return sizes, [0] + list(itertools.accumulate(sizes))[:-1]
 
 
 def _idle(rank: int, cost, recompute) -> Group:

@@ -9,9 +9,11 @@ import pytest
 
 from dcp_megatron.planner.policies import make_plan
 from dcp_megatron.planner.baselines.megatron_dynamic import dynamic_cp_sizes, schedule_groups
+from dcp_megatron.planner.dcp import search
 from dcp_megatron.planner.validate import validate
 from tests.support.dynamic_scan_reference import schedule_groups_by_scan
 from tests.support.planner_helpers import tiny_cost
+from tests.support.tool_helpers import load_tool
 from tests.unit.test_planner_policies import long_tailed_batch
 
 
@@ -94,3 +96,13 @@ def test_the_blocked_group_search_schedules_exactly_as_a_scan_of_every_group(see
             lengths = np.maximum(1, (longest * rng.random(count) ** rng.choice([1, 3, 8])).astype(np.int64))
         lengths = lengths.tolist()
         assert schedule_groups(lengths, sizes, domain, cap) == schedule_groups_by_scan(lengths, sizes, domain, cap)
+
+
+def test_planner_stages_tool_times_every_stage(capsys):
+    tool = load_tool("planner_stages")
+    assert tool.main(["--gpus", "16", "--tokens-per-step", "65536", "--batches", "1"]) == 0
+    out = capsys.readouterr().out
+    for label in ("dcp own layout", "baseline layout: megatron-dynamic", "megatron-dynamic: scheduler"):
+        assert label in out
+    assert "CPU s per plan" in out.splitlines()[0]
+    assert not hasattr(search.plan_dcp, "__wrapped__") and search.plan_dcp.__name__ == "plan_dcp"   # removed again

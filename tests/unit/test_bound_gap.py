@@ -1,5 +1,6 @@
 """The lower bound against exact references, the MILP reference (milp_reference.py), the bytescale
 distribution's shape, and tools/bound_gap.py end to end."""
+import itertools
 import json
 import math
 
@@ -152,3 +153,23 @@ def test_bound_gap_tool_end_to_end(tmp_path, capsys):
     assert "reduced bytescale instances" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         tool.main(["--workloads", "zipf"])
+
+
+@pytest.mark.parametrize("workload, domain_size, tokens_per_step", [
+    ("wikipedia", 32, 4_194_304), ("prolong", 32, 4_194_304), ("wlb", 32, 4_194_304), ("bytescale", 64, 16_777_216)])
+def test_dcp_plans_stay_within_a_percent_and_a_half_of_the_bound(workload, domain_size, tokens_per_step):
+    # The four mixes of docs/simulator.md at its sizes, the first three steps: dcp's median step over the lower
+    # bound is 1.003-1.012 there (the documented p50 over more steps: 1.005-1.009); a planner change that loosens
+    # the plans (megatron-dynamic's layout alone sits at 1.05-1.17) fails here, one that speeds planning must not.
+    from dcp_megatron.planner.batcher import GlobalBatcher
+    from dcp_megatron.planner.distributions import iter_builtin_lengths
+
+    cost = h200_cost(domain_size)
+    batcher = GlobalBatcher(tokens_per_step=tokens_per_step, max_seq_len=tokens_per_step, overlong="split")
+    batches = list(itertools.islice(batcher.batches(enumerate(iter_builtin_lengths(workload, 0))), 3))
+    max_seq_len = max(b.max_length for b in batches)
+    gaps = []
+    for batch in batches:
+        plan = make_plan("dcp", batch.sequences, cost, max_seq_len=max_seq_len)
+        gaps.append(plan.est_step_time_s / plan.lower_bound_s)
+    assert 1.0 <= float(np.median(gaps)) <= 1.015, gaps

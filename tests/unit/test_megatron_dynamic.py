@@ -4,12 +4,16 @@ Worked cases use `schedule_groups(lengths, sizes, D, cap)`: per micro-batch, its
 (CP size, indices into lengths). A sequence's per-rank share at size s is 2·ceil(L / 2s); its
 workload L²/s; the busiest-rank bound 1.05 · longest · cap.
 """
+import numpy as np
 import pytest
 
 from dcp_megatron.planner.policies import make_plan
 from dcp_megatron.planner.baselines.megatron_dynamic import dynamic_cp_sizes, schedule_groups
+from dcp_megatron.planner.dcp import search
 from dcp_megatron.planner.validate import validate
+from tests.support.dynamic_scan_reference import schedule_groups_by_scan
 from tests.support.planner_helpers import tiny_cost
+from tests.support.tool_helpers import load_tool
 from tests.unit.test_planner_policies import long_tailed_batch
 
 
@@ -72,3 +76,33 @@ def test_plans_use_aligned_groups_one_microbatch_per_rank_per_wave_and_one_recom
             if mb.sequences} == {str(plan.waves[0].groups[0].microbatches[0].recompute)}
     dcp = make_plan("dcp", batch, cost, max_seq_len=24000)
     assert dcp.est_step_time_s <= plan.est_step_time_s
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_blocked_group_search_schedules_exactly_as_a_scan_of_every_group(seed):
+    # domains up to 512 ranks with many short sequences: hundreds of groups per size (several search blocks),
+    # micro-batches that fill up (leftovers), ties of equal lengths, the least-workload path when nothing keeps
+    # the busiest rank
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        domain = int(rng.choice([4, 6, 12, 64, 128, 256, 512]))
+        sizes = dynamic_cp_sizes(domain, domain, int(rng.choice([1, 1, 2])))
+        cap = int(rng.choice([64, 100, 1000]))
+        count = int(rng.integers(1, 2 * domain))
+        longest = cap * sizes[-1]
+        if rng.random() < 0.3:
+            lengths = rng.choice([10, 20, 40, 80], size=count)
+        else:
+            lengths = np.maximum(1, (longest * rng.random(count) ** rng.choice([1, 3, 8])).astype(np.int64))
+        lengths = lengths.tolist()
+        assert schedule_groups(lengths, sizes, domain, cap) == schedule_groups_by_scan(lengths, sizes, domain, cap)
+
+
+def test_planner_stages_tool_times_every_stage(capsys):
+    tool = load_tool("planner_stages")
+    assert tool.main(["--gpus", "16", "--tokens-per-step", "65536", "--batches", "1"]) == 0
+    out = capsys.readouterr().out
+    for label in ("dcp own layout", "baseline layout: megatron-dynamic", "megatron-dynamic: scheduler"):
+        assert label in out
+    assert "CPU s per plan" in out.splitlines()[0]
+    assert not hasattr(search.plan_dcp, "__wrapped__") and search.plan_dcp.__name__ == "plan_dcp"   # removed again

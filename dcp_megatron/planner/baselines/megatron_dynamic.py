@@ -27,12 +27,15 @@ the full-domain fallback is not allowed and the unfilled ranks idle.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 from typing import NamedTuple
 
 import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, StepPlan, Wave
-from dcp_megatron.planner.layout import microbatch_from_sums
+from dcp_megatron.planner.baselines.dynamic_groups import SizeGroups
 from dcp_megatron.planner.baselines.settings import DynamicSetting, check_recompute_fits, default_dynamic_setting
 from dcp_megatron.planner.timeline import plan_makespan
 
@@ -114,25 +117,28 @@ class _Tables(NamedTuple):
 
 def _one_microbatch(order, t: _Tables, D: int, cap: int):
     sizes, share, square = t.sizes, t.share, t.square
+    tables = [SizeGroups() for _ in sizes]        # per size index: its groups (dynamic_groups.py)
+    size, members = [], []                            # per group id (creation order): size index, sequences
+
+    def open_group(k: int) -> int:
+        size.append(k), members.append([])
+        return tables[k].add(len(size) - 1)
+
     first = order[0]
     k0 = t.smallest[first]
     bound = t.length[first] * cap * (1 + WORKLOAD_SLACK)
-    size, members, packed, work = [k0], [[first]], [share[k0][first]], [square[first] / sizes[k0]]
-    of_size = [[] for _ in sizes]                     # group ids per size index, creation order
-    of_size[k0].append(0)
-    room = [0] * len(sizes)                           # upper bound of free tokens per rank, per size
-    room[k0] = cap - packed[0]
-    used, busiest = sizes[k0], work[0]
+    members[tables[k0].ids[open_group(k0)]].append(first)
+    tables[k0].join(0, share[k0][first], square[first] / sizes[k0])
+    used, busiest = sizes[k0], square[first] / sizes[k0]
     leftovers = []
 
     def placeable(i: int) -> bool:
         """Whether any placement of sequence i fits; with the state fixed this only turns from
         False to True along `order` (shorter sequences fit wherever longer ones do)."""
         for k in range(t.smallest[i], len(sizes)):
-            s, need = sizes[k], share[k][i]
+            s = sizes[k]
             w = square[i] / s
-            if (D - used >= s and w <= bound) or any(need <= cap - packed[g] and work[g] + w <= bound
-                                                      for g in of_size[k]):
+            if (D - used >= s and w <= bound) or tables[k].first_within(cap - share[k][i], w, bound) >= 0:
                 return True
         return False
 
@@ -140,27 +146,23 @@ def _one_microbatch(order, t: _Tables, D: int, cap: int):
     while p < n:
         i = order[p]
         p += 1
-        best = None                                   # (busiest after, group or None, size index)
+        best = None                                   # (busiest after, local group index or None, size index)
         for k in range(t.smallest[i], len(sizes)):
-            s, need = sizes[k], share[k][i]
+            s, room = sizes[k], cap - share[k][i]
             w = square[i] / s
-            if need <= room[k]:
-                most = 0                              # tightens room[k] when the scan completes
-                for g in of_size[k]:
-                    free = cap - packed[g]
-                    if need <= free:
-                        after = work[g] + w
-                        after = busiest if after < busiest else after
-                        if after <= bound and (best is None or after < best[0]):
-                            best = (after, g, k)
-                            if after == busiest:      # nothing found later can be lower
-                                break
-                    most = free if free > most else most
-                else:
-                    room[k] = most
-            if best is not None and best[0] == busiest:
+            if busiest <= bound:                      # the first group the busiest rank stays the same in
+                j = tables[k].first_within(room, w, busiest)
+                if j >= 0:
+                    best = (busiest, j, k)
+                    break
+            opens = D - used >= s
+            if opens and w <= busiest <= bound:       # a new group keeps the busiest: no group here does
+                best = (busiest, None, k)
                 break
-            if D - used >= s:
+            least = tables[k].least_after(room, w, bound)
+            if least is not None and (best is None or least[0] < best[0]):
+                best = (least[0], least[1], k)
+            if opens:
                 after = busiest if w < busiest else w
                 if after <= bound and (best is None or after < best[0]):
                     best = (after, None, k)
@@ -182,23 +184,21 @@ def _one_microbatch(order, t: _Tables, D: int, cap: int):
             leftovers.extend(order[p:lo])
             p = lo
             continue
-        busiest, g, k = best
-        if g is None:
-            size.append(k), members.append([]), packed.append(0), work.append(0.0)
-            g, used = len(size) - 1, used + sizes[k]
-            of_size[k].append(g)
-        members[g].append(i)
-        packed[g] += share[k][i]
-        work[g] += square[i] / sizes[k]
-        room[k] = max(room[k], cap - packed[g])
+        busiest, j, k = best
+        if j is None:
+            j, used = open_group(k), used + sizes[k]
+        members[tables[k].ids[j]].append(i)
+        tables[k].join(j, share[k][i], square[i] / sizes[k])
     size = [sizes[k] for k in size]
+    by_size = [(s, g) for g, s in enumerate(size)]    # the first smallest group is the heap's least
+    heapq.heapify(by_size)
     while used < D:                                   # grow the first smallest group to the next size
-        smallest = min(size)
+        smallest, g = by_size[0]
         bigger = [s for s in sizes if s > smallest]
         if not bigger or used + bigger[0] - smallest > D:
             break
-        g = size.index(smallest)
         size[g], used = bigger[0], used + bigger[0] - smallest
+        heapq.heapreplace(by_size, (bigger[0], g))
     if used < D and sizes[-1] == D:                   # rebuild as one full-domain group
         chosen, rest, left = [], [], cap
         for i in order:
@@ -220,16 +220,29 @@ def waves_of_schedule(waves_of_groups, ids, lengths, cost, recompute) -> tuple[W
     sums = []                                         # per wave, per group: (local, compute, attn)
     for groups in waves_of_groups:
         sums.append([tuple(float(x[members].sum()) for x in terms[s]) for s, members in groups])
-    waves = []
-    for groups, group_sums in zip(waves_of_groups, sums):
-        out, first = [], 0
-        for (s, members), (loc, comp, attn) in zip(groups, group_sums):
-            mb = microbatch_from_sums(cost, tuple(seqs[j] for j in members), loc, comp, attn, s, first, recompute)
-            out.append(Group(first, s, (mb,)))
-            first += s
-        out.extend(_idle(rank, cost, recompute) for rank in range(first, D))
+    # every group's estimates at once (`times_from_sums`: the same floats as one micro-batch at a time)
+    flat = [(s, first) for groups in waves_of_groups for s, first in zip(*_firsts(groups))]
+    loc, comp, attn = (np.array([t[n] for wave_sums in sums for t in wave_sums], dtype=np.float64) for n in range(3))
+    size_arr = np.array([s for s, _ in flat], dtype=np.int64)
+    times = cost.times_from_sums(loc, comp, attn, size_arr, np.array([f for _, f in flat], dtype=np.int64),
+                                 recompute).tolist()
+    per_token = {s: cost.bytes_per_local_token(recompute, s) for s in set(size_arr.tolist())}
+    mems = [cost.static_bytes + int(math.ceil(x * per_token[s])) for x, (s, _) in zip(loc.tolist(), flat)]
+    waves, n = [], 0
+    for groups in waves_of_groups:
+        out = []
+        for (s, members), first in zip(groups, _firsts(groups)[1]):
+            out.append(Group(first, s, (MicroBatch(tuple(seqs[j] for j in members), recompute, times[n], mems[n]),)))
+            n += 1
+        out.extend(_idle(rank, cost, recompute) for rank in range(sum(s for s, _ in groups), D))
         waves.append(Wave(tuple(out)))
     return tuple(waves)
+
+
+def _firsts(groups) -> tuple[list[int], list[int]]:
+    """(sizes, first ranks) of a wave's groups laid out from rank 0 in order."""
+    sizes = [s for s, _ in groups]
+    return sizes, [0] + list(itertools.accumulate(sizes))[:-1]
 
 
 def _idle(rank: int, cost, recompute) -> Group:

@@ -126,8 +126,9 @@ def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequen
                 mbs = (MicroBatch(tuple(ordered_pairs[lo:hi]), NO_RECOMPUTE, t, mem),)
             else:
                 mbs = tuple(microbatch_from_sums(cost, tuple(map(pairs.__getitem__, chunk)),
-                                                 sum(local[i] for i in chunk), sum(compute[i] for i in chunk),
-                                                 sum(attn[i] for i in chunk), size, first)
+                                                 sum(map(local.__getitem__, chunk)),
+                                                 sum(map(compute.__getitem__, chunk)),
+                                                 sum(map(attn.__getitem__, chunk)), size, first)
                             for chunk in _next_fit(ordered[lo:hi], local, cap_none))
                 busy[j] = sum(mb.est_time_s for mb in mbs)
             scheduled.append(Group(first, size, mbs))

@@ -281,7 +281,8 @@ def test_a_dcp_step_warms_the_offload_manager_up_before_megatrons_schedule_runs(
         return torch.zeros(()), None
 
     owner = SimpleNamespace(inner=inner, has_gpu=False, model_shape=SimpleNamespace(pp=1),
-                            loop=SimpleNamespace(measures_memory=lambda: False))
+                            loop=SimpleNamespace(measures_memory=lambda: False),
+                            config=SimpleNamespace(dump_saved_bytes=None))
     step = _MegatronStep(owner, forward_step_func=user_step, data_iterator=None, model=model, seq_length=8,
                          schedule_kwargs={})
     step.run_batches(batches, share=None)

@@ -35,6 +35,9 @@ class DcpConfig:
     policy: str = "dcp"
     max_cp_size: int | None = None
     memory_budget_gb: float | None = None
+    # --dcp-device-memory-gb: the device memory the run may use (without a GPU: an emulated device that raises
+    # out-of-memory errors, runtime/device_ceiling.py). None: the device's own
+    device_memory_gb: float | None = None
     recompute: tuple[str, ...] = DEFAULT_RECOMPUTE
     profile: str | None = None
     dump_plans: str | None = None
@@ -64,6 +67,8 @@ class DcpConfig:
     # the smallest planner count of a micro-batch that ran out of memory in an earlier run of this job (recorded
     # beside its checkpoints: core/out_of_memory.py); the planner keeps every count below it. None: none recorded
     memory_limit_bytes: int | None = None
+    # the memory factors (relief, factor) the failed micro-batches were counted with: the count starts at them
+    recorded_memory_factors: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.policy not in DCP_POLICIES:
@@ -73,6 +78,9 @@ class DcpConfig:
         if self.memory_budget_gb is not None and not (math.isfinite(self.memory_budget_gb)
                                                       and self.memory_budget_gb > 0):
             raise DcpUsageError(f"--dcp-memory-budget-gb must be a positive number of GiB, got {self.memory_budget_gb}")
+        if self.device_memory_gb is not None and not (math.isfinite(self.device_memory_gb)
+                                                      and self.device_memory_gb > 0):
+            raise DcpUsageError(f"--dcp-device-memory-gb must be a positive number of GiB, got {self.device_memory_gb}")
         if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
             raise DcpUsageError(f"a recorded out-of-memory limit must be positive bytes, got {self.memory_limit_bytes}")
         refuse_bad_recompute(self.recompute)

@@ -49,6 +49,10 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--dcp-memory-budget-gb", type=float, default=None,
                        help="memory per rank the planner may fill (GiB; default: the cluster preset's); real bytes on "
                             "GPU and on a CPU run (fp32, --transformer-impl local: planner/memory_spec.py CPU_FP32)")
+    group.add_argument("--dcp-device-memory-gb", type=float, default=None,
+                       help="the device memory this run may use (GiB). Without a GPU: an emulated device; every live "
+                            "tensor byte is counted and the allocation past it raises an out-of-memory error, as a "
+                            "GPU would (runtime/device_ceiling.py; slows each operator, for tests)")
     group.add_argument("--dcp-recompute", default=None,
                        help="comma list of the memory reliefs the planner may choose per micro-batch, from "
                        f"{','.join(RECOMPUTE_CHOICES)} (default {','.join(DEFAULT_RECOMPUTE)}; core_attn, mlp, "
@@ -123,6 +127,7 @@ def dcp_flag_settings(args: argparse.Namespace) -> dict:
     return {"policy": args.dcp_policy,
             "policy_setting": policy_setting_from_flag(getattr(args, "dcp_policy_setting", None), args.dcp_policy),
             "max_cp_size": args.dcp_max_cp_size, "memory_budget_gb": args.dcp_memory_budget_gb,
+            "device_memory_gb": getattr(args, "dcp_device_memory_gb", None),
             "recompute": parse_comma_list(args.dcp_recompute), "profile": args.dcp_profile,   # (DcpConfig checks it)
             "dump_plans": args.dcp_dump_plans,
             "check_plans": False if no_check_plans else (True if getattr(args, "dcp_check_plans", False) else None),

@@ -78,6 +78,8 @@ class OutOfMemory:
     device_bytes: int | None = None     # the device's memory (--dcp-device-memory-gb's emulated one on CPU)
     attempted_bytes: int | None = None  # the live bytes the failing allocation would have made (emulated device)
     run: str = ""                       # which run wrote it (this_run())
+    live_at_start_bytes: int | None = None   # the emulated device's live bytes when the micro-batch was taken
+    static_bytes: int | None = None          # the planner's count of the model states (part of counted_bytes)
 
     def line(self) -> str:
         if self.phase != MICROBATCH:
@@ -101,9 +103,14 @@ class OutOfMemory:
         above its device converges in few events."""
         if self.phase != MICROBATCH:
             return None
+        limit = float(self.counted_bytes)
         if self.device_bytes and self.attempted_bytes and self.attempted_bytes > self.device_bytes:
-            return max(1, int(self.counted_bytes * self.device_bytes / self.attempted_bytes))
-        return self.counted_bytes
+            limit *= self.device_bytes / self.attempted_bytes
+        if self.device_bytes and self.live_at_start_bytes is not None and self.static_bytes is not None:
+            # what lived before the micro-batch beyond the count's model states is not in any count: the counts
+            # may fill the device less that
+            limit = min(limit, self.device_bytes - max(0, self.live_at_start_bytes - self.static_bytes))
+        return max(1, int(limit))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -128,11 +135,17 @@ class TrackedBatches(list):
     def __init__(self, batches, *, inject_at: int | None = None) -> None:
         super().__init__(batches)
         self.started: int | None = None
+        self.live_at_take: dict[int, int] = {}   # on an emulated device: its live bytes as each one was taken
         self._inject_at = inject_at
 
     def __iter__(self):
+        from dcp_megatron.runtime.device_ceiling import active_ceiling
+
+        ceiling = active_ceiling()
         for index, batch in enumerate(list.__iter__(self)):
             self.started = index if self.started is None else max(self.started, index)
+            if ceiling is not None:
+                self.live_at_take.setdefault(index, ceiling.live_bytes)
             if index == self._inject_at:
                 import torch
 
@@ -172,7 +185,8 @@ def describe(plan, batches: TrackedBatches, *, iteration: int, rank: int, domain
                        counted_bytes=int(counted), budget_bytes=int(budget_bytes),
                        peak_bytes=torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
                        memory_factor=memory_scale.of(relief) if memory_scale is not None else 1.0,
-                       **_device_fields(), run=this_run())
+                       **_device_fields(), run=this_run(), live_at_start_bytes=batches.live_at_take.get(index),
+                       static_bytes=int(static_bytes))
 
 
 def _device_fields() -> dict:

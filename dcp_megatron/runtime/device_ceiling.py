@@ -37,6 +37,7 @@ class DeviceCeiling(TorchDispatchMode):
         self.num_out_of_memory = 0
         self.attempted_bytes: int | None = None   # the live bytes the last failing allocation would have made
         self._followed: set[int] = set()
+        self.report = False   # a line with the peak on rank 0 when the loop ends (emulated_device)
         self._existing = existing   # the tensors alive before (None: every tensor the garbage collector knows)
 
     def __enter__(self) -> "DeviceCeiling":
@@ -47,9 +48,15 @@ class DeviceCeiling(TorchDispatchMode):
         with warnings.catch_warnings():   # isinstance on deprecated module attributes warns
             warnings.simplefilter("ignore")
             for obj in gc.get_objects():   # what exists before the loop: weights, grads, optimizer states
-                if isinstance(obj, torch.Tensor):
+                if issubclass(type(obj), torch.Tensor):   # (type(): a weak proxy's isinstance may raise)
                     self._follow(obj)
         return self._entered()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        if self.report and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            print(f"dcp: emulated device: peak {self.peak_bytes / GiB:.4f} GiB of {self.limit_bytes / GiB:.4f} GiB "
+                  f"on rank 0", flush=True)
 
     def _entered(self) -> "DeviceCeiling":
         self.peak_bytes = self.live_bytes
@@ -110,4 +117,6 @@ def emulated_device(device_memory_gb: float | None):
 
     if device_memory_gb is None or torch.cuda.is_available():
         return contextlib.nullcontext()
-    return DeviceCeiling(int(device_memory_gb * GiB))
+    ceiling = DeviceCeiling(int(device_memory_gb * GiB))
+    ceiling.report = True
+    return ceiling

@@ -48,7 +48,7 @@ def resume(training, args: argparse.Namespace) -> tuple[int, int]:
     """(iteration, consumed tokens) of the checkpoint at --load, its data position restored; (0, 0) without."""
     from dcp_megatron.deepspeed import checkpoint
 
-    if not args.load:
+    if not args.load or not checkpoint.has_latest(args.load):   # (--load = --save, nothing saved yet: a first start)
         return 0, 0
     iteration, data_state = checkpoint.load(training.engine, args.load, apply_config=args.override_optimizer_config)
     try:

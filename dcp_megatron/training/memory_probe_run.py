@@ -16,6 +16,7 @@ machine validates nothing yet (it never validates a process's first iteration).
 """
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 
@@ -107,6 +108,8 @@ def probe_memory(loop, forward_step_func, model_chunks, *, schedule, seq_length:
                     out_of_memory = False
                 except torch.OutOfMemoryError:   # the relief's count was low: raise its factor, the run goes on
                     measured, out_of_memory = counted * out_of_memory_ratio(ceiling, static), True
+                if out_of_memory:   # the failed pass's activations sit in reference cycles with its traceback
+                    gc.collect()
                 rows.append(ProbeRow(relief=str(relief), lengths=lengths, measured_bytes=measured,
                                      counted_bytes=counted, out_of_memory=out_of_memory))
     finally:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from dcp_megatron.core import out_of_memory as oom
 from dcp_megatron.runtime.device_ceiling import DeviceCeiling, active_ceiling, emulated_device
 
 UNLIMITED = 1 << 40
@@ -99,8 +100,13 @@ def test_the_optimizer_step_runs_out_too():
     existing = [*model.parameters(), *(p.grad for p in model.parameters())]
     with DeviceCeiling(UNLIMITED, existing) as ceiling:
         room = ceiling.live_bytes + 1024
-    with DeviceCeiling(room, existing), pytest.raises(torch.OutOfMemoryError, match="emulated device out of memory"):
+    with DeviceCeiling(room, existing), pytest.raises(torch.OutOfMemoryError, match="emulated device out of memory") as err:
         optimizer.step()   # Adam's states are born in the first step
+    # named by where it was raised: the optimizer step, not a micro-batch (core/out_of_memory.py)
+    assert oom.phase_of(err.value) == oom.OPTIMIZER
+    with DeviceCeiling(room, existing), pytest.raises(torch.OutOfMemoryError) as err:
+        model(torch.randn(512, 64))
+    assert oom.phase_of(err.value) == oom.MICROBATCH
 
 
 def test_without_the_flag_nothing_is_counted():

@@ -99,17 +99,17 @@ class OutOfMemory:
 
     def limit(self) -> int | None:
         """The count this event says no micro-batch may reach (None: not a micro-batch's): its count, scaled down by
-        how far the live bytes went past the device where that is known (an emulated device), so a run planned far
-        above its device converges in few events."""
+        how far the live bytes went past the device where that is known (an emulated device) and at most the device,
+        so a run planned far above its device converges in few events. (`live_at_start_bytes` is kept for the
+        reader: a term subtracting what lived beyond the count's model states was tried and dropped, since what a
+        failed probe pass leaves alive made it refuse every plan.)"""
         if self.phase != MICROBATCH:
             return None
         limit = float(self.counted_bytes)
         if self.device_bytes and self.attempted_bytes and self.attempted_bytes > self.device_bytes:
             limit *= self.device_bytes / self.attempted_bytes
-        if self.device_bytes and self.live_at_start_bytes is not None and self.static_bytes is not None:
-            # what lived before the micro-batch beyond the count's model states is not in any count: the counts
-            # may fill the device less that
-            limit = min(limit, self.device_bytes - max(0, self.live_at_start_bytes - self.static_bytes))
+        if self.device_bytes:   # no count fits above the device itself
+            limit = min(limit, self.device_bytes)
         return max(1, int(limit))
 
     def to_json(self) -> str:

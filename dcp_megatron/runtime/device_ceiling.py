@@ -45,6 +45,7 @@ class DeviceCeiling(TorchDispatchMode):
             for tensor in self._existing:
                 self._follow(tensor)
             return self._entered()
+        gc.collect()   # tensors only garbage cycles still hold are not live
         with warnings.catch_warnings():   # isinstance on deprecated module attributes warns
             warnings.simplefilter("ignore")
             for obj in gc.get_objects():   # what exists before the loop: weights, grads, optimizer states

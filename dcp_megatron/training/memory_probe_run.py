@@ -90,29 +90,35 @@ def probe_memory(loop, forward_step_func, model_chunks, *, schedule, seq_length:
     started = time.perf_counter()
     rows = []
     saved_recompute = snapshot_recompute(model_chunks)
+    ceiling, device_limit = active_ceiling(), None
     try:
         with untouched_training_state(model_chunks, config):
             for index, relief in enumerate(probe_reliefs(cost)):
                 lengths = probe_lengths(cost.max_local_tokens(relief), seq_length)
                 if not lengths:   # nothing fits beside the static state at this relief
                     continue
-                batch = build_batch(synthetic_documents(lengths, vocab_size, seed=index), cp_size=1, cp_rank=0,
-                                    group=None, recompute=relief, wave_index=0, device=loop.device,
-                                    pad_multiple=loop.pad_multiple, row_multiple=loop.config.row_multiple)
                 counted = counted_bytes(cost, lengths, 1, relief, loop.memory_kind)
-                ceiling = active_ceiling()
                 static = ceiling.live_bytes if ceiling is not None else None
                 try:
+                    batch = build_batch(synthetic_documents(lengths, vocab_size, seed=index), cp_size=1, cp_rank=0,
+                                        group=None, recompute=relief, wave_index=0, device=loop.device,
+                                        pad_multiple=loop.pad_multiple, row_multiple=loop.config.row_multiple)
                     measured = _run_once(schedule, forward_step_func, model_chunks, config, batch, loop=loop,
                                          seq_length=seq_length)
                     out_of_memory = False
                 except torch.OutOfMemoryError:   # the relief's count was low: raise its factor, the run goes on
                     measured, out_of_memory = counted * out_of_memory_ratio(ceiling, static), True
-                if out_of_memory:   # the failed pass's activations sit in reference cycles with its traceback
-                    gc.collect()
+                if out_of_memory:
+                    gc.collect()   # the failed pass's tensors sit in reference cycles with its traceback
+                    if ceiling is not None and device_limit is None:
+                        # on an emulated device what the failed pass left until freed must not fail the other
+                        # reliefs' readings nor the guard's restore: the ceiling is lifted for the rest of the probe
+                        device_limit, ceiling.limit_bytes = ceiling.limit_bytes, 1 << 62
                 rows.append(ProbeRow(relief=str(relief), lengths=lengths, measured_bytes=measured,
                                      counted_bytes=counted, out_of_memory=out_of_memory))
     finally:
+        if device_limit is not None:
+            ceiling.limit_bytes = device_limit
         restore_recompute(model_chunks, saved_recompute)
     buckets = sorted(str(r) for r in probe_reliefs(cost))   # the same on every rank: they share the cost model
     scale = loop.calibrate_memory([MemoryReading(r.relief, r.counted_bytes, r.measured_bytes) for r in rows],

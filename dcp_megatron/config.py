@@ -36,8 +36,9 @@ class DcpConfig:
     max_cp_size: int | None = None
     memory_budget_gb: float | None = None
     # --dcp-device-memory-gb: the device memory this run may use (GiB). On GPU a cap of torch's allocator below the
-    # device (runtime/device_memory.py) and the base of the default budget (planner/device_budget.py); on CPU the
-    # default budget (the emulated device). None: the device's own memory
+    # device (runtime/device_memory.py) and the base of the default budget (planner/device_budget.py); without a GPU
+    # an emulated device that raises out-of-memory errors (runtime/device_ceiling.py) and the default budget.
+    # None: the device's own memory
     device_memory_gb: float | None = None
     recompute: tuple[str, ...] = DEFAULT_RECOMPUTE
     profile: str | None = None
@@ -73,6 +74,8 @@ class DcpConfig:
     # the smallest planner count of a micro-batch that ran out of memory in an earlier run of this job (recorded
     # beside its checkpoints: core/out_of_memory.py); the planner keeps every count below it. None: none recorded
     memory_limit_bytes: int | None = None
+    # the memory factors (relief, factor) the failed micro-batches were counted with: the count starts at them
+    recorded_memory_factors: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.policy not in DCP_POLICIES:

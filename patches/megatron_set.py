@@ -24,7 +24,8 @@ from __future__ import annotations
 from patches.compat import cpu_compat_patches, needs_cpu_compat
 from patches import (core_dist_checkpointing_filesystem_async, core_utils, extensions_transformer_engine,
                      models_gpt_gpt_model, pipeline_parallel_fine_grained_activation_offload, tensor_parallel_layers,
-                     tensor_parallel_random, training_arguments, training_checkpointing, training_training, transformer_attention,
+                     tensor_parallel_random, training_arguments, training_checkpointing, training_initialize, training_training,
+                     transformer_attention,
                      transformer_moe_router, transformer_multi_latent_attention, transformer_multi_token_prediction,
                      transformer_transformer_layer)
 from patches.registry import PatchRegistry
@@ -43,5 +44,6 @@ def megatron_patch_registry(*, installed_version: str | None = None) -> PatchReg
                 + transformer_transformer_layer.dcp_patches() + transformer_moe_router.dcp_patches()
                 + models_gpt_gpt_model.dcp_patches() + tensor_parallel_layers.dcp_patches()
                 + tensor_parallel_random.dcp_patches()
-                + pipeline_parallel_fine_grained_activation_offload.dcp_patches())
+                + pipeline_parallel_fine_grained_activation_offload.dcp_patches()
+                + training_initialize.dcp_patches())
     return PatchRegistry(patches, installed_version=installed_version)

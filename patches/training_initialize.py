@@ -35,6 +35,40 @@ def _skip_compile() -> None:
     torch.distributed.barrier()
 
 
+def _on_this_attempts_store(original):
+    @functools.wraps(original)
+    def _initialize_distributed(*args, **kwargs):
+        from datetime import timedelta
+
+        from megatron.training import get_args
+
+        from dcp_megatron.runtime.restart_store import init_after_restart
+
+        run_args = get_args()
+        store = args[2] if len(args) > 2 else kwargs.get("store")
+        if getattr(run_args, "dcp", False) and store is None:   # (a store given: Megatron's in-process restart)
+            init_after_restart(backend=run_args.distributed_backend,
+                               timeout=timedelta(minutes=run_args.distributed_timeout_minutes))
+        return original(*args, **kwargs)
+
+    _initialize_distributed.dcp_original = original
+    return _initialize_distributed
+
+
+def dcp_patches() -> tuple[Patch, ...]:
+    """Under --dcp, a worker torchrun restarted (--max-restarts) initializes torch.distributed on a store of its own
+    attempt (dcp_megatron/runtime/restart_store.py)."""
+    import importlib
+
+    module = importlib.import_module(_MODULE)
+    original = getattr(module._initialize_distributed, "dcp_original", module._initialize_distributed)
+    return (Patch(target=f"{_MODULE}:_initialize_distributed", replacement=_on_this_attempts_store(original),
+                  reason="torchrun's restarted workers share the agent's store with the dead ones (no per-attempt "
+                         "prefix in torch's env:// init): gloo reads a dead peer's address. Under --dcp a restarted "
+                         "worker initializes on a store prefixed by its attempt first.",
+                  versions=MEGATRON_CORE_VERSIONS, rebind_aliases=False),)
+
+
 def cpu_patches() -> tuple[Patch, ...]:
     import importlib
 

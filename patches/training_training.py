@@ -71,17 +71,20 @@ def _with_timeout_report(original, specs=None):
 
         from dcp_megatron.config import DcpUsageError
         from dcp_megatron.core.collective_watch import CollectiveWatch
-        from dcp_megatron.core.out_of_memory import MicrobatchOutOfMemory
+        from dcp_megatron.core.out_of_memory import MicrobatchOutOfMemory, outside_microbatch
         from dcp_megatron.flags.refusal import exit_refused
+        from dcp_megatron.runtime.device_ceiling import emulated_device
 
         if getattr(run_args, "dcp_profile_out", None):
             _profile_instead(run_args, specs.spec_of(run_args),
                              forward_step_func=args[0] if args else kwargs["forward_step_func"],
                              model=args[1] if len(args) > 1 else kwargs["model"])
         # The loop sets args.curr_iteration to the number of finished steps when each step starts.
+        # --dcp-device-memory-gb without a GPU: the loop runs on an emulated device (runtime/device_ceiling.py)
         with CollectiveWatch(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
                              step_of=lambda: getattr(run_args, "curr_iteration", 0) + 1,
-                             timeout_minutes=run_args.distributed_timeout_minutes) as watch:
+                             timeout_minutes=run_args.distributed_timeout_minutes) as watch, \
+                emulated_device(specs.spec_of(run_args).dcp.device_memory_gb):
             try:
                 return original(*args, **kwargs)
             except SystemExit as err:
@@ -94,6 +97,10 @@ def _with_timeout_report(original, specs=None):
                 exit_refused(err)
             except MicrobatchOutOfMemory as err:   # one line, recorded beside the checkpoints (out_of_memory.py)
                 watch.stop_on_out_of_memory(err, save_dir=run_args.save, prefix="dcp: error: ")
+            except torch.OutOfMemoryError as err:   # the optimizer step, an evaluation: named, recorded, one line
+                event = outside_microbatch(err, iteration=getattr(run_args, "curr_iteration", 0) + 1,
+                                           rank=watch.rank)
+                watch.stop_on_out_of_memory(err, save_dir=run_args.save, prefix="dcp: error: ", event=event)
             except RuntimeError as err:
                 watch.stop_on_timeout(err, where=f"iteration {getattr(run_args, 'curr_iteration', 0) + 1}",
                                       prefix="dcp: error: ")

@@ -53,20 +53,27 @@ class CollectiveWatch:
         print(f"{prefix}{message} ({str(err).splitlines()[0][:200]})", file=sys.stderr, flush=True)
         raise SystemExit(1) from err
 
-    def stop_on_out_of_memory(self, err: out_of_memory.MicrobatchOutOfMemory, *, save_dir: str | None,
-                              prefix: str) -> None:
-        """Post the event for the other ranks, record it in `save_dir` (when saving) and stop: one line on stderr,
-        SystemExit(1). Nothing is saved: the last checkpoint stays the last good one."""
-        event = err.event
+    def stop_on_out_of_memory(self, err: BaseException, *, save_dir: str | None, prefix: str,
+                              event: out_of_memory.OutOfMemory | None = None) -> None:
+        """Post the event (`err.event` of a MicrobatchOutOfMemory, else `event`) for the other ranks, record it in
+        `save_dir` (when saving) and stop: one line on stderr, SystemExit(1). Nothing is saved: the last checkpoint
+        stays the last good one, and a restart (torchrun --max-restarts, or the command typed again with --load)
+        resumes from it under the record."""
+        event = event if event is not None else err.event
         if self.heartbeat is not None:
             try:
                 self.heartbeat.post("out_of_memory", event.to_json())
             except Exception:   # the store is gone (the job is ending): the line below still says it
                 pass
-        if save_dir:
+        if save_dir and event.phase != out_of_memory.MICROBATCH:
             where = out_of_memory.record(save_dir, event)
-            then = (f"recorded in {where}: the same command resumed from the last checkpoint plans every "
-                    f"micro-batch under {out_of_memory.LIMIT_HEADROOM:g} x its count")
+            then = (f"recorded in {where} (a restart stops after {out_of_memory.MAX_EVENTS_PER_STEP} at one "
+                    f"iteration)")
+        elif save_dir:
+            where = out_of_memory.record(save_dir, event)
+            then = (f"recorded in {where}: the same command resumed from the last checkpoint (torchrun "
+                    f"--max-restarts restarts it) plans every micro-batch under {out_of_memory.LIMIT_HEADROOM:g} x "
+                    f"its limit")
         else:
             then = "not recorded (no --save): lower --dcp-memory-budget-gb below its count"
         print(f"{prefix}{event.line()}; the run stops here, nothing saved; {then}", file=sys.stderr, flush=True)

@@ -37,7 +37,8 @@ from dcp_megatron.config import DcpConfig
 from dcp_megatron.core.global_batch import DocumentIndex, Documents, exchange_documents, gather_lengths
 from dcp_megatron.core.microbatch_trace import MicrobatchTrace
 from dcp_megatron.core.microbatches import MICROBATCH_KEY, rank_batches
-from dcp_megatron.core.out_of_memory import MicrobatchOutOfMemory, TrackedBatches, describe, injected_microbatch
+from dcp_megatron.core.out_of_memory import (MICROBATCH, MicrobatchOutOfMemory, TrackedBatches, describe,
+                                             injected_microbatch, phase_of)
 from dcp_megatron.core.plan_dump import PlanDumper
 from dcp_megatron.core.planning import check_longest_fits, check_same_plan, plan_global_batch
 from dcp_megatron.planner.ahead import PlanAhead, PlannedStep, plan_synchronously
@@ -116,14 +117,18 @@ class PlannedStepLoop:
     def __init__(self, *, config: DcpConfig, pool: GroupPool, cost, device, is_logging_rank: bool,
                  refine: bool = True, pad_multiple: int = 1, equal_rows: bool = False,
                  plan_function: Callable | None = None, measure_memory: bool = False) -> None:
-        check_longest_fits(config, cost)
+        # a resumed run's count starts at the factors its out-of-memory records were counted with (their units)
+        self._memory_correction = MemoryCorrection(factors=dict(config.recorded_memory_factors))
+        scaled = (cost.with_memory_scale(self._memory_correction.scale()) if config.recorded_memory_factors
+                  else cost)
+        check_longest_fits(config, scaled)
         self.config = config
         self.pool = pool
         self.device = device
         self.pad_multiple = pad_multiple   # each document's rows a multiple of TP under sequence parallelism
         self.equal_rows = equal_rows       # one row count per lockstep wave (MoE token gathers over EP peers)
         self._plan_function = plan_function or (lambda sequences, cost: plan_global_batch(config, sequences, cost))
-        self._base_cost = self._cost = cost
+        self._base_cost, self._cost = cost, scaled
         self._correction = (TimeCorrection()
                             if config.refine and refine else None)
         self._dumper = PlanDumper(config.dump_plans) if config.dump_plans and is_logging_rank else None
@@ -134,7 +139,6 @@ class PlannedStepLoop:
         self._measured: tuple[int, Any, tuple[float, ...], tuple | None] | None = None
         self._steps_accepted = 0
         # the memory count's correction: calibrated by a probe, refined from the first steps' readings
-        self._memory_correction = MemoryCorrection(min_counted_bytes=noise_floor_bytes(cost))   # the noise guard
         self._memory_steps_left = config.memory_refine_steps if measure_memory else 0
         self.memory_kind = PEAK if torch.device(device).type == "cuda" else SAVED
         self._errors: list[float] = []
@@ -239,9 +243,12 @@ class PlannedStepLoop:
         try:
             ran = engine.run_batches(batches, share)
         except torch.OutOfMemoryError as err:   # the count was low for this micro-batch: the engine's loop stops
+            if phase_of(err) != MICROBATCH:   # the engine's optimizer step (DeepSpeed runs it here): named as such
+                raise
             raise MicrobatchOutOfMemory(describe(
                 plan, batches, iteration=iteration, rank=torch.distributed.get_rank(), domain_rank=pool.domain_rank,
-                budget_bytes=self._cost.cluster.mem_budget_bytes, static_bytes=self._cost.static_bytes)) from err
+                budget_bytes=self._cost.cluster.mem_budget_bytes, static_bytes=self._cost.static_bytes,
+                memory_scale=self.memory_scale)) from err
         finally:
             if trace is not None:
                 trace.detach()

@@ -38,11 +38,18 @@ def check_checkpoint_paths(*, save: str | None, load: str | None, dump_plans: st
     for flag, path in (("--save", save), ("--dcp-dump-plans", dump_plans)):
         if path:
             check_writable_dir(path, flag)
-    if load:
+    # --load the --save directory with nothing saved yet: the first start of a run under torchrun --max-restarts
+    # (each restart resumes from what the run saved since); training starts from scratch, as Megatron does
+    if load and not (save and os.path.realpath(load) == os.path.realpath(save) and not has_latest(load)):
         check_resume_dir(load, holds=holds_deepspeed_checkpoint,
                          expected=f"DeepSpeed checkpoint (no '{LATEST_FILE}' file and no <tag>/*model_states.pt)")
     if save:
         hold_save_dir_or_refuse(save)   # last: one run per checkpoint directory
+
+
+def has_latest(load: str) -> bool:
+    """Whether `load` names a checkpoint to resume (its `latest` file)."""
+    return os.path.isfile(os.path.join(load, LATEST_FILE))
 
 
 def optimizer_settings(ds_config: dict) -> dict:

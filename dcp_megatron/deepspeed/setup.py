@@ -158,6 +158,9 @@ def setup_training(args: argparse.Namespace, *, model_provider, forward_loss, pa
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     registry = patches(timeout=timeout).apply()   # before init: it skips the shm op's build
     try:
+        from dcp_megatron.runtime.restart_store import init_after_restart
+
+        init_after_restart(backend=args.distributed_backend, timeout=timeout)   # torchrun --max-restarts
         deepspeed.init_distributed(dist_backend=args.distributed_backend, timeout=timeout)
         if torch.distributed.get_world_size() != world_size:
             raise RuntimeError(f"WORLD_SIZE says {world_size} ranks, the process group has "

@@ -52,7 +52,7 @@ def resume(training, args: argparse.Namespace) -> tuple[int, int]:
     """(iteration, consumed tokens) of the checkpoint at --load, its data position restored; (0, 0) without."""
     from dcp_megatron.deepspeed import checkpoint
 
-    if not args.load:
+    if not args.load or not checkpoint.has_latest(args.load):   # (--load = --save, nothing saved yet: a first start)
         return 0, 0
     iteration, data_state = checkpoint.load(training.engine, args.load, apply_config=args.override_optimizer_config)
     try:
@@ -81,16 +81,19 @@ def save(training, args: argparse.Namespace, *, iteration: int, consumed: int) -
 
 def train(args: argparse.Namespace, *, model_provider, forward_loss, patches) -> None:
     from dcp_megatron.core.collective_watch import CollectiveWatch
-    from dcp_megatron.core.out_of_memory import MicrobatchOutOfMemory
+    from dcp_megatron.core.out_of_memory import EVALUATION, MicrobatchOutOfMemory, outside_microbatch
     from dcp_megatron.deepspeed.setup import setup_training
+    from dcp_megatron.runtime.device_ceiling import emulated_device
 
     training = setup_training(args, model_provider=model_provider, forward_loss=forward_loss, patches=patches)
     engine, steps, rank = training.engine, training.steps, training.rank
     iteration, consumed = resume(training, args)
     started = time.perf_counter()
     where = "start"
+    # --dcp-device-memory-gb without a GPU: the loop runs on an emulated device (runtime/device_ceiling.py)
     with CollectiveWatch(rank=rank, world_size=torch.distributed.get_world_size(), step_of=lambda: iteration + 1,
-                         timeout_minutes=args.distributed_timeout_minutes) as watch:
+                         timeout_minutes=args.distributed_timeout_minutes) as watch, \
+            emulated_device(steps.loop.config.device_memory_gb):
         try:
             while iteration < args.train_iters:
                 where = f"iteration {iteration + 1}"
@@ -117,6 +120,10 @@ def train(args: argparse.Namespace, *, model_provider, forward_loss, patches) ->
                 log_validation(training, "the end of training for val data")
         except MicrobatchOutOfMemory as err:   # one line, recorded beside the checkpoints (out_of_memory.py)
             watch.stop_on_out_of_memory(err, save_dir=args.save, prefix="error: ")
+        except torch.OutOfMemoryError as err:   # engine.step(), an evaluation: named as such, recorded, one line
+            event = outside_microbatch(err, iteration=iteration + 1, rank=rank,
+                                       phase=EVALUATION if where.startswith("evaluating") else None)
+            watch.stop_on_out_of_memory(err, save_dir=args.save, prefix="error: ", event=event)
         except (FloatingPointError, RuntimeError) as err:  # non-finite loss, lost tokens, a collective timed out
             watch.stop_on_timeout(err, where=where, prefix="error: ")
             print(f"error: rank {rank}, {where}: {err}", file=sys.stderr, flush=True)

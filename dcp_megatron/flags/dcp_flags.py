@@ -51,9 +51,11 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "docs/gpu.md; on CPU the cluster preset's); real bytes on "
                             "GPU and on a CPU run (fp32, --transformer-impl local: planner/memory_spec.py CPU_FP32)")
     group.add_argument("--dcp-device-memory-gb", type=float, default=None, metavar="G",
-                       help="the device memory this run may use (GiB): on GPU torch's allocator is capped there "
-                            "and the default --dcp-memory-budget-gb derives from it (default: the device read at "
-                            "start, docs/gpu.md)")
+                       help="the device memory this run may use (GiB): on GPU torch's allocator is capped there; "
+                            "without a GPU an emulated device counts every live tensor byte and the allocation past "
+                            "it raises an out-of-memory error, as a GPU would (runtime/device_ceiling.py; slows each "
+                            "operator). The default --dcp-memory-budget-gb derives from it (default: the device read "
+                            "at start, docs/gpu.md)")
     group.add_argument("--dcp-recompute", default=None,
                        help="comma list of the memory reliefs the planner may choose per micro-batch, from "
                        f"{','.join(RECOMPUTE_CHOICES)} (default {','.join(DEFAULT_RECOMPUTE)}; core_attn, mlp, "

@@ -16,16 +16,21 @@ machine validates nothing yet (it never validates a process's first iteration).
 """
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 
+import torch
+
 from dcp_megatron.config import DcpUsageError
+from dcp_megatron.core.out_of_memory import LIMIT_HEADROOM
 from dcp_megatron.core.microbatches import build_batch
 from dcp_megatron.core.offload import offload_built, own_warmup_every_step
 from dcp_megatron.core.probe_guard import untouched_training_state
 from dcp_megatron.core.recompute import restore_recompute, snapshot_recompute
 from dcp_megatron.planner.memory_correction import MemoryReading
 from dcp_megatron.planner.plan import Recompute
+from dcp_megatron.runtime.device_ceiling import active_ceiling
 from dcp_megatron.runtime.measured_memory import PEAK, counted_bytes, memory_readings
 from dcp_megatron.training.forward_step import DcpForwardStep
 from dcp_megatron.training.profiler import synthetic_documents
@@ -41,6 +46,20 @@ class ProbeRow:
     lengths: tuple[int, ...]
     counted_bytes: float
     measured_bytes: float
+    out_of_memory: bool = False   # it ran out of memory: measured_bytes is the raised count (out_of_memory_ratio)
+
+
+def out_of_memory_ratio(ceiling, static_bytes: int | None) -> float:
+    """What a probe that ran out of memory reads as measured / counted: above 1 / LIMIT_HEADROOM, and on an emulated
+    device how far its activations went past the room beside the static state: (attempted - static) / (device -
+    static)."""
+    floor = 1.0 / LIMIT_HEADROOM
+    if ceiling is None or ceiling.attempted_bytes is None or static_bytes is None:
+        return floor
+    room = ceiling.limit_bytes - static_bytes
+    if room <= 0:
+        return floor
+    return max(floor, (ceiling.attempted_bytes - static_bytes) / room / LIMIT_HEADROOM)
 
 
 def probe_reliefs(cost) -> list[Recompute]:
@@ -71,26 +90,45 @@ def probe_memory(loop, forward_step_func, model_chunks, *, schedule, seq_length:
     started = time.perf_counter()
     rows = []
     saved_recompute = snapshot_recompute(model_chunks)
+    ceiling, device_limit = active_ceiling(), None
     try:
         with untouched_training_state(model_chunks, config):
             for index, relief in enumerate(probe_reliefs(cost)):
                 lengths = probe_lengths(cost.max_local_tokens(relief), seq_length)
                 if not lengths:   # nothing fits beside the static state at this relief
                     continue
-                batch = build_batch(synthetic_documents(lengths, vocab_size, seed=index), cp_size=1, cp_rank=0,
-                                    group=None, recompute=relief, wave_index=0, device=loop.device,
-                                    pad_multiple=loop.pad_multiple, row_multiple=loop.config.row_multiple)
-                measured = _run_once(schedule, forward_step_func, model_chunks, config, batch, loop=loop,
-                                     seq_length=seq_length)
+                counted = counted_bytes(cost, lengths, 1, relief, loop.memory_kind)
+                static = ceiling.live_bytes if ceiling is not None else None
+                try:
+                    batch = build_batch(synthetic_documents(lengths, vocab_size, seed=index), cp_size=1, cp_rank=0,
+                                        group=None, recompute=relief, wave_index=0, device=loop.device,
+                                        pad_multiple=loop.pad_multiple, row_multiple=loop.config.row_multiple)
+                    measured = _run_once(schedule, forward_step_func, model_chunks, config, batch, loop=loop,
+                                         seq_length=seq_length)
+                    out_of_memory = False
+                except torch.OutOfMemoryError:   # the relief's count was low: raise its factor, the run goes on
+                    measured, out_of_memory = counted * out_of_memory_ratio(ceiling, static), True
+                if out_of_memory:
+                    gc.collect()   # the failed pass's tensors sit in reference cycles with its traceback
+                    if ceiling is not None and device_limit is None:
+                        # on an emulated device what the failed pass left until freed must not fail the other
+                        # reliefs' readings nor the guard's restore: the ceiling is lifted for the rest of the probe
+                        device_limit, ceiling.limit_bytes = ceiling.limit_bytes, 1 << 62
                 rows.append(ProbeRow(relief=str(relief), lengths=lengths, measured_bytes=measured,
-                                     counted_bytes=counted_bytes(cost, lengths, 1, relief, loop.memory_kind)))
+                                     counted_bytes=counted, out_of_memory=out_of_memory))
     finally:
+        if device_limit is not None:
+            ceiling.limit_bytes = device_limit
         restore_recompute(model_chunks, saved_recompute)
     buckets = sorted(str(r) for r in probe_reliefs(cost))   # the same on every rank: they share the cost model
     # (the probe's micro-batches fill the budget: packed_bytes their count against it, above the noise floor)
     relief_of = {str(r): r for r in probe_reliefs(cost)}
     scale = loop.calibrate_memory([MemoryReading(r.relief, r.counted_bytes, r.measured_bytes, packed_bytes=counted_bytes(
         cost, r.lengths, 1, relief_of[r.relief], PEAK)) for r in rows], buckets)
+    for row in rows:   # a rank whose probe ran out of memory says so itself
+        if row.out_of_memory and not is_logging_rank:
+            print(probe_line(row, worst_ratio=loop.memory_ratios.get(row.relief, 0.0), factor=scale.of(row.relief),
+                             kind=loop.memory_kind), flush=True)
     if is_logging_rank:
         for row in rows:
             print(probe_line(row, worst_ratio=loop.memory_ratios.get(row.relief, 0.0), factor=scale.of(row.relief),
@@ -108,6 +146,10 @@ def probe_memory(loop, forward_step_func, model_chunks, *, schedule, seq_length:
 def probe_line(row: ProbeRow, *, worst_ratio: float, factor: float, kind: str) -> str:
     """` dcp memory probe | relief mlp | 3 documents, 24576 tokens at CP 1 | counted ... measured ...`."""
     what = "peak above the static state" if kind == "peak" else "saved for backward"
+    if row.out_of_memory:
+        return (f" dcp memory probe | relief {row.relief} | {len(row.lengths)} documents, {sum(row.lengths)} tokens at "
+                f"CP 1 | out of memory on this rank: its count raised x{row.measured_bytes / row.counted_bytes:.2f} "
+                f"(worst rank x{worst_ratio:.2f}) | factor x{factor:.2f}; the run goes on")
     return (f" dcp memory probe | relief {row.relief} | {len(row.lengths)} documents, {sum(row.lengths)} tokens at "
             f"CP 1 | {what}: counted {row.counted_bytes / GiB:.4f} GiB, measured {row.measured_bytes / GiB:.4f} GiB "
             f"on this rank (x{row.measured_bytes / row.counted_bytes if row.counted_bytes else 0:.2f}; worst rank "

@@ -446,7 +446,7 @@ def test_an_out_of_memory_stops_the_step_and_the_resumed_run_plans_under_it(runs
     assert "the run stops here, nothing saved" in stopped.output
     assert sorted(stopped.losses) == list(range(1, oom_step)), "the step that ran out of memory must not complete"
     records = glob.glob(str(root / "ckpt_oom" / "dcp_memory_limits" / "*.json"))
-    assert [r.rsplit("/", 1)[1] for r in records] == [f"iteration{oom_step}-rank{rank}.json"]
+    assert [r.rsplit("/", 1)[1] for r in records] == [f"iteration{oom_step}-rank{rank}-0.json"]   # (attempt 0)
     with open(records[0]) as source:
         recorded = json.load(source)
     assert recorded["counted_bytes"] == failed.est_mem_bytes and recorded["relief"] == str(failed.recompute)

@@ -66,7 +66,8 @@ def ds_config(*, stage: int, optimizer: dict | None = None, total_steps: int = 1
 
 
 def run_deepspeed(config: dict, extra: list[str], *, nproc: int = 2, iters: int = 10, directory: str | None = None,
-                  timeout_s: float = 900, torchrun: bool = True, model: list[str] | None = None) -> RunResult:
+                  timeout_s: float = 900, torchrun: bool = True, model: list[str] | None = None,
+                  max_restarts: int = 0) -> RunResult:
     """`torchrun=False` runs the script as a plain process: start-up checks happen before any process group,
     and its own exit code (2 for a usage error) comes back instead of torchrun's."""
     directory = directory or tempfile.mkdtemp(prefix="dcp-ds-")
@@ -74,7 +75,7 @@ def run_deepspeed(config: dict, extra: list[str], *, nproc: int = 2, iters: int 
     with open(path, "w") as f:
         json.dump(config, f)
     flags = list(TINY_MODEL if model is None else model) + ["--deepspeed-config", path, "--train-iters", str(iters)] + list(extra)
-    command = (torchrun_command(DS_SCRIPT, flags, nproc=nproc, launcher=False) if torchrun
+    command = (torchrun_command(DS_SCRIPT, flags, nproc=nproc, launcher=False, max_restarts=max_restarts) if torchrun
                else [sys.executable, DS_SCRIPT, *flags])
     # a plain process makes its own one-rank group on MASTER_PORT (29500 by default): a free one, so runs side by
     # side (pytest workers, other suites) do not collide

@@ -111,11 +111,13 @@ def parse_output(returncode: int, output: str) -> RunResult:
 
 
 def torchrun_command(script: str, flags: list[str], *, nproc: int, launcher: bool, port: int | None = None,
-                     nnodes: int = 1, node_rank: int = 0) -> list[str]:
+                     nnodes: int = 1, node_rank: int = 0, max_restarts: int = 0) -> list[str]:
     """Without `port` (one node): torchrun's standalone rendezvous, whose store binds a free port itself and is the
     store the workers use (MASTER_PORT), so a launch never races another job for a port it picked earlier.
     Several agents must meet at a port chosen beforehand (`port`); `run_agents` retries them if it was taken."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if max_restarts:   # torchrun's elastic restarts: a failed worker group is started again
+        command.append(f"--max-restarts={max_restarts}")
     if port is None:
         if nnodes != 1:
             raise ValueError(f"{nnodes} agents need a port to meet at")
@@ -135,12 +137,12 @@ def run_env() -> dict:
 
 def run_training(script: str, extra: list[str], *, nproc: int = 2, launcher: bool = True, iters: int = 10,
                  base: tuple[str, ...] | list[str] = LLAMA_TINY, timeout_s: float = 600,
-                 cpu_flags: bool = True, env: dict | None = None) -> RunResult:
+                 cpu_flags: bool = True, env: dict | None = None, max_restarts: int = 0) -> RunResult:
     """`cpu_flags=False`: none of CPU_FLAGS but the timeout (the patched validate_args defaults the others);
-    `env`: variables added to the ranks' environment (test hooks)."""
+    `env`: variables added to the ranks' environment (test hooks); `max_restarts`: torchrun's elastic restarts."""
     cpu = CPU_FLAGS if cpu_flags else CPU_FLAGS[CPU_FLAGS.index("--distributed-timeout-minutes"):]
     flags = list(base) + cpu + ["--train-iters", str(iters)] + list(extra)
-    command = torchrun_command(script, flags, nproc=nproc, launcher=launcher)
+    command = torchrun_command(script, flags, nproc=nproc, launcher=launcher, max_restarts=max_restarts)
     proc = subprocess.run(command, cwd=REPO, env={**run_env(), **(env or {})}, capture_output=True, text=True,
                           timeout=timeout_s)
     return parse_output(proc.returncode, proc.stdout + proc.stderr)

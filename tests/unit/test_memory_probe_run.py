@@ -38,3 +38,24 @@ def test_the_probe_line_names_the_relief_counted_measured_and_factor():
                       worst_ratio=1.6, factor=1.68, kind="peak")
     assert line == (" dcp memory probe | relief mlp | 2 documents, 1536 tokens at CP 1 | peak above the static state: "
                     "counted 2.0000 GiB, measured 3.0000 GiB on this rank (x1.50; worst rank x1.60) | factor x1.68")
+
+
+def test_a_probe_that_ran_out_of_memory_raises_its_relief_and_says_so():
+    """The probe's own out-of-memory (training/memory_probe_run.py): its relief reads as counted x a raise above
+    1/0.95 (on an emulated device, how far its activations went past the room beside the model states), and the
+    line says the run goes on."""
+    from dcp_megatron.core.out_of_memory import LIMIT_HEADROOM
+    from dcp_megatron.runtime.device_ceiling import DeviceCeiling
+    from dcp_megatron.training.memory_probe_run import ProbeRow, out_of_memory_ratio, probe_line
+
+    assert out_of_memory_ratio(None, None) == pytest.approx(1 / LIMIT_HEADROOM)
+    ceiling = DeviceCeiling(1000, existing=[])
+    ceiling.attempted_bytes = 1300
+    # static 400: room 600, the activations reached 900: x1.5, with the headroom
+    assert out_of_memory_ratio(ceiling, 400) == pytest.approx(1.5 / LIMIT_HEADROOM)
+    ceiling.attempted_bytes = 950    # (a reading below the room)
+    assert out_of_memory_ratio(ceiling, 400) == pytest.approx(1 / LIMIT_HEADROOM)   # never below the floor
+    row = ProbeRow(relief="none", lengths=(1024, 954), counted_bytes=100.0, measured_bytes=150.0, out_of_memory=True)
+    line = probe_line(row, worst_ratio=1.5, factor=1.58, kind="saved")
+    assert "relief none" in line and "out of memory on this rank: its count raised x1.50" in line
+    assert "the run goes on" in line

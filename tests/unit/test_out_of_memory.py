@@ -63,11 +63,13 @@ def test_records_beside_the_checkpoints_give_the_smallest_count(tmp_path):
     assert oom.recorded(str(tmp_path), None) == [] and oom.limit_bytes([]) is None
     first = oom.record(str(tmp_path), _event())
     oom.record(str(tmp_path), _event(rank=0, counted_bytes=2 << 20))
-    assert os.path.basename(first) == "iteration3-rank1.json"
+    assert os.path.basename(first) == "iteration3-rank1-0.json"
+    # a restarted run failing at the same step adds its own record beside the first
+    assert os.path.basename(oom.record(str(tmp_path), _event(run="torchrun x restart 1"))) == "iteration3-rank1-1.json"
     assert not [p for p in os.listdir(tmp_path / oom.LIMIT_DIR) if ".tmp" in p]
     # the same directory given as --load and --save counts once
     events = oom.recorded(str(tmp_path), str(tmp_path))
-    assert sorted(e.counted_bytes for e in events) == [2 << 20, 3 << 20]
+    assert sorted(e.counted_bytes for e in events) == [2 << 20, 3 << 20, 3 << 20]
     assert oom.limit_bytes(events) == 2 << 20
     (tmp_path / oom.LIMIT_DIR / "broken.json").write_text("{")
     with pytest.raises(ValueError, match="not an out-of-memory record"):
@@ -125,8 +127,8 @@ def test_the_rank_that_ran_out_stops_records_and_posts_and_its_peers_name_it(tmp
     assert stopped.value.code == 1
     line = capsys.readouterr().err.strip()
     assert line.startswith("dcp: error: rank 1, iteration 3: out of memory in micro-batch 2 (1536 tokens, CP 2, "
-                           "relief mlp): counted 0.003 GiB of a 0.004 GiB budget, not measured (no GPU)")
-    assert "nothing saved" in line and "iteration3-rank1.json" in line and "\n" not in line
+                           "relief mlp): counted 0.003 GiB (memory factor x1.00) of a 0.004 GiB budget, not measured (no GPU)")
+    assert "nothing saved" in line and "iteration3-rank1-0.json" in line and "\n" not in line
     assert oom.recorded(str(tmp_path)) == [event]
     # a peer whose collective timed out waiting for it names it, not a silent rank
     with pytest.raises(SystemExit):
@@ -156,3 +158,79 @@ def test_describe_reads_the_plans_count_for_the_running_micro_batch():
     assert (event.microbatch_index, event.num_tokens, event.cp_size, event.relief, event.counted_bytes) == (
         len(schedule) - 1, last.num_tokens, size, str(last.recompute), last.est_mem_bytes)
     assert json.loads(event.to_json())["budget_bytes"] == 7
+
+
+def test_records_keep_their_units_and_an_emulated_devices_overrun_lowers_the_limit_further(tmp_path):
+    """The memory factor in force is kept beside the count (a resumed run's count starts at it), the run that wrote
+    each record is named, and an emulated device's overrun (live bytes past it) scales the limit down with it."""
+    plain = _event(counted_bytes=3 << 20)
+    assert plain.limit() == 3 << 20
+    overrun = _event(counted_bytes=3 << 20, device_bytes=2 << 20, attempted_bytes=4 << 20, memory_factor=1.5,
+                     run="torchrun r restart 0")
+    assert overrun.limit() == (3 << 20) // 2 and "(memory factor x1.50)" in overrun.line()
+    assert "4.0000" not in overrun.line() and "live past the 0.0020 GiB device" in overrun.line()
+    elsewhere = _event(phase=oom.OPTIMIZER, counted_bytes=0)
+    assert elsewhere.limit() is None and oom.limit_bytes([elsewhere]) is None
+    assert oom.limit_bytes([plain, overrun, elsewhere]) == (3 << 20) // 2
+    for event in (overrun, elsewhere):
+        oom.record(str(tmp_path), event)
+    config = DcpConfig(seq_length=1024, memory_budget_gb=0.004)
+    limited, note = oom.under_recorded_limit(config, str(tmp_path))
+    assert limited.memory_limit_bytes == (3 << 20) // 2
+    assert limited.recorded_memory_factors == (("mlp", 1.5),)
+    assert "written by torchrun r restart 0" in note and "mlp x1.50" in note
+    assert oom.OutOfMemory.from_json(overrun.to_json()) == overrun
+
+
+def test_the_loop_counts_in_the_recorded_units():
+    """A resumed run's loop starts its memory count at the recorded factors: the plans' counts carry them."""
+    from dcp_megatron.core.step_loop import PlannedStepLoop
+
+    config = DcpConfig(seq_length=1024, memory_budget_gb=0.008, recorded_memory_factors=(("none", 1.5),),
+                       plan_ahead=False)
+    cost = build_cost_model(config, SHAPE, domain_size=2, has_gpu=False)
+    pool = type("Pool", (), {"domain_rank": 0})()
+    loop = PlannedStepLoop(config=config, pool=pool, cost=cost, device="cpu", is_logging_rank=False)
+    assert loop.memory_scale.of("none") == 1.5 and loop.cost.memory_scale.of("none") == 1.5
+    assert loop.base_cost.memory_scale.is_identity
+
+
+def test_runs_that_keep_running_out_at_one_step_stop_at_start(tmp_path):
+    from dcp_megatron.config import DcpUsageError
+
+    events = [_event(run=f"torchrun r restart {n}", rank=n % 2) for n in range(oom.MAX_EVENTS_PER_STEP - 1)]
+    events += [_event(run="torchrun r restart 0", rank=1)]   # two ranks of one run count once
+    oom.check_retries(events)
+    events.append(_event(run="torchrun r restart 9", iteration=4))   # another step
+    oom.check_retries(events)
+    events.append(_event(run="torchrun r restart 9"))
+    with pytest.raises(DcpUsageError, match=f"{oom.MAX_EVENTS_PER_STEP} runs ran out of memory at iteration 3"):
+        oom.check_retries(events)
+
+
+def _raise_in(path: str, name: str):
+    code = compile(f"def {name}():\n    raise torch.OutOfMemoryError('x')\n", path, "exec")
+    scope = {"torch": torch}
+    exec(code, scope)
+    try:
+        scope[name]()
+    except torch.OutOfMemoryError as err:
+        return err
+
+
+@pytest.mark.parametrize("path, name, phase", [
+    ("/x/site-packages/torch/optim/adam.py", "adam", oom.OPTIMIZER),
+    ("/x/site-packages/megatron/core/optimizer/optimizer.py", "step", oom.OPTIMIZER),
+    ("/x/site-packages/deepspeed/runtime/engine.py", "_take_model_step", oom.OPTIMIZER),
+    ("/x/site-packages/megatron/training/training.py", "evaluate", oom.EVALUATION),
+    ("/x/dcp_megatron/deepspeed/evaluation.py", "evaluate", oom.EVALUATION),
+    ("/x/dcp_megatron/training/memory_probe_run.py", "_run_once", oom.PROBE),
+    ("/x/site-packages/megatron/core/transformer/mlp.py", "forward", oom.MICROBATCH),
+])
+def test_an_out_of_memory_is_named_by_where_it_was_raised(path, name, phase):
+    err = _raise_in(path, name)
+    assert oom.phase_of(err) == phase
+    event = oom.outside_microbatch(err, iteration=2, rank=0)
+    if phase != oom.MICROBATCH:
+        assert f"out of memory in the {phase}" in event.line() and oom.ADVICE[phase] in event.line()
+        assert "budget" not in event.line().split(":")[1]

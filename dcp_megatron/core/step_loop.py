@@ -118,7 +118,8 @@ class PlannedStepLoop:
                  refine: bool = True, pad_multiple: int = 1, equal_rows: bool = False,
                  plan_function: Callable | None = None, measure_memory: bool = False) -> None:
         # a resumed run's count starts at the factors its out-of-memory records were counted with (their units)
-        self._memory_correction = MemoryCorrection(factors=dict(config.recorded_memory_factors))
+        self._memory_correction = MemoryCorrection(factors=dict(config.recorded_memory_factors),
+                                                   min_counted_bytes=noise_floor_bytes(cost))   # the noise guard
         scaled = (cost.with_memory_scale(self._memory_correction.scale()) if config.recorded_memory_factors
                   else cost)
         check_longest_fits(config, scaled)

@@ -46,8 +46,8 @@ def test_a_rank_importing_megatron_core_through_the_patch_sets_imports_no_compil
     code = ("import sys\nfrom patches.compat import cpu_compat_registry\nfrom patches.sets import patch_set\n"
             "cpu_compat_registry(); patch_set('megatron')\n"
             "import megatron.core.fusions.fused_bias_geglu as g, torch\n"
-            "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))}),"
-            " type(g.geglu).__name__, torch.compile.__module__)")
+            "compiler = {m.split('.')[1] for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))}\n"
+            "print(sorted(compiler), type(g.geglu).__name__, torch.compile.__module__)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**run_env(), "TORCH_COMPILE_DISABLE": "1"},
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -40,5 +40,9 @@ def train_deepspeed(argv=None, *, model_provider, forward_loss) -> int:
     """A DeepSpeed script's `main`: Megatron's flags in `argv`, the user's `model_provider(args, has_gpu=, bf16=)`
     and `forward_loss(engine, batch)`; 0 when trained, 2 (one line on stderr) for a usage error."""
     from dcp_megatron.deepspeed.trainer import run
+    from patches.torch_compile import eager_compile
 
+    with eager_compile():   # megatron-core imported first here, not by the trainer's parser (patches/torch_compile.py)
+        import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+        import megatron.training.arguments  # noqa: F401
     return run(argv, model_provider=model_provider, forward_loss=forward_loss, patches=deepspeed_patches)

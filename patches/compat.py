@@ -118,5 +118,8 @@ def cpu_compat_patches() -> tuple[Patch, ...]:
 
 def cpu_compat_registry(*, installed_version: str | None = None) -> PatchRegistry:
     """The CPU shims as one registry (empty on a machine with a GPU: nothing to change there)."""
-    patches = cpu_compat_patches() if needs_cpu_compat() else ()
+    from patches.torch_compile import eager_compile
+
+    with eager_compile():   # a shims-only script's first megatron-core import
+        patches = cpu_compat_patches() if needs_cpu_compat() else ()
     return PatchRegistry(patches, installed_version=installed_version)

@@ -59,7 +59,7 @@ def _with_dcp_schedule(original, specs):
     return get_forward_backward_func
 
 
-def _with_timeout_report(original, specs=None):
+def _with_timeout_report(original, specs):
     @functools.wraps(original)
     def train(*args, **kwargs):
         from megatron.training import get_args

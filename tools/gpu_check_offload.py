@@ -135,7 +135,8 @@ def _run_step(model, batches, *, cuda: bool, readings: list | None = None) -> tu
         if p.grad is not None:
             p.grad.zero_()
     owner = SimpleNamespace(inner=forward_backward_no_pipelining, has_gpu=cuda, model_shape=SimpleNamespace(pp=1),
-                            loop=SimpleNamespace(measures_memory=lambda: readings is not None))
+                            loop=SimpleNamespace(measures_memory=lambda: readings is not None),
+                            config=SimpleNamespace(dump_saved_bytes=None))
     step = _MegatronStep(owner, forward_step_func=_forward_step, data_iterator=None, model=model,
                          seq_length=16384, schedule_kwargs={})
     if cuda:

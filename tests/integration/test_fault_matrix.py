@@ -328,7 +328,8 @@ MEGATRON_CASES = {
     "recompute_empty": (lambda w: ([*MEGATRON_DCP, "--dcp-recompute", ""], 0), ["--dcp-recompute: unknown empty list"]),
     "recompute_comma_ep2": (lambda w: ([*MEGATRON_DCP, *MOE_EP2, "--dcp-recompute", ","], 0), ["--dcp-recompute: unknown empty list"]),
     "fits_no_group_ep2": (lambda w: (["--dcp", "--dcp-memory-budget-gb", "0.0027", *MOE_EP2], 0),   # static state fits
-                          ["fits no CP group", "--dcp-memory-budget-gb (full recompute is off under --expert-model-parallel-size 2)"]),
+                          ["fits no CP group", "raise --dcp-memory-budget-gb to at least",
+                           "(full recompute is off under --expert-model-parallel-size 2)"]),
     "seq_not_divisible_by_tp_sp": (lambda w: ([*MEGATRON_DCP, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                "--seq-length", "1001"], 0),
                                    ["--seq-length 1001 is not divisible by --tensor-model-parallel-size 2", "evaluation",

@@ -426,7 +426,9 @@ def test_a_refusal_at_the_first_step_ends_in_one_line_too(monkeypatch, capsys):
         raise DcpUsageError("--seq-length 4096 fits no CP group under --dcp-memory-budget-gb 0.001")
 
     with pytest.raises(SystemExit) as exited:
-        training_training._with_timeout_report(first_step_refuses)(lambda: None, [])
+        no_device = types.SimpleNamespace(dcp=types.SimpleNamespace(device_memory_gb=None))
+        training_training._with_timeout_report(first_step_refuses, types.SimpleNamespace(
+            spec_of=lambda _: no_device))(lambda: None, [])
     assert exited.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["dcp: error: --seq-length 4096 fits no CP group under --dcp-memory-budget-gb 0.001"]

@@ -49,7 +49,10 @@ class SavedBytes:
                 self._bucket_of[key] = self.bucket
                 self._described[key] = (tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""))
             self._scopes_of[key].add(self._scopes[-1] if self._scopes else "")
-        return tensor
+        # an alias without autograd history: the tensor itself would make a node that saves its own output hold
+        # that output's grad_fn, a cycle through C++ the collector cannot see; a forward that raises (runs out of
+        # memory) before its backward would then keep its whole graph alive
+        return tensor.detach()
 
     def __enter__(self) -> "SavedBytes":
         self._hooks.__enter__()

@@ -30,6 +30,7 @@ from dcp_megatron.core.probe_guard import untouched_training_state
 from dcp_megatron.core.recompute import restore_recompute, snapshot_recompute
 from dcp_megatron.planner.memory_correction import MemoryReading
 from dcp_megatron.planner.plan import Recompute
+from dcp_megatron.runtime.backward_queue import BackwardQueueSentinel
 from dcp_megatron.runtime.device_ceiling import active_ceiling
 from dcp_megatron.runtime.measured_memory import PEAK, counted_bytes, memory_readings
 from dcp_megatron.training.forward_step import DcpForwardStep
@@ -90,7 +91,7 @@ def probe_memory(loop, forward_step_func, model_chunks, *, schedule, seq_length:
     started = time.perf_counter()
     rows = []
     saved_recompute = snapshot_recompute(model_chunks)
-    ceiling, device_limit = active_ceiling(), None
+    ceiling = active_ceiling()
     try:
         with untouched_training_state(model_chunks, config):
             for index, relief in enumerate(probe_reliefs(cost)):
@@ -99,6 +100,7 @@ def probe_memory(loop, forward_step_func, model_chunks, *, schedule, seq_length:
                     continue
                 counted = counted_bytes(cost, lengths, 1, relief, loop.memory_kind)
                 static = ceiling.live_bytes if ceiling is not None else None
+                sentinel = BackwardQueueSentinel()
                 try:
                     batch = build_batch(synthetic_documents(lengths, vocab_size, seed=index), cp_size=1, cp_rank=0,
                                         group=None, recompute=relief, wave_index=0, device=loop.device,
@@ -109,16 +111,11 @@ def probe_memory(loop, forward_step_func, model_chunks, *, schedule, seq_length:
                 except torch.OutOfMemoryError:   # the relief's count was low: raise its factor, the run goes on
                     measured, out_of_memory = counted * out_of_memory_ratio(ceiling, static), True
                 if out_of_memory:
+                    sentinel.release()   # a failed backward's queued nodes (runtime/backward_queue.py)
                     gc.collect()   # the failed pass's tensors sit in reference cycles with its traceback
-                    if ceiling is not None and device_limit is None:
-                        # on an emulated device what the failed pass left until freed must not fail the other
-                        # reliefs' readings nor the guard's restore: the ceiling is lifted for the rest of the probe
-                        device_limit, ceiling.limit_bytes = ceiling.limit_bytes, 1 << 62
                 rows.append(ProbeRow(relief=str(relief), lengths=lengths, measured_bytes=measured,
                                      counted_bytes=counted, out_of_memory=out_of_memory))
     finally:
-        if device_limit is not None:
-            ceiling.limit_bytes = device_limit
         restore_recompute(model_chunks, saved_recompute)
     buckets = sorted(str(r) for r in probe_reliefs(cost))   # the same on every rank: they share the cost model
     # (the probe's micro-batches fill the budget: packed_bytes their count against it, above the noise floor)

@@ -133,7 +133,7 @@ class SavedBytesMeter:
             self.saved_bytes += storage.nbytes()
             if self._in_block:
                 self.block_saved_bytes += storage.nbytes()
-        return tensor
+        return tensor.detach()   # not the tensor itself: memory_probe.SavedBytes._pack says why
 
     def __enter__(self):
         self.saved_bytes = self.block_saved_bytes = 0

@@ -40,6 +40,8 @@ from dcp_megatron.planner.baselines.settings import DynamicSetting, check_recomp
 from dcp_megatron.planner.timeline import plan_makespan
 
 WORKLOAD_SLACK = 0.05   # Megatron's allowance over the busiest-rank workload bound
+TOP_GROUPS = 8          # the groups with the most compute whose growth `_EndsTooLate.unfinished` bounds
+FIRST_CHECK = 64        # sequences placed in a micro-batch before `_EndsTooLate.unfinished` is first asked
 
 
 def dynamic_cp_sizes(domain_size: int, limit: int, smallest: int = 1) -> list[int]:
@@ -63,33 +65,42 @@ def plan_megatron_dynamic(ids, lengths, cost, *, max_seq_len: int, packing=None,
     D = cost.cluster.domain_size
     setting = setting or cost.memoised(("dynamic_default", int(max_seq_len)), lambda: default_dynamic_setting(
         cost, max_seq_len, dynamic_cp_sizes(D, cost.cluster.cp_size_limit)))
+    # the waves scheduled so far already end no sooner than must_beat: the plan cannot win, stop scheduling
+    stop = None if must_beat is None else _EndsTooLate(lengths, cost, setting.recompute, must_beat)
     try:
-        waves_of_groups = dynamic_schedule(lengths, cost, setting)
+        waves_of_groups = dynamic_schedule(lengths, cost, setting, stop)
     except ValueError:
         if must_beat is not None:
             return None
         raise
+    if waves_of_groups is None:
+        return None
     waves = waves_of_schedule(waves_of_groups, ids, lengths, cost, setting.recompute)
     if must_beat is not None and plan_makespan(StepPlan(domain_size=D, waves=waves)) >= must_beat * (1 + 1e-9):
         return None
     return waves
 
 
-def dynamic_schedule(lengths, cost, setting: DynamicSetting) -> list[list[tuple[int, list[int]]]]:
+def dynamic_schedule(lengths, cost, setting: DynamicSetting, stop=None) -> list[list[tuple[int, list[int]]]] | None:
     """`schedule_groups` under a setting (its recompute checked against the cap; ValueError when the
-    setting cannot run: no allowed size, or a sequence that fits none)."""
+    setting cannot run: no allowed size, or a sequence that fits none); `stop` as there."""
     D = cost.cluster.domain_size
     check_recompute_fits(cost, setting.token_cap, setting.recompute, f"megatron-dynamic ({setting})")
     sizes = dynamic_cp_sizes(D, cost.cluster.cp_size_limit, setting.min_cp_size)
     if not sizes:
         raise ValueError(f"megatron-dynamic: no CP size from {setting.min_cp_size} up to "
                          f"{cost.cluster.cp_size_limit} on a domain of {D}")
-    return schedule_groups(np.asarray(lengths).tolist(), sizes, D, setting.token_cap)
+    return schedule_groups(np.asarray(lengths).tolist(), sizes, D, setting.token_cap, stop)
 
 
-def schedule_groups(lengths: list[int], sizes: list[int], D: int, cap: int) -> list[list[tuple[int, list[int]]]]:
+def schedule_groups(lengths: list[int], sizes: list[int], D: int, cap: int,
+                    stop=None) -> list[list[tuple[int, list[int]]]] | None:
     """Per micro-batch, its groups as (CP size, sequence indices), largest size first; see the
-    module docstring. Pure index arithmetic on lengths (testable by hand)."""
+    module docstring. Pure index arithmetic on lengths (testable by hand). `stop(groups)`, when given, is
+    called with each micro-batch's groups as they are made; None as soon as it returns True, or as soon as
+    `stop.unfinished(groups)` does (if it has one), called with the groups of a micro-batch still being made
+    a few times while a micro-batch is being made (its groups so far, free ranks, sizes, its sequences, their
+    padded shares at the full-domain size when that is allowed, the cap)."""
     arr = np.asarray(lengths, dtype=np.int64)
     share = [(2 * -(-arr // (2 * s))).tolist() for s in sizes]     # padded tokens per rank, per size
     fits = np.stack([np.asarray(row) <= cap for row in share])
@@ -101,10 +112,96 @@ def schedule_groups(lengths: list[int], sizes: list[int], D: int, cap: int) -> l
     remaining = sorted(range(len(lengths)), key=lambda i: -lengths[i])   # stable: ties keep batch order
     out = []
     while remaining:
-        groups, remaining = _one_microbatch(remaining, table, D, cap)
+        groups, remaining = _one_microbatch(remaining, table, D, cap, stop)
+        if groups is None:
+            return None
         groups.sort(key=lambda g: -g[0])                                  # stable: creation order within a size
         out.append(groups)
+        if stop is not None and stop(groups):
+            return None
     return out
+
+
+class _EndsTooLate:
+    """Called with each wave's groups as the scheduler makes them: True once the waves so far end at or after
+    `must_beat` (plus a margin far above rounding). Waves only add time to a rank (`timeline.rank_finish_times`),
+    so the whole plan would end then too and `plan_megatron_dynamic` would drop it: stopping early returns what it
+    would have. Idle ranks are left out (they add nothing, or a filler's time in lockstep: only later ends)."""
+
+    MARGIN = 1e-6        # relative; the dropping test's is 1e-9 and these sums may round differently
+
+    def __init__(self, lengths, cost, recompute, must_beat: float) -> None:
+        self.lengths, self.cost, self.recompute = lengths, cost, recompute
+        self.limit = must_beat * (1 + self.MARGIN)
+        self.finish = np.zeros(cost.cluster.domain_size)
+        self.terms: dict[int, np.ndarray] = {}         # per CP size: (3, documents) local, compute, attention
+        self.rebuilt = None                            # (a wave's sequences, its full-domain rebuild's least compute)
+
+    def __call__(self, groups) -> bool:
+        sizes, sums = self._sums(groups)
+        ends = np.cumsum(sizes)
+        firsts = ends - sizes
+        times = self.cost.times_from_sums(sums[0], sums[1], sums[2], sizes, firsts, self.recompute)
+        start = np.maximum.reduceat(self.finish[:ends[-1]], firsts)
+        self.finish[:ends[-1]] = np.repeat(start + times, sizes)
+        return float(self.finish.max()) >= self.limit
+
+    def _terms(self, size: int) -> np.ndarray:
+        if size not in self.terms:
+            self.terms[size] = np.array(self.cost.doc_terms(self.lengths, size))
+        return self.terms[size]
+
+    def _sums(self, groups) -> tuple[np.ndarray, np.ndarray]:
+        """(CP sizes, (3, groups) sums of local tokens, compute and attention seconds) of (size, members) groups."""
+        sizes = np.array([s for s, _ in groups], dtype=np.int64)
+        counts = [len(m) for _, m in groups]
+        members = np.fromiter(itertools.chain.from_iterable(m for _, m in groups), dtype=np.int64, count=sum(counts))
+        group_of = np.repeat(np.arange(len(groups)), counts)
+        size_of = sizes[group_of]
+        sums = np.zeros((3, len(groups)))
+        for s in np.unique(sizes).tolist():
+            sel = size_of == s
+            for row, part in zip(sums, self._terms(s)[:, members[sel]]):
+                row += np.bincount(group_of[sel], weights=part, minlength=len(groups))
+        return sizes, sums
+
+    def unfinished(self, groups, free: int, sizes: list[int], order: list[int], top_share, cap: int) -> bool:
+        """True when a wave still being made cannot end in time. Its groups start no sooner than the earliest rank is
+        free, and a micro-batch takes at least the overhead and its documents' compute (what it adds, relief, MoE
+        and CP communication, is never negative; measured time factors may shrink it, so then this never stops).
+        A group keeps its size unless the fill-up growth reaches it: that grows the smallest group first, so
+        before a group of size v grows every smaller one must reach v, and the `free` ranks (fewer later) must pay
+        for that and its own growth (to grow from size a to b a group must be the smallest: every other one at a or
+        more): it takes at least its compute at the cheapest size it may reach. The wave may instead be rebuilt as
+        one full-domain group (`top_share` not None): of `order`'s sequences those that fit in turn, which take at
+        least their compute at that size."""
+        if self.cost.time_scale:
+            return False
+        have, sums = self._sums(groups)
+        overhead, start = self.cost.cluster.microbatch_overhead_s, float(self.finish.min())
+        least = 0.0
+        for g in np.argsort(-sums[1], kind="stable")[:TOP_GROUPS].tolist():
+            if sums[1][g] <= least:
+                break
+            v, members, cheapest = int(have[g]), groups[g][1], float(sums[1][g])
+            for prev, u in zip(sizes, sizes[1:]):
+                if u <= v:
+                    continue
+                # to grow from prev to u it must be the smallest group: every other one at prev or more
+                if int(np.maximum(prev - have, 0).sum()) - (prev - v) + (u - v) > free:
+                    break
+                cheapest = min(cheapest, float(self._terms(u)[1][members].sum()))
+            least = max(least, cheapest)
+        if top_share is not None:
+            if self.rebuilt is None or self.rebuilt[0] is not order:
+                chosen, left = [], cap
+                for i in order:
+                    if top_share[i] <= left:
+                        chosen.append(i)
+                        left -= top_share[i]
+                self.rebuilt = (order, float(self._terms(self.cost.cluster.domain_size)[1][chosen].sum()))
+            least = min(least, self.rebuilt[1])
+        return start + overhead + least >= self.limit
 
 
 class _Tables(NamedTuple):
@@ -115,7 +212,7 @@ class _Tables(NamedTuple):
     length: list[int]
 
 
-def _one_microbatch(order, t: _Tables, D: int, cap: int):
+def _one_microbatch(order, t: _Tables, D: int, cap: int, stop=None):
     sizes, share, square = t.sizes, t.share, t.square
     tables = [SizeGroups() for _ in sizes]        # per size index: its groups (dynamic_groups.py)
     size, members = [], []                            # per group id (creation order): size index, sequences
@@ -143,6 +240,7 @@ def _one_microbatch(order, t: _Tables, D: int, cap: int):
         return False
 
     p, n = 1, len(order)
+    next_check = FIRST_CHECK if stop is not None and getattr(stop, "unfinished", None) else n + 1
     while p < n:
         i = order[p]
         p += 1
@@ -189,6 +287,11 @@ def _one_microbatch(order, t: _Tables, D: int, cap: int):
             j, used = open_group(k), used + sizes[k]
         members[tables[k].ids[j]].append(i)
         tables[k].join(j, share[k][i], square[i] / sizes[k])
+        if p >= next_check:                       # a few checks a wave: O(sequences) in all
+            if stop.unfinished([(sizes[k], m) for k, m in zip(size, members)], D - used, sizes, order,
+                               share[-1] if sizes[-1] == D else None, cap):
+                return None, None
+            next_check = 2 * p
     size = [sizes[k] for k in size]
     by_size = [(s, g) for g, s in enumerate(size)]    # the first smallest group is the heap's least
     heapq.heapify(by_size)

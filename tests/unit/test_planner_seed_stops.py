@@ -1,5 +1,6 @@
 """dcp's seeds that cannot win stop early (baselines/megatron_dynamic.py `_EndsTooLate`, hybrid.py
 `_longest_bucket_stays`): what they return with `must_beat` is what the whole schedule would, and they do stop."""
+import dataclasses
 import itertools
 
 import numpy as np
@@ -39,6 +40,24 @@ def test_an_early_stop_drops_exactly_the_plans_that_cannot_beat_must_beat(domain
             assert got is None, factor
         else:
             assert got == whole, factor
+
+
+@pytest.mark.parametrize("planner, lengths", [(megatron_dynamic.plan_megatron_dynamic, [100_000, 1_000]),
+                                             (hybrid.plan_megatron_hybrid, [100_000])])
+def test_an_early_stop_counts_on_the_growth_of_a_group_with_free_ranks_beside_it(planner, lengths, monkeypatch):
+    # a long document on 64 ranks: its group starts at 8 ranks and grows into the free ones (megatron-dynamic's
+    # fill-up, hybrid's buddy doubling), so its time before growing is no bound (checked from the first placement)
+    monkeypatch.setattr(megatron_dynamic, "FIRST_CHECK", 1)
+    # CP up to 32 of the 64 ranks: no full-domain rebuild, whose bound would hide the growth's
+    cost = CostModel(model_preset("llama3-8b"), dataclasses.replace(cluster_preset("h200", domain_size=64), max_cp_size=32),
+                     allowed_recompute=MENU_NAMES)
+    lengths = np.array(lengths)
+    ids = np.arange(lengths.size)
+    whole = planner(ids, lengths, cost, max_seq_len=100_000)
+    assert max(g.size for w in whole for g in w.groups) > 8            # it grew
+    makespan = plan_makespan(StepPlan(domain_size=64, waves=whole))
+    assert planner(ids, lengths, cost, max_seq_len=100_000, must_beat=makespan * 1.001) == whole
+    assert planner(ids, lengths, cost, max_seq_len=100_000, must_beat=makespan * 0.999) is None
 
 
 def test_the_early_stop_ends_the_schedule_inside_a_wave_it_cannot_win(monkeypatch):

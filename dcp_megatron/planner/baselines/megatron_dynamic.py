@@ -173,8 +173,8 @@ class _EndsTooLate:
         before a group of size v grows every smaller one must reach v, and the `free` ranks (fewer later) must pay
         for that and its own growth (to grow from size a to b a group must be the smallest: every other one at a or
         more): it takes at least its compute at the cheapest size it may reach. The wave may instead be rebuilt as
-        one full-domain group (`top_share` not None): of `order`'s sequences those that fit in turn, which take at
-        least their compute at that size."""
+        one full-domain group (`top_share` not None): of `order`'s sequences those that fit in turn, its time known
+        as soon as the wave starts."""
         if self.cost.time_scale:
             return False
         have, sums = self._sums(groups)
@@ -199,8 +199,12 @@ class _EndsTooLate:
                     if top_share[i] <= left:
                         chosen.append(i)
                         left -= top_share[i]
-                self.rebuilt = (order, float(self._terms(self.cost.cluster.domain_size)[1][chosen].sum()))
-            least = min(least, self.rebuilt[1])
+                D = self.cost.cluster.domain_size
+                local, compute, attn = (np.array([float(x.sum())]) for x in self._terms(D)[:, chosen])
+                self.rebuilt = (order, float(self.cost.times_from_sums(local, compute, attn, D, np.zeros(1, np.int64),
+                                                                       self.recompute)[0]))
+            # the rebuilt wave's one group starts when every rank is free
+            return min(start + overhead + least, float(self.finish.max()) + self.rebuilt[1]) >= self.limit
         return start + overhead + least >= self.limit
 
 

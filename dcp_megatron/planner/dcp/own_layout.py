@@ -121,17 +121,18 @@ def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequen
         lows, highs = [0] + cuts.tolist(), cuts.tolist() + [len(ordered)]
         # without "none" allowed every block takes the per-micro-batch path (fastest allowed choice)
         fits = (block_local <= cap_none).tolist() if none_allowed else [False] * len(used)
+        block_mbs: list = [None] * len(used)
+        chunks: list[tuple[int, int, list[int], float, float, float]] = []   # (block, first, items, sums)
         for j, (lo, hi, first, t, mem) in enumerate(zip(lows, highs, firsts.tolist(), times.tolist(), mems)):
             if fits[j]:
-                mbs = (MicroBatch(tuple(ordered_pairs[lo:hi]), NO_RECOMPUTE, t, mem),)
+                block_mbs[j] = (MicroBatch(tuple(ordered_pairs[lo:hi]), NO_RECOMPUTE, t, mem),)
             else:
-                mbs = tuple(microbatch_from_sums(cost, tuple(map(pairs.__getitem__, chunk)),
-                                                 sum(map(local.__getitem__, chunk)),
-                                                 sum(map(compute.__getitem__, chunk)),
-                                                 sum(map(attn.__getitem__, chunk)), size, first)
-                            for chunk in _next_fit(ordered[lo:hi], local, cap_none))
-                busy[j] = sum(mb.est_time_s for mb in mbs)
-            scheduled.append(Group(first, size, mbs))
+                chunks += [(j, first, chunk, sum(map(local.__getitem__, chunk)), sum(map(compute.__getitem__, chunk)),
+                            sum(map(attn.__getitem__, chunk))) for chunk in _next_fit(ordered[lo:hi], local, cap_none)]
+        for j, mbs in _chunk_microbatches(cost, chunks, pairs, size, none_allowed).items():
+            block_mbs[j] = mbs
+            busy[j] = sum(mb.est_time_s for mb in mbs)
+        scheduled += [Group(first, size, mbs) for first, mbs in zip(firsts.tolist(), block_mbs)]
         end = starts[used] + busy
         busy_rank_seconds += float(busy.sum()) * size
         if size == 1:
@@ -139,6 +140,26 @@ def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequen
         else:
             finish[:num_blocks * size].reshape(num_blocks, size)[used] = end[:, None]
     return float(finish.max()), busy_rank_seconds, scheduled
+
+
+def _chunk_microbatches(cost, chunks: list, pairs: list, size: int, none_allowed: bool) -> dict[int, tuple]:
+    """{block: its micro-batches} of (block, first rank, items, local, compute, attention sums) chunks, in order:
+    `microbatch_from_sums` of each, those that fit without relief (its choice then) estimated in one
+    `times_from_sums` call (the same floats)."""
+    out: dict[int, list] = {}
+    if not chunks:
+        return out
+    sums = np.array([c[3:] for c in chunks], dtype=np.float64)
+    quick = (sums[:, 0] <= cost.max_local_tokens(NO_RECOMPUTE, size)) if none_allowed else np.zeros(len(chunks), bool)
+    times = cost.times_from_sums(sums[:, 0], sums[:, 1], sums[:, 2], size,
+                                 np.array([c[1] for c in chunks], dtype=np.int64), NO_RECOMPUTE).tolist()
+    mems = (cost.static_bytes + np.ceil(sums[:, 0] * cost.bytes_per_local_token(NO_RECOMPUTE, size))).astype(
+        np.int64).tolist()
+    for n, ((j, first, items, loc, comp, att), fast) in enumerate(zip(chunks, quick.tolist())):
+        seqs = tuple(map(pairs.__getitem__, items))
+        out.setdefault(j, []).append(MicroBatch(seqs, NO_RECOMPUTE, times[n], mems[n]) if fast else
+                                     microbatch_from_sums(cost, seqs, loc, comp, att, size, first))
+    return {j: tuple(mbs) for j, mbs in out.items()}
 
 
 def _next_fit(items: list[int], local: list[float], room: float) -> list[list[int]]:

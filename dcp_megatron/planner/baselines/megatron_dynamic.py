@@ -90,26 +90,27 @@ def dynamic_schedule(lengths, cost, setting: DynamicSetting, stop=None) -> list[
     if not sizes:
         raise ValueError(f"megatron-dynamic: no CP size from {setting.min_cp_size} up to "
                          f"{cost.cluster.cp_size_limit} on a domain of {D}")
-    return schedule_groups(np.asarray(lengths).tolist(), sizes, D, setting.token_cap, stop)
+    return schedule_groups(np.asarray(lengths), sizes, D, setting.token_cap, stop)
 
 
-def schedule_groups(lengths: list[int], sizes: list[int], D: int, cap: int,
+def schedule_groups(lengths, sizes: list[int], D: int, cap: int,
                     stop=None) -> list[list[tuple[int, list[int]]]] | None:
     """Per micro-batch, its groups as (CP size, sequence indices), largest size first; see the
-    module docstring. Pure index arithmetic on lengths (testable by hand). `stop(groups)`, when given, is
-    called with each micro-batch's groups as they are made; None as soon as it returns True, or as soon as
-    `stop.unfinished(groups)` does (if it has one), called with the groups of a micro-batch still being made
-    a few times while a micro-batch is being made (its groups so far, free ranks, sizes, its sequences, their
-    padded shares at the full-domain size when that is allowed, the cap)."""
+    module docstring. Pure index arithmetic on lengths (a list or an array; testable by hand).
+    `stop`, when given, may end the schedule early (None is returned then): `stop(groups)` is called with each
+    micro-batch's groups once made, and `stop.unfinished(...)` (if it has one) a few times while one is being made
+    (its groups so far, free ranks, the sizes, its sequences, their padded shares at the full-domain size when that
+    size is allowed, the cap); either returning True stops."""
     arr = np.asarray(lengths, dtype=np.int64)
-    share = [(2 * -(-arr // (2 * s))).tolist() for s in sizes]     # padded tokens per rank, per size
-    fits = np.stack([np.asarray(row) <= cap for row in share])
+    shares = [2 * -(-arr // (2 * s)) for s in sizes]                 # padded tokens per rank, per size
+    fits = np.stack([row <= cap for row in shares])
     if not fits[-1].all():
         j = int(np.flatnonzero(~fits[-1])[0])
-        raise ValueError(f"megatron-dynamic: a sequence of {lengths[j]} tokens fits no CP size up to {sizes[-1]} "
+        raise ValueError(f"megatron-dynamic: a sequence of {int(arr[j])} tokens fits no CP size up to {sizes[-1]} "
                          f"at {cap} tokens per rank")
-    table = _Tables(sizes=sizes, share=share, smallest=fits.argmax(axis=0).tolist(), square=(arr * arr).tolist(), length=lengths)
-    remaining = sorted(range(len(lengths)), key=lambda i: -lengths[i])   # stable: ties keep batch order
+    table = _Tables(sizes=sizes, share=[row.tolist() for row in shares], smallest=fits.argmax(axis=0).tolist(),
+                    square=(arr * arr).tolist(), length=arr.tolist())
+    remaining = np.argsort(-arr, kind="stable").tolist()             # stable: ties keep batch order
     out = []
     while remaining:
         groups, remaining = _one_microbatch(remaining, table, D, cap, stop)

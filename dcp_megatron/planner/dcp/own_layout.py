@@ -27,7 +27,8 @@ import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Wave
 from dcp_megatron.planner.list_scheduling import lpt_assign_rounds
-from dcp_megatron.planner.layout import assemble_waves, candidate_sizes, microbatch_from_sums, min_fitting_size
+from dcp_megatron.planner.layout import (assemble_waves, candidate_sizes, microbatches_from_sums,
+                                          min_fitting_size)
 from dcp_megatron.planner.dcp.odd_groups import odd_group_alternative
 from dcp_megatron.planner.dcp.sized_sequences import SizedSequences
 
@@ -122,15 +123,20 @@ def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequen
         # without "none" allowed every block takes the per-micro-batch path (fastest allowed choice)
         fits = (block_local <= cap_none).tolist() if none_allowed else [False] * len(used)
         block_mbs: list = [None] * len(used)
-        chunks: list[tuple[int, int, list[int], float, float, float]] = []   # (block, first, items, sums)
+        chunks, chunk_block = [], []            # (first rank, sequences, local, compute, attention sums), its block
         for j, (lo, hi, first, t, mem) in enumerate(zip(lows, highs, firsts.tolist(), times.tolist(), mems)):
             if fits[j]:
                 block_mbs[j] = (MicroBatch(tuple(ordered_pairs[lo:hi]), NO_RECOMPUTE, t, mem),)
-            else:
-                chunks += [(j, first, chunk, sum(map(local.__getitem__, chunk)), sum(map(compute.__getitem__, chunk)),
-                            sum(map(attn.__getitem__, chunk))) for chunk in _next_fit(ordered[lo:hi], local, cap_none)]
-        for j, mbs in _chunk_microbatches(cost, chunks, pairs, size, none_allowed).items():
-            block_mbs[j] = mbs
+                continue
+            for chunk in _next_fit(ordered[lo:hi], local, cap_none):
+                chunks.append((first, tuple(map(pairs.__getitem__, chunk)), sum(map(local.__getitem__, chunk)),
+                               sum(map(compute.__getitem__, chunk)), sum(map(attn.__getitem__, chunk))))
+                chunk_block.append(j)
+        per_block: dict[int, list] = {}
+        for j, mb in zip(chunk_block, microbatches_from_sums(cost, chunks, size)):
+            per_block.setdefault(j, []).append(mb)
+        for j, mbs in per_block.items():
+            block_mbs[j] = tuple(mbs)
             busy[j] = sum(mb.est_time_s for mb in mbs)
         scheduled += [Group(first, size, mbs) for first, mbs in zip(firsts.tolist(), block_mbs)]
         end = starts[used] + busy
@@ -140,26 +146,6 @@ def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequen
         else:
             finish[:num_blocks * size].reshape(num_blocks, size)[used] = end[:, None]
     return float(finish.max()), busy_rank_seconds, scheduled
-
-
-def _chunk_microbatches(cost, chunks: list, pairs: list, size: int, none_allowed: bool) -> dict[int, tuple]:
-    """{block: its micro-batches} of (block, first rank, items, local, compute, attention sums) chunks, in order:
-    `microbatch_from_sums` of each, those that fit without relief (its choice then) estimated in one
-    `times_from_sums` call (the same floats)."""
-    out: dict[int, list] = {}
-    if not chunks:
-        return out
-    sums = np.array([c[3:] for c in chunks], dtype=np.float64)
-    quick = (sums[:, 0] <= cost.max_local_tokens(NO_RECOMPUTE, size)) if none_allowed else np.zeros(len(chunks), bool)
-    times = cost.times_from_sums(sums[:, 0], sums[:, 1], sums[:, 2], size,
-                                 np.array([c[1] for c in chunks], dtype=np.int64), NO_RECOMPUTE).tolist()
-    mems = (cost.static_bytes + np.ceil(sums[:, 0] * cost.bytes_per_local_token(NO_RECOMPUTE, size))).astype(
-        np.int64).tolist()
-    for n, ((j, first, items, loc, comp, att), fast) in enumerate(zip(chunks, quick.tolist())):
-        seqs = tuple(map(pairs.__getitem__, items))
-        out.setdefault(j, []).append(MicroBatch(seqs, NO_RECOMPUTE, times[n], mems[n]) if fast else
-                                     microbatch_from_sums(cost, seqs, loc, comp, att, size, first))
-    return {j: tuple(mbs) for j, mbs in out.items()}
 
 
 def _next_fit(items: list[int], local: list[float], room: float) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""dcp's seeds that cannot win stop early (baselines/megatron_dynamic.py `_EndsTooLate`, hybrid.py
+"""dcp's seeds that cannot win stop early (baselines/dynamic_stop.py `EndsTooLate`, hybrid.py
 `_longest_bucket_stays`): what they return with `must_beat` is what the whole schedule would, and they do stop."""
 import dataclasses
 import itertools
@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dcp_megatron.planner.baselines import hybrid, megatron_dynamic
+from dcp_megatron.planner.baselines import dynamic_stop, hybrid, megatron_dynamic
 from dcp_megatron.planner.batcher import GlobalBatcher
 from dcp_megatron.planner.cluster import cluster_preset
 from dcp_megatron.planner.cost import CostModel
@@ -19,7 +19,8 @@ from dcp_megatron.planner.timeline import plan_makespan
 
 
 def _h200_batch(domain: int, mix: str, seed: int):
-    cost = CostModel(model_preset("llama3-8b"), cluster_preset("h200", domain_size=domain), allowed_recompute=MENU_NAMES)
+    cost = CostModel(model_preset("llama3-8b"), cluster_preset("h200", domain_size=domain),
+                     allowed_recompute=MENU_NAMES)
     tokens = domain * 4096
     batcher = GlobalBatcher(tokens_per_step=tokens, max_seq_len=tokens, overlong="split")
     batch = next(itertools.islice(batcher.batches(enumerate(iter_builtin_lengths(mix, seed))), 0, None))
@@ -49,8 +50,8 @@ def test_an_early_stop_counts_on_the_growth_of_a_group_with_free_ranks_beside_it
     # fill-up, hybrid's buddy doubling), so its time before growing is no bound (checked from the first placement)
     monkeypatch.setattr(megatron_dynamic, "FIRST_CHECK", 1)
     # CP up to 32 of the 64 ranks: no full-domain rebuild, whose bound would hide the growth's
-    cost = CostModel(model_preset("llama3-8b"), dataclasses.replace(cluster_preset("h200", domain_size=64), max_cp_size=32),
-                     allowed_recompute=MENU_NAMES)
+    cluster = dataclasses.replace(cluster_preset("h200", domain_size=64), max_cp_size=32)
+    cost = CostModel(model_preset("llama3-8b"), cluster, allowed_recompute=MENU_NAMES)
     lengths = np.array(lengths)
     ids = np.arange(lengths.size)
     whole = planner(ids, lengths, cost, max_seq_len=100_000)
@@ -65,12 +66,12 @@ def test_the_early_stop_ends_the_schedule_inside_a_wave_it_cannot_win(monkeypatc
     # step several times, so the scheduler stops after its first check, long before it places every sequence
     cost, ids, lengths, longest = _h200_batch(1024, "wikipedia", 0)
     placed = []
-    unfinished = megatron_dynamic._EndsTooLate.unfinished
+    unfinished = dynamic_stop.EndsTooLate.unfinished
 
     def counted(self, groups, *args):
         placed.append(sum(len(m) for _, m in groups))
         return unfinished(self, groups, *args)
-    monkeypatch.setattr(megatron_dynamic._EndsTooLate, "unfinished", counted)
+    monkeypatch.setattr(dynamic_stop.EndsTooLate, "unfinished", counted)
     dcp = make_plan("dcp", list(zip(ids.tolist(), lengths.tolist())), cost, max_seq_len=longest)
     assert megatron_dynamic.plan_megatron_dynamic(ids, lengths, cost, max_seq_len=longest,
                                                   must_beat=dcp.est_step_time_s) is None

@@ -70,7 +70,8 @@ def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None, 
         bucket_of[members] = len(bucket_sizes) + local_bucket
         bucket_sizes += [s] * used
         if must_beat is not None and cp[longest] == s:     # the rest cannot make the longest one's bucket faster
-            stays = _longest_bucket_stays(lengths, members, bucket_of, bucket_sizes, classes, D, setting.recompute, cost)
+            stays = _longest_bucket_stays(lengths, members, bucket_of, bucket_sizes, classes, D, setting.recompute,
+                                          cost)
             if stays >= must_beat * (1 + 1e-6):            # margin: these sums round differently from the plan's
                 return None
     if must_beat is not None and _longest_bucket_time(lengths, bucket_of, bucket_sizes, cost) >= must_beat * (1 + 1e-9):

@@ -81,7 +81,7 @@ class EndsTooLate:
                 # to grow from prev to u it must be the smallest group: every other one at prev or more
                 if int(np.maximum(prev - have, 0).sum()) - (prev - v) + (u - v) > free:
                     break
-                cheapest = min(cheapest, float(self._terms(u)[1][members].sum()))
+                cheapest = min(cheapest, float(self.cost.doc_terms(self.lengths[members], u)[1].sum()))
             least = max(least, cheapest)
         if top_share is not None:
             if self.rebuilt is None or self.rebuilt[0] is not order:
@@ -91,7 +91,8 @@ class EndsTooLate:
                         chosen.append(i)
                         left -= top_share[i]
                 D = self.cost.cluster.domain_size
-                local, compute, attn = (np.array([float(x.sum())]) for x in self._terms(D)[:, chosen])
+                terms = self.cost.doc_terms(self.lengths[chosen], D)
+                local, compute, attn = (np.array([float(x.sum())]) for x in terms)
                 self.rebuilt = (order, float(self.cost.times_from_sums(local, compute, attn, D, np.zeros(1, np.int64),
                                                                        self.recompute)[0]))
             # the rebuilt wave's one group starts when every rank is free

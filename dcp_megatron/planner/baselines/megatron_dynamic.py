@@ -103,13 +103,16 @@ def schedule_groups(lengths, sizes: list[int], D: int, cap: int,
     (its groups so far, free ranks, the sizes, its sequences, their padded shares at the full-domain size when that
     size is allowed, the cap); either returning True stops."""
     arr = np.asarray(lengths, dtype=np.int64)
-    shares = [2 * -(-arr // (2 * s)) for s in sizes]                 # padded tokens per rank, per size
-    fits = np.stack([row <= cap for row in shares])
+    share, fits = [], np.empty((len(sizes), arr.size), dtype=bool)
+    for k, s in enumerate(sizes):
+        row = 2 * -(-arr // (2 * s))                                  # padded tokens per rank at size s
+        fits[k] = row <= cap
+        share.append(row.tolist())
     if not fits[-1].all():
         j = int(np.flatnonzero(~fits[-1])[0])
         raise ValueError(f"megatron-dynamic: a sequence of {int(arr[j])} tokens fits no CP size up to {sizes[-1]} "
                          f"at {cap} tokens per rank")
-    table = _Tables(sizes=sizes, share=[row.tolist() for row in shares], smallest=fits.argmax(axis=0).tolist(),
+    table = _Tables(sizes=sizes, share=share, smallest=fits.argmax(axis=0).tolist(),
                     square=(arr * arr).tolist(), length=arr.tolist())
     remaining = np.argsort(-arr, kind="stable").tolist()             # stable: ties keep batch order
     out = []

@@ -106,4 +106,3 @@ def test_planner_stages_tool_times_every_stage(capsys):
         assert label in out
     assert "CPU s per plan" in out.splitlines()[0]
     assert not hasattr(search.plan_dcp, "__wrapped__") and search.plan_dcp.__name__ == "plan_dcp"   # removed again
-

@@ -9,7 +9,7 @@ import numpy as np
 
 from dcp_megatron.planner.cluster import ClusterSpec
 from dcp_megatron.planner.cp_flavour import choose_cp_attention
-from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, StepPlan, Wave
+from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, StepPlan, Wave
 from dcp_megatron.planner.timeline import plan_makespan
 
 
@@ -107,6 +107,25 @@ def microbatch_from_sums(cost, sequences: tuple, local: float, compute: float, a
     return MicroBatch(sequences, recompute,
                       float(cost.time_from_sums(local, compute, attn, size, first_rank, recompute)),
                       int(cost.memory_from_tokens(local, recompute, size)))
+
+
+def microbatches_from_sums(cost, chunks: list, size: int) -> list[MicroBatch]:
+    """`microbatch_from_sums` of each (first rank, sequences, local, compute, attention sums) chunk on a CP group of
+    `size`, in order; those its relief choice takes without relief (none fits) estimated in one `times_from_sums`
+    call (the same floats)."""
+    if not chunks:
+        return []
+    sums = np.array([c[2:] for c in chunks], dtype=np.float64)
+    quick = np.zeros(len(chunks), dtype=bool)
+    if cost.base_recompute is NO_RECOMPUTE and not cost.time_scale:     # `CostModel.choose_recompute`'s shortcut
+        quick = sums[:, 0] <= cost.max_local_tokens(NO_RECOMPUTE, size)
+    firsts = np.array([c[0] for c in chunks], dtype=np.int64)
+    times = cost.times_from_sums(sums[:, 0], sums[:, 1], sums[:, 2], size, firsts, NO_RECOMPUTE).tolist()
+    mems = (cost.static_bytes + np.ceil(sums[:, 0] * cost.bytes_per_local_token(NO_RECOMPUTE, size))).astype(
+        np.int64).tolist()
+    return [MicroBatch(seqs, NO_RECOMPUTE, times[n], mems[n]) if fast else
+            microbatch_from_sums(cost, seqs, loc, comp, att, size, first)
+            for n, ((first, seqs, loc, comp, att), fast) in enumerate(zip(chunks, quick.tolist()))]
 
 
 def assemble_waves(domain_size: int, scheduled: Iterable[Group]) -> tuple[Wave, ...]:

@@ -55,16 +55,25 @@ def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None, 
     waves_needed = max(1, math.ceil(total_rank_tokens / (D * cap)))
     bucket_of = np.empty(lengths.size, dtype=np.int64)
     bucket_sizes: list[int] = []                 # CP size of each bucket, largest first
+    classes = []
     for s in sorted(set(cp.tolist()), reverse=True):
         members = np.flatnonzero(cp == s)
         loc = local_tokens(lengths[members], s)
-        work = lengths[members].astype(np.float64) ** 2 / s
-        order = np.lexsort((members, -work))
         share = float(loc.sum()) * s / total_rank_tokens
         count = max(1, min(len(members), max(math.ceil(float(loc.sum()) / cap), int(waves_needed * D * share / s))))
+        classes.append((s, members, loc, count))
+    longest = int(np.argmax(lengths))
+    for s, members, loc, count in classes:
+        work = lengths[members].astype(np.float64) ** 2 / s
+        order = np.lexsort((members, -work))
         local_bucket, used = _equal_work_buckets(order, work, loc, cap, count)
         bucket_of[members] = len(bucket_sizes) + local_bucket
         bucket_sizes += [s] * used
+        if must_beat is not None and cp[longest] == s:     # the rest cannot make the longest one's bucket faster
+            stays = _longest_bucket_stays(lengths, members, bucket_of, bucket_sizes, classes, D, setting.recompute,
+                                          cost)
+            if stays >= must_beat * (1 + 1e-6):            # margin: these sums round differently from the plan's
+                return None
     if must_beat is not None and _longest_bucket_time(lengths, bucket_of, bucket_sizes, cost) >= must_beat * (1 + 1e-9):
         return None
     wave_of, first_of, size_of = _place(bucket_sizes, D, cluster.cp_size_limit)
@@ -141,12 +150,34 @@ def _longest_bucket_time(lengths, bucket_of: np.ndarray, bucket_sizes: list[int]
     runs at its size or, doubled, a larger power of two; recompute only adds time."""
     if cost.cluster.intra_node_bw < cost.cluster.inter_node_bw:
         return 0.0                       # first rank 0 (intra-node) would not be the fastest place
-    bucket = int(bucket_of[int(np.argmax(lengths))])
+    bucket = int(bucket_of[int(np.argmax(lengths))])   # `members`: the class being bucketed, the longest's
     docs = lengths[bucket_of == bucket]
     size = bucket_sizes[bucket]
     grown = [size] if size & (size - 1) else [s for s in pow2_sizes(cost.cluster.cp_size_limit) if s >= size]
     return min(cost.time_from_sums(*(float(x.sum()) for x in cost.doc_terms(docs, s)), s, 0, NO_RECOMPUTE)
                for s in grown)
+
+
+def _longest_bucket_stays(lengths, members: np.ndarray, bucket_of: np.ndarray, bucket_sizes: list[int], classes,
+                          D: int, recompute, cost) -> float:
+    """A bound below the plan's step as soon as the longest sequence's bucket is made (the later classes not yet
+    bucketed): that bucket's time where it is placed, when it cannot double; else 0. With power-of-two sizes
+    that divide D, `_place` lays the buckets out from rank 0 without gaps, so only the last wave has free ranks
+    (from the total of the bucket sizes on, and each class makes at least min(count, members) buckets) and a
+    bucket doubles only into a free buddy block."""
+    sizes = np.array([s for s, _, _, _ in classes], dtype=np.int64)
+    if (sizes & (sizes - 1)).any() or D % int(sizes.max()):
+        return 0.0
+    least_total = sum(s * min(count, members.size) for s, members, _, count in classes)
+    bucket = int(bucket_of[int(np.argmax(lengths))])   # `members`: the class being bucketed, the longest's
+    size = bucket_sizes[bucket]
+    offset = sum(bucket_sizes[:bucket])
+    wave, first = divmod(offset, D)
+    if least_total < (wave + 1) * D and (first ^ size) >= least_total - wave * D:
+        return 0.0                       # its buddy block may stay free: it may double
+    terms = cost.doc_terms(lengths[members[bucket_of[members] == bucket]], size)
+    local, compute, attn = (np.array([float(x.sum())]) for x in terms)
+    return float(cost.times_from_sums(local, compute, attn, size, np.array([first]), recompute)[0])
 
 
 def _place(bucket_sizes: list[int], D: int, limit: int) -> tuple[list[int], list[int], list[int]]:

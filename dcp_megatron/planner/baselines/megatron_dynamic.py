@@ -36,10 +36,12 @@ import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, StepPlan, Wave
 from dcp_megatron.planner.baselines.dynamic_groups import SizeGroups
+from dcp_megatron.planner.baselines.dynamic_stop import EndsTooLate
 from dcp_megatron.planner.baselines.settings import DynamicSetting, check_recompute_fits, default_dynamic_setting
 from dcp_megatron.planner.timeline import plan_makespan
 
 WORKLOAD_SLACK = 0.05   # Megatron's allowance over the busiest-rank workload bound
+FIRST_CHECK = 64        # sequences placed in a micro-batch before `EndsTooLate.unfinished` is first asked
 
 
 def dynamic_cp_sizes(domain_size: int, limit: int, smallest: int = 1) -> list[int]:
@@ -58,52 +60,70 @@ def dynamic_cp_sizes(domain_size: int, limit: int, smallest: int = 1) -> list[in
 def plan_megatron_dynamic(ids, lengths, cost, *, max_seq_len: int, packing=None, must_beat: float | None = None,
                           setting: DynamicSetting | None = None) -> tuple[Wave, ...] | None:
     """The plan's waves; None when `must_beat` is given and the plan would not be faster
-    (or this scheduler cannot hold the batch, so it is no contender). `packing` (the static layout
+    (or this scheduler cannot hold the batch, so it is no contender; with `must_beat` the scheduler stops as soon as
+    dynamic_stop.py proves that, the same answer sooner). `packing` (the static layout
     dcp's fallback shares) is not used: this scheduler has its own setting."""
     D = cost.cluster.domain_size
     setting = setting or cost.memoised(("dynamic_default", int(max_seq_len)), lambda: default_dynamic_setting(
         cost, max_seq_len, dynamic_cp_sizes(D, cost.cluster.cp_size_limit)))
+    # the waves scheduled so far already end no sooner than must_beat: the plan cannot win, stop scheduling
+    stop = None if must_beat is None else EndsTooLate(lengths, cost, setting.recompute, must_beat)
     try:
-        waves_of_groups = dynamic_schedule(lengths, cost, setting)
+        waves_of_groups = dynamic_schedule(lengths, cost, setting, stop)
     except ValueError:
         if must_beat is not None:
             return None
         raise
+    if waves_of_groups is None:
+        return None
     waves = waves_of_schedule(waves_of_groups, ids, lengths, cost, setting.recompute)
     if must_beat is not None and plan_makespan(StepPlan(domain_size=D, waves=waves)) >= must_beat * (1 + 1e-9):
         return None
     return waves
 
 
-def dynamic_schedule(lengths, cost, setting: DynamicSetting) -> list[list[tuple[int, list[int]]]]:
+def dynamic_schedule(lengths, cost, setting: DynamicSetting, stop=None) -> list[list[tuple[int, list[int]]]] | None:
     """`schedule_groups` under a setting (its recompute checked against the cap; ValueError when the
-    setting cannot run: no allowed size, or a sequence that fits none)."""
+    setting cannot run: no allowed size, or a sequence that fits none); `stop` as there."""
     D = cost.cluster.domain_size
     check_recompute_fits(cost, setting.token_cap, setting.recompute, f"megatron-dynamic ({setting})")
     sizes = dynamic_cp_sizes(D, cost.cluster.cp_size_limit, setting.min_cp_size)
     if not sizes:
         raise ValueError(f"megatron-dynamic: no CP size from {setting.min_cp_size} up to "
                          f"{cost.cluster.cp_size_limit} on a domain of {D}")
-    return schedule_groups(np.asarray(lengths).tolist(), sizes, D, setting.token_cap)
+    return schedule_groups(np.asarray(lengths), sizes, D, setting.token_cap, stop)
 
 
-def schedule_groups(lengths: list[int], sizes: list[int], D: int, cap: int) -> list[list[tuple[int, list[int]]]]:
+def schedule_groups(lengths, sizes: list[int], D: int, cap: int,
+                    stop=None) -> list[list[tuple[int, list[int]]]] | None:
     """Per micro-batch, its groups as (CP size, sequence indices), largest size first; see the
-    module docstring. Pure index arithmetic on lengths (testable by hand)."""
+    module docstring. Pure index arithmetic on lengths (a list or an array; testable by hand).
+    `stop`, when given, may end the schedule early (None is returned then): `stop(groups)` is called with each
+    micro-batch's groups once made, and `stop.unfinished(...)` (if it has one) a few times while one is being made
+    (its groups so far, free ranks, the sizes, its sequences, their padded shares at the full-domain size when that
+    size is allowed, the cap); either returning True stops."""
     arr = np.asarray(lengths, dtype=np.int64)
-    share = [(2 * -(-arr // (2 * s))).tolist() for s in sizes]     # padded tokens per rank, per size
-    fits = np.stack([np.asarray(row) <= cap for row in share])
+    share, fits = [], np.empty((len(sizes), arr.size), dtype=bool)
+    for k, s in enumerate(sizes):
+        row = 2 * -(-arr // (2 * s))                                  # padded tokens per rank at size s
+        fits[k] = row <= cap
+        share.append(row.tolist())
     if not fits[-1].all():
         j = int(np.flatnonzero(~fits[-1])[0])
-        raise ValueError(f"megatron-dynamic: a sequence of {lengths[j]} tokens fits no CP size up to {sizes[-1]} "
+        raise ValueError(f"megatron-dynamic: a sequence of {int(arr[j])} tokens fits no CP size up to {sizes[-1]} "
                          f"at {cap} tokens per rank")
-    table = _Tables(sizes=sizes, share=share, smallest=fits.argmax(axis=0).tolist(), square=(arr * arr).tolist(), length=lengths)
-    remaining = sorted(range(len(lengths)), key=lambda i: -lengths[i])   # stable: ties keep batch order
+    table = _Tables(sizes=sizes, share=share, smallest=fits.argmax(axis=0).tolist(),
+                    square=(arr * arr).tolist(), length=arr.tolist())
+    remaining = np.argsort(-arr, kind="stable").tolist()             # stable: ties keep batch order
     out = []
     while remaining:
-        groups, remaining = _one_microbatch(remaining, table, D, cap)
+        groups, remaining = _one_microbatch(remaining, table, D, cap, stop)
+        if groups is None:
+            return None
         groups.sort(key=lambda g: -g[0])                                  # stable: creation order within a size
         out.append(groups)
+        if stop is not None and stop(groups):
+            return None
     return out
 
 
@@ -115,7 +135,7 @@ class _Tables(NamedTuple):
     length: list[int]
 
 
-def _one_microbatch(order, t: _Tables, D: int, cap: int):
+def _one_microbatch(order, t: _Tables, D: int, cap: int, stop=None):
     sizes, share, square = t.sizes, t.share, t.square
     tables = [SizeGroups() for _ in sizes]        # per size index: its groups (dynamic_groups.py)
     size, members = [], []                            # per group id (creation order): size index, sequences
@@ -143,6 +163,7 @@ def _one_microbatch(order, t: _Tables, D: int, cap: int):
         return False
 
     p, n = 1, len(order)
+    next_check = FIRST_CHECK if stop is not None and getattr(stop, "unfinished", None) else n + 1
     while p < n:
         i = order[p]
         p += 1
@@ -189,6 +210,11 @@ def _one_microbatch(order, t: _Tables, D: int, cap: int):
             j, used = open_group(k), used + sizes[k]
         members[tables[k].ids[j]].append(i)
         tables[k].join(j, share[k][i], square[i] / sizes[k])
+        if p >= next_check:                       # a few checks a wave: O(sequences) in all
+            if stop.unfinished([(sizes[k], m) for k, m in zip(size, members)], D - used, sizes, order,
+                               share[-1] if sizes[-1] == D else None, cap):
+                return None, None
+            next_check = 2 * p
     size = [sizes[k] for k in size]
     by_size = [(s, g) for g, s in enumerate(size)]    # the first smallest group is the heap's least
     heapq.heapify(by_size)

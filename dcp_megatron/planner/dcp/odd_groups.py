@@ -17,7 +17,7 @@ import heapq
 import numpy as np
 
 from dcp_megatron.planner.plan import Group
-from dcp_megatron.planner.layout import microbatch_from_sums
+from dcp_megatron.planner.layout import microbatch_from_sums, microbatches_from_sums
 
 MIN_GAIN = 0.002
 MAX_CANDIDATES = 8
@@ -127,10 +127,14 @@ def _fill_beside(ids, cost, seqs, rest: np.ndarray, until: float, finish: np.nda
 
 
 def _filler_groups(ids, lengths, cost, seqs, chunks: dict) -> list:
-    groups = []
+    pairs = list(zip(ids.tolist(), lengths.tolist()))
+    ranks, flat = [], []                # the micro-batches of every rank at once (microbatches_from_sums)
     for r, rank_chunks in sorted(chunks.items()):
-        groups.append(Group(r, 1, tuple(
-            microbatch_from_sums(cost, tuple((int(ids[i]), int(lengths[i])) for i in chunk),
-                                 float(seqs.local[chunk].sum()), float(seqs.compute[chunk].sum()),
-                                 float(seqs.attn[chunk].sum()), 1, r) for chunk in rank_chunks)))
-    return groups
+        for chunk in rank_chunks:
+            ranks.append(r)
+            flat.append((r, tuple(map(pairs.__getitem__, chunk)), float(seqs.local[chunk].sum()),
+                         float(seqs.compute[chunk].sum()), float(seqs.attn[chunk].sum())))
+    per_rank: dict[int, list] = {}
+    for r, mb in zip(ranks, microbatches_from_sums(cost, flat, 1)):
+        per_rank.setdefault(r, []).append(mb)
+    return [Group(r, 1, tuple(mbs)) for r, mbs in per_rank.items()]

@@ -27,7 +27,8 @@ import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Wave
 from dcp_megatron.planner.list_scheduling import lpt_assign_rounds
-from dcp_megatron.planner.layout import assemble_waves, candidate_sizes, microbatch_from_sums, min_fitting_size
+from dcp_megatron.planner.layout import (assemble_waves, candidate_sizes, microbatches_from_sums,
+                                          min_fitting_size)
 from dcp_megatron.planner.dcp.odd_groups import odd_group_alternative
 from dcp_megatron.planner.dcp.sized_sequences import SizedSequences
 
@@ -121,17 +122,23 @@ def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequen
         lows, highs = [0] + cuts.tolist(), cuts.tolist() + [len(ordered)]
         # without "none" allowed every block takes the per-micro-batch path (fastest allowed choice)
         fits = (block_local <= cap_none).tolist() if none_allowed else [False] * len(used)
+        block_mbs: list = [None] * len(used)
+        chunks, chunk_block = [], []            # (first rank, sequences, local, compute, attention sums), its block
         for j, (lo, hi, first, t, mem) in enumerate(zip(lows, highs, firsts.tolist(), times.tolist(), mems)):
             if fits[j]:
-                mbs = (MicroBatch(tuple(ordered_pairs[lo:hi]), NO_RECOMPUTE, t, mem),)
-            else:
-                mbs = tuple(microbatch_from_sums(cost, tuple(map(pairs.__getitem__, chunk)),
-                                                 sum(map(local.__getitem__, chunk)),
-                                                 sum(map(compute.__getitem__, chunk)),
-                                                 sum(map(attn.__getitem__, chunk)), size, first)
-                            for chunk in _next_fit(ordered[lo:hi], local, cap_none))
-                busy[j] = sum(mb.est_time_s for mb in mbs)
-            scheduled.append(Group(first, size, mbs))
+                block_mbs[j] = (MicroBatch(tuple(ordered_pairs[lo:hi]), NO_RECOMPUTE, t, mem),)
+                continue
+            for chunk in _next_fit(ordered[lo:hi], local, cap_none):
+                chunks.append((first, tuple(map(pairs.__getitem__, chunk)), sum(map(local.__getitem__, chunk)),
+                               sum(map(compute.__getitem__, chunk)), sum(map(attn.__getitem__, chunk))))
+                chunk_block.append(j)
+        per_block: dict[int, list] = {}
+        for j, mb in zip(chunk_block, microbatches_from_sums(cost, chunks, size)):
+            per_block.setdefault(j, []).append(mb)
+        for j, mbs in per_block.items():
+            block_mbs[j] = tuple(mbs)
+            busy[j] = sum(mb.est_time_s for mb in mbs)
+        scheduled += [Group(first, size, mbs) for first, mbs in zip(firsts.tolist(), block_mbs)]
         end = starts[used] + busy
         busy_rank_seconds += float(busy.sum()) * size
         if size == 1:

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 DCP_POLICIES = ("static", "static-balanced", "megatron-hybrid", "megatron-dynamic", "dcp")
-# --dcp-recompute's names: the planner's relief menu (planner/relief.py MENU_NAMES; a unit test holds them equal):
+# --dcp-recompute's names: the planner's relief menu (costmodel/relief.py MENU_NAMES; a unit test holds them equal):
 # none, full (k layers), megatron-core's recompute_modules one by one ("selective": core attention, the old
 # name), and "offload" (megatron-core's fine-grained activation offloading: GPU only, megatron.training only)
 RECOMPUTE_CHOICES = ("none", "selective", "full", "core_attn", "mlp", "layernorm", "moe_act", "moe", "offload")
@@ -36,7 +36,7 @@ class DcpConfig:
     max_cp_size: int | None = None
     memory_budget_gb: float | None = None
     # --dcp-device-memory-gb: the device memory this run may use (GiB). On GPU a cap of torch's allocator below the
-    # device (runtime/device_memory.py) and the base of the default budget (planner/device_budget.py); without a GPU
+    # device (runtime/device_memory.py) and the base of the default budget (costmodel/device_budget.py); without a GPU
     # an emulated device that raises out-of-memory errors (runtime/device_ceiling.py) and the default budget.
     # None: the device's own memory
     device_memory_gb: float | None = None
@@ -50,9 +50,9 @@ class DcpConfig:
     plan_ahead: bool = True          # plan step k+1 while step k trains (planner/ahead.py)
     train_iters: int | None = None   # the last step: nothing to read ahead after it
     iterations_to_skip: frozenset[int] = frozenset()   # --iterations-to-skip: Megatron reads those steps itself
-    refine: bool = True              # correct the cost model from measured times (planner/refine.py)
+    refine: bool = True              # correct the cost model from measured times (planner/costmodel/refine.py)
     # correct the memory count from each micro-batch's measured bytes in the first `memory_refine_steps` steps
-    # (planner/memory_correction.py), and probe the largest micro-batch of each relief before step 1; None: on GPU
+    # (costmodel/memory_correction.py), and probe the largest micro-batch of each relief before step 1; None: on GPU
     memory_refine: bool | None = None
     memory_refine_steps: int = 5
     memory_probe: bool | None = None

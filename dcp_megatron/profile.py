@@ -9,7 +9,7 @@ with the same flags as training plus `--dcp --dcp-profile-out`: Megatron builds 
 and data exactly as for training (with K layers when --layers is given: a few layers are enough, and
 the profile is scaled to the run's --num-layers), then, instead of training, times a grid of
 micro-batches (document lengths x packing x recompute x CP sizes up to N / TP) through the model and
-Megatron's schedule, fits the cost model's constants (planner/profile_fit.py) and writes the profile
+Megatron's schedule, fits the cost model's constants (planner/costmodel/profile_fit.py) and writes the profile
 JSON that `--dcp-profile` reads. The held-back grid points' predicted vs measured time and memory
 are printed and, with --report, written as JSON (median_rel_error, max_rel_error per micro-batch
 time, and per point). Run it on the machine type the training runs on, with its TP size.

@@ -11,7 +11,7 @@ Sizes: `--gpus` is the total number of GPUs; the DCP domain (the DP×CP ranks of
 coordinate) has gpus / (tp·pp) ranks, and a node holds gpus_per_node / tp of them (TP
 stays inside a node). `--zero-stage 3` (ZeRO-3 / FSDP: weights sharded over the domain) makes every policy plan
 in lockstep and charges each micro-batch its weight all-gathers and gradient reduce-scatters
-(planner/param_sharding.py); stages 0-2 change only the static memory. `--ep` (expert parallelism of an MoE preset) carves EP groups of ep consecutive
+(costmodel/param_sharding.py); stages 0-2 change only the static memory. `--ep` (expert parallelism of an MoE preset) carves EP groups of ep consecutive
 ranks out of the domain: it must divide the domain (and the model's experts); every policy then plans in
 lockstep (one micro-batch per group per wave: the EP all-to-alls pair the ranks' micro-batches) and the cost
 model charges the all-to-alls.
@@ -41,11 +41,9 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from dcp_megatron.planner.batcher import OVERLONG_MODES, GlobalBatch, GlobalBatcher
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost_profile import check_allowed_recompute
-from dcp_megatron.planner.relief import MENU_NAMES
+from dcp_megatron.planner.costmodel import MENU_NAMES, cluster_preset, model_preset
+from dcp_megatron.planner.costmodel.cost_profile import check_allowed_recompute
 from dcp_megatron.planner.distributions import iter_builtin_lengths, read_lengths
-from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.simulate_report import PolicyRun, format_origins, format_table, summarize
 
@@ -175,8 +173,7 @@ def simulate(config: SimulationConfig, *, dump_dir: str | None = None,
     Returns the result and, when `keep_step` is given, each policy's (re-scored) plan of
     that step (for drawing)."""
     from dcp_megatron.planner.bounds import lower_bound
-    from dcp_megatron.planner.cost import CostModel
-    from dcp_megatron.planner.cost_profile import load_profile
+    from dcp_megatron.planner.costmodel import CostModel, load_profile
     from dcp_megatron.planner.policies import POLICIES, make_plan
     from dcp_megatron.planner.rescore import rescored
     from dcp_megatron.planner.timeline import plan_makespan

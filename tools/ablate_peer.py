@@ -34,10 +34,10 @@ from unittest import mock
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dcp_megatron.planner.baselines.sweep import sweep  # noqa: E402
-from dcp_megatron.planner.cluster import cluster_preset  # noqa: E402
-from dcp_megatron.planner.cost import CostModel  # noqa: E402
-from dcp_megatron.planner.relief import MENU_NAMES  # noqa: E402
-from dcp_megatron.planner.model import model_preset  # noqa: E402
+from dcp_megatron.planner.costmodel import CostModel, MENU_NAMES, cluster_preset, model_preset  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
 from dcp_megatron.planner.policies import make_plan  # noqa: E402
 from dcp_megatron.simulate import SimulationConfig, cut_batches  # noqa: E402
 
@@ -48,7 +48,7 @@ COLUMNS = ("static", "md", "md-old", "md-tuned", "dcp-norc", "dcp-old", "dcp-run
 def _lever_off(column: str):
     """A context with one of dcp's levers switched off (the ablation's own switch: the planner has no such
     options, each lever is always on)."""
-    from dcp_megatron.planner.model import ModelShape
+    from dcp_megatron.planner.costmodel import ModelShape
     from dcp_megatron.planner.dcp import own_layout as dcp
     from dcp_megatron.planner.dcp.sized_sequences import SizedSequences
     if column == "dcp-pow2":

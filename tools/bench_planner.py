@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from dcp_megatron.planner.batcher import GlobalBatcher  # noqa: E402
-from dcp_megatron.planner.cluster import cluster_preset  # noqa: E402
+from dcp_megatron.planner.costmodel import cluster_preset, model_preset  # noqa: E402
 from dcp_megatron.planner.distributions import iter_builtin_lengths  # noqa: E402
-from dcp_megatron.planner.model import model_preset  # noqa: E402
+pass  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -47,8 +47,7 @@ def main(argv=None) -> int:
     if args.batches < 2:
         parser.error(f"--batches must be at least 2 (planning ahead needs a next step), got {args.batches}")
 
-    from dcp_megatron.planner.cost import CostModel
-    from dcp_megatron.planner.relief import MENU_NAMES
+    from dcp_megatron.planner.costmodel import CostModel, MENU_NAMES
     from dcp_megatron.planner.policies import make_plan
 
     cost = CostModel(model_preset(args.model), cluster_preset(args.cluster, domain_size=args.gpus),

@@ -23,7 +23,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dcp_megatron.planner.cluster_cpu import CPU_ATTN_RATE_POINTS  # noqa: E402
+from dcp_megatron.planner.costmodel.cluster_cpu import CPU_ATTN_RATE_POINTS  # noqa: E402
 from tests.support.megatron_runs import OUR_SCRIPT, run_training  # noqa: E402
 
 SETTLED_FROM = 4

@@ -76,11 +76,8 @@ def measure_workload(name: str, cost, tokens_per_step: int, steps: int, seed: in
 
 def measure_milp(args) -> list[dict]:
     from dcp_megatron.planner.bounds import lower_bound
-    from dcp_megatron.planner.cluster import cluster_preset
-    from dcp_megatron.planner.cost import CostModel
-    from dcp_megatron.planner.relief import MENU_NAMES
+    from dcp_megatron.planner.costmodel import CostModel, MENU_NAMES, cluster_preset, model_preset
     from dcp_megatron.planner.milp_reference import solve_family
-    from dcp_megatron.planner.model import model_preset
     from dcp_megatron.planner.policies import make_plan
 
     cost = CostModel(model_preset(args.model), cluster_preset(args.cluster, domain_size=args.milp_gpus),
@@ -127,10 +124,7 @@ def main(argv=None) -> int:
     if args.milp_instances < 0 or not 0 < args.milp_scale <= 1 or not args.milp_time_limit > 0:
         p.error("--milp-instances must be >= 0, --milp-scale in (0, 1], --milp-time-limit > 0")
 
-    from dcp_megatron.planner.cluster import cluster_preset
-    from dcp_megatron.planner.cost import CostModel
-    from dcp_megatron.planner.model import model_preset
-    from dcp_megatron.planner.relief import MENU_NAMES
+    from dcp_megatron.planner.costmodel import CostModel, MENU_NAMES, cluster_preset, model_preset
 
     cost = CostModel(model_preset(args.model), cluster_preset(args.cluster, domain_size=args.gpus),
                      allowed_recompute=MENU_NAMES)   # the whole relief menu (relief.py)

@@ -61,7 +61,7 @@ _DEEPSEEK_SAMPLES = tuple(flag for flag in DEEPSEEK_TINY if flag != "--dataloade
 # layouts trained on whole samples (no --dataloader-inter-document-masking): their base flags
 _ON_SAMPLES = {"mixtral-samples": _SAMPLES, "deepseek-mtp-samples": _DEEPSEEK_SAMPLES}
 
-# layout: (flags of both runs, --dcp budget flags (real bytes: planner/memory_spec.py CPU_FP32; each mixes CP 1 and 2
+# layout: (flags of both runs, --dcp budget flags (real bytes: costmodel/memory_spec.py CPU_FP32; each mixes CP 1 and 2
 # in dcp's own plans on the tests' lengths), ranks of the --dcp run, ranks of the plain run)
 _LAYOUTS = {
     "dp": ([], ["--dcp-memory-budget-gb", "0.007"], 2, 2),

@@ -17,7 +17,7 @@ megatron-dynamic, on real text.
    and recompute), with `--dcp --dcp-policy static` (Megatron's static layout: CP 2 for every
    document and the one recompute setting a full-length document needs) and with `--dcp --dcp-policy
    megatron-dynamic --dcp-policy-setting <winner>` (tuned), all run by the same runtime with 0.033 GiB
-   per rank (--dcp-memory-budget-gb 0.033, real bytes: planner/memory_spec.py CPU_FP32).
+   per rank (--dcp-memory-budget-gb 0.033, real bytes: planner/costmodel/memory_spec.py CPU_FP32).
    The runs are measured under the same conditions: all stay alive and take turns in blocks
    of --block steps (each paused while the others train the same steps, tools/demo_interleave.py),
    so a change in the machine's load hits all; a step whose time spans a pause is left out.

@@ -24,7 +24,7 @@ Steps (each its own process, so one failure cannot take the report down; the rep
   profile_bf16, profile_fp8
                  `dcp-profile` of a mid-sized model on the TE spec: GEMM rate, attention times by length;
                  written to PROFILES/<preset>_bf16.json and <preset>_fp8.json, merged into PROFILES/<preset>.json
-                 (<preset>: the device's cluster preset, planner/device_budget.py: h100-sxm, h200, ...)
+                 (<preset>: the device's cluster preset, planner/costmodel/device_budget.py: h100-sxm, h200, ...)
                  (bf16 constants + the FP8 run's GEMM rate as fp8_gemm_flops).
 CP > 1 is not checked: one GPU cannot run it (NCCL refuses two ranks on one device); the report says so.
 --dry-run prints the steps and their commands as JSON and runs nothing (works without a GPU).
@@ -76,10 +76,7 @@ def recompute_switching_budget_gb(model: dict, *, fp8: bool) -> float:
     """A --dcp-memory-budget-gb under which a SEQ_LENGTH document needs full recompute at CP 1 and one of
     a quarter of that needs none (the planner's own memory model, as the run builds it on GPU)."""
     sys.path.insert(0, REPO)
-    from dcp_megatron.planner.cluster import cluster_preset
-    from dcp_megatron.planner.cost import CostModel
-    from dcp_megatron.planner.gpu_costs import GpuCosts
-    from dcp_megatron.planner.model import ModelShape
+    from dcp_megatron.planner.costmodel import CostModel, GpuCosts, ModelShape, cluster_preset
     from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute
 
     shape = ModelShape(num_layers=model["num_layers"], hidden_size=model["hidden_size"], num_heads=model["num_heads"],
@@ -176,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     sys.path.insert(0, REPO)
-    from dcp_megatron.planner.device_budget import preset_for_device
+    from dcp_megatron.planner.costmodel.device_budget import preset_for_device
 
     preset, note = preset_for_device(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gpu": torch.cuda.get_device_name(0),

@@ -1,7 +1,7 @@
 """gpu_check's memory step (tools/gpu_check.py runs `python tools/gpu_check_memory.py DIR` on a GPU; it writes
 DIR/memory.json; exit 0 when every relief ran and stayed inside the planner's count plus its safety margin).
 
-The planner's memory count on the TE spec is read from Transformer Engine's sources (planner/memory_spec.py
+The planner's memory count on the TE spec is read from Transformer Engine's sources (planner/costmodel/memory_spec.py
 TRANSFORMER_ENGINE) and checked against megatron-core's real tensors only on the local spec (tools/memcheck.py, on
 the `meta` device). This step measures it where it runs: one process on one GPU, the small TE-spec GPT of the
 offload step (tools/gpu_check_offload.py, bf16), one micro-batch of THD-packed documents per relief of the menu
@@ -12,11 +12,11 @@ the planner's count for the same shape and tokens. The table (counted, measured,
 memory.json; `within_margin` per relief: measured <= counted / (1 - the cluster's safety margin).
 Each row's `probe` is the same micro-batch as the memory probe before step 1 reads it (runtime/measured_memory.py:
 on GPU the allocator's peak above what was allocated at its forward, on CPU the bytes saved for backward) against
-the count of that quantity, and the factor the probe would set (planner/memory_correction.py: measured / counted
+the count of that quantity, and the factor the probe would set (costmodel/memory_correction.py: measured / counted
 plus the margin, raised only); `probe_factors` lists them and the step prints the table.
 The step also reads the device as a --dcp run does at start (runtime/device_memory.py: name, total and free memory,
 what the process holds once the model and its gradients are built) and reports the preset and the default budget a
-run would choose from it (planner/device_budget.py): memory.json's `device`, and its line in the log.
+run would choose from it (planner/costmodel/device_budget.py): memory.json's `device`, and its line in the log.
 FP8 is not measured here (the train_fp8 step trains under a budget; its peak per relief is not read yet).
 `--cpu-smoke DIR` runs the plumbing on CPU with the local spec (the peak is not measured on a CPU; the probe's
 saved bytes are).
@@ -48,10 +48,8 @@ def counted_model(shape: dict, *, cuda: bool):
     """The planner's cost model for the probe's GPT (one rank, the device's preset; the TE spec's entries on a GPU)."""
     import dataclasses
 
-    from dcp_megatron.planner.cluster import cluster_preset
-    from dcp_megatron.planner.cost import CostModel
-    from dcp_megatron.planner.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE
-    from dcp_megatron.planner.model import ModelShape
+    from dcp_megatron.planner.costmodel import CostModel, ModelShape, cluster_preset
+    from dcp_megatron.planner.costmodel.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE
 
     model = ModelShape(num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
                        num_heads=shape["num_heads"], num_kv_heads=shape["num_heads"],
@@ -62,7 +60,7 @@ def counted_model(shape: dict, *, cuda: bool):
     if cuda:
         import torch
 
-        from dcp_megatron.planner.device_budget import preset_for_device
+        from dcp_megatron.planner.costmodel.device_budget import preset_for_device
 
         preset = preset_for_device(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)[0]
     cluster = dataclasses.replace(cluster_preset(preset, domain_size=1), host_link_bw=64e9)
@@ -75,7 +73,7 @@ def probe(out_dir: str, *, cuda: bool = True) -> int:
     import torch
 
     from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY
-    from dcp_megatron.planner.memory_correction import MemoryCorrection, MemoryReading
+    from dcp_megatron.planner.costmodel.memory_correction import MemoryCorrection, MemoryReading
     from dcp_megatron.runtime.measured_memory import PEAK, SAVED, counted_bytes
 
     sys.path.insert(0, os.path.join(REPO, "tools"))
@@ -137,10 +135,10 @@ def probe(out_dir: str, *, cuda: bool = True) -> int:
 
 def device_section(reading, cost) -> dict:
     """memory.json's `device`: the reading, and the preset and default budget a run with `cost`'s static bytes
-    chooses from it (planner/device_budget.py), with the line the run's start prints."""
+    chooses from it (planner/costmodel/device_budget.py), with the line the run's start prints."""
     import dataclasses
 
-    from dcp_megatron.planner.device_budget import choose_device_budget
+    from dcp_megatron.planner.costmodel.device_budget import choose_device_budget
 
     choice = choose_device_budget(reading, static_bytes=cost.static_bytes, memory_budget_gb=None,
                                   device_memory_gb=None, safety_frac=cost.cluster.mem_safety_frac)

@@ -7,6 +7,12 @@ Every import counts, also those inside functions (a lazy import is still an arro
 config < planner < runtime, data < core, checks < training, deepspeed < patches < entry points < the test
 harness (tests/support/: the reference engine and the helpers tests and tools share; it imports the product,
 the product never imports it).
+
+Inside the planner (the standard library, numpy and, for the optional MILP reference, highspy: nothing else), tiers
+bottom up: the plan format (plan.py, padding.py) < the cost model (costmodel/) < what the policies build with
+(layout, timeline, validate, the bound, ...: every planner module not named in PLANNER_TIERS) < the policies
+(policies.py, dcp/, baselines/). A planner module imports its own tier and lower ones, and outside costmodel/ it asks
+the cost model through its face (`dcp_megatron.planner.costmodel`, its __init__) only, never an inner module.
 """
 from __future__ import annotations
 
@@ -35,6 +41,15 @@ LAYERS = {
 APART = {("dcp_megatron.deepspeed", "dcp_megatron.training"), ("dcp_megatron.training", "dcp_megatron.deepspeed"),
          ("dcp_megatron.core", "dcp_megatron.flags"), ("dcp_megatron.runtime", "dcp_megatron.data"),
          ("dcp_megatron.data", "dcp_megatron.runtime")}
+
+# Inside the planner (module docstring): module prefix -> tier, the longest prefix wins; unnamed modules are tier 2
+PLANNER_TIERS = {"dcp_megatron.planner.plan": 0, "dcp_megatron.planner.padding": 0,   # the plan format
+                 "dcp_megatron.planner.costmodel": 1,                                   # the cost model
+                 "dcp_megatron.planner": 2,                                             # what builds plans
+                 "dcp_megatron.planner.policies": 3, "dcp_megatron.planner.dcp": 3,     # the policies
+                 "dcp_megatron.planner.baselines": 3}
+COST_MODEL = "dcp_megatron.planner.costmodel"     # its face: the package itself; its inner modules are its own
+PLANNER_THIRD_PARTY = ("numpy", "highspy")        # beyond the standard library (highspy: milp_reference, optional)
 
 
 def package_of(module: str) -> str:
@@ -82,8 +97,52 @@ def violations() -> list[str]:
                 continue
             if LAYERS[dst] > LAYERS[src] or (LAYERS[dst] == LAYERS[src]) or (src, dst) in APART:
                 bad.append(f"{module} -> {target} ({src} layer {LAYERS[src]} imports {dst} layer {LAYERS[dst]})")
+    bad += planner_violations(graph, found)
     bad += [f"circle: {' -> '.join(c)}" for c in circles(graph)]
     return bad
+
+
+def planner_tier(module: str) -> int | None:
+    best = max((p for p in PLANNER_TIERS if module == p or module.startswith(p + ".")), key=len, default=None)
+    return None if best is None else PLANNER_TIERS[best]
+
+
+def planner_violations(graph: dict[str, set[str]], found: dict[str, pathlib.Path]) -> list[str]:
+    """The planner's own rules (module docstring): tiers, the cost model's face, numpy only."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        src = planner_tier(module)
+        if src is None:
+            continue
+        inside = module == COST_MODEL or module.startswith(COST_MODEL + ".")
+        for target in sorted(targets):
+            dst = planner_tier(target)
+            if dst is None:
+                continue
+            if dst > src:
+                bad.append(f"{module} -> {target} (planner tier {src} imports tier {dst})")
+            elif target.startswith(COST_MODEL + ".") and not inside:
+                bad.append(f"{module} -> {target} (past the cost model's face: import it from {COST_MODEL})")
+        for name in sorted(third_party_of(found[module])):
+            bad.append(f"{module} imports {name} (the planner imports the standard library and "
+                       f"{', '.join(PLANNER_THIRD_PARTY)} only)")
+    return bad
+
+
+def third_party_of(path: pathlib.Path) -> set[str]:
+    """Top-level names of what `path` imports from outside the standard library and the project."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            top = name.partition(".")[0]
+            if top not in sys.stdlib_module_names and top not in ("dcp_megatron",) + PLANNER_THIRD_PARTY:
+                out.add(top)
+    return out
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:

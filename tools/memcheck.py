@@ -18,7 +18,7 @@ of 1..layers). Per relief it prints, per local token:
   (static state apart);
 
 and the relative errors. The planner counts the same run: the preset at `--layers` layers with the
-`ActivationSpec` the stack ran (planner/memory_spec.py: bf16, the local spec's torch norm and RoPE, fused or
+`ActivationSpec` the stack ran (planner/costmodel/memory_spec.py: bf16, the local spec's torch norm and RoPE, fused or
 unfused SwiGLU, a flash-attention kernel that keeps v as handed). Offload runs no copy (it needs CUDA streams): the
 relief's recompute modules run and megatron-core's bookkeeping is applied to what that forward saved: each offload
 group frees the bytes saved only inside its modules (attention.py: `core_attn` the core attention's, `attn_proj`
@@ -41,12 +41,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dcp_megatron.planner.cluster import cluster_preset  # noqa: E402
-from dcp_megatron.planner.cost import CostModel  # noqa: E402
-from dcp_megatron.planner.memory_spec import LOCAL_BF16  # noqa: E402
-from dcp_megatron.planner.model import model_preset  # noqa: E402
+from dcp_megatron.planner.costmodel import CostModel, cluster_preset, model_preset  # noqa: E402
+pass  # noqa: E402
+from dcp_megatron.planner.costmodel.memory_spec import LOCAL_BF16  # noqa: E402
+pass  # noqa: E402
 from dcp_megatron.planner.plan import Recompute  # noqa: E402
-from dcp_megatron.planner.relief import MENU_NAMES, OFFLOAD_KEPT_LAYERS  # noqa: E402
+from dcp_megatron.planner.costmodel.relief import MENU_NAMES, OFFLOAD_KEPT_LAYERS  # noqa: E402
 
 NOT_RUN = {"moe_act": "grouped experts only", "expert_fc1": "grouped experts only"}
 

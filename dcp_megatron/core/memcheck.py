@@ -24,7 +24,7 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.costmodel import ModelShape
 from dcp_megatron.planner.plan import Recompute
 from dcp_megatron.runtime.memory_probe import LiveBytes, SavedBytes, drop_weight_grads
 

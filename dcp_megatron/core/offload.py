@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dcp_megatron.core.recompute import decoder_layers
 
-# What DCP builds the layers with (--offload-modules): every offload the planner's menu has (planner/relief.py
+# What DCP builds the layers with (--offload-modules): every offload the planner's menu has (planner/costmodel/relief.py
 # ATTENTION_OFFLOADS, MOE_OFFLOADS), the MoE ones only on a MoE model.
 ATTENTION_OFFLOAD_MODULES = ("core_attn", "attn_proj")
 MOE_OFFLOAD_MODULES = ("expert_fc1", "moe_act")

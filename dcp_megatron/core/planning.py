@@ -11,15 +11,10 @@ import hashlib
 
 from dcp_megatron.config import DcpConfig
 from dcp_megatron.core.out_of_memory import LIMIT_DIR, capped_memory_bytes
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.cost_profile import load_profile
-from dcp_megatron.planner.device_budget import DeviceReading, choose_device_budget, preset_for_device
-from dcp_megatron.planner.gpu_costs import GpuCosts
-from dcp_megatron.planner.memory_spec import (CPU_FP32, LOCAL_BF16, TRANSFORMER_ENGINE, TRANSFORMER_ENGINE_FP8,
-                                              ActivationSpec)
-from dcp_megatron.planner.mla import MlaShape
-from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.costmodel import CostModel, GpuCosts, MlaShape, ModelShape, cluster_preset, load_profile
+from dcp_megatron.planner.costmodel.device_budget import DeviceReading, choose_device_budget, preset_for_device
+from dcp_megatron.planner.costmodel.memory_spec import (CPU_FP32, LOCAL_BF16, TRANSFORMER_ENGINE,
+                                                        TRANSFORMER_ENGINE_FP8, ActivationSpec)
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.policies import make_plan
 
@@ -40,12 +35,12 @@ def model_shape_from_args(args, *, vocab_size: int | None = None, dtype_bytes: i
         vocab_size=vocab_size or args.padded_vocab_size, gated_mlp=bool(args.swiglu),
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
         ep=getattr(args, "expert_model_parallel_size", 1) if is_moe else 1,
-        # MoE: router + top-k experts in FLOPs, experts / ep in memory, EP all-to-alls (planner/moe_cost.py)
+        # MoE: router + top-k experts in FLOPs, experts / ep in memory, EP all-to-alls (planner/costmodel/moe_cost.py)
         num_experts=getattr(args, "num_experts", None), moe_topk=getattr(args, "moe_router_topk", None) or 2,
         moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
         moe_shared_expert_size=getattr(args, "moe_shared_expert_intermediate_size", None) if is_moe else None,
         num_dense_layers=dense_layers_of(args) if is_moe else 0,
-        # what the layers keep for backward depends on the spec and on sequence parallelism (planner/memory_spec.py)
+        # what the layers keep for backward depends on the spec and on sequence parallelism (costmodel/memory_spec.py)
         transformer_impl="local" if getattr(args, "transformer_impl", None) == "local" else "transformer_engine",
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         # MLA's head dims and latents, MTP's layers: their FLOPs, weights and saved tensors
@@ -102,7 +97,7 @@ def activation_spec_of(args, *, dtype_bytes: int | None = None) -> ActivationSpe
 
 def build_cost_model(config: DcpConfig, model: ModelShape, *, domain_size: int, has_gpu: bool,
                      device: DeviceReading | None = None, say=None) -> CostModel:
-    """On GPU the preset and budget the device read at start chooses (planner/device_budget.py; `device`: a reading
+    """On GPU the preset and budget the device read at start chooses (costmodel/device_budget.py; `device`: a reading
     to use, else this rank's device is read), "cpu" without; --dcp-* flags and --dcp-profile override it; `say`
     gets the start's lines (what was read, the budget chosen). On GPU the model also charges FP8 GEMMs and weight
     copies, TE's p2p CP ring and NCCL communicators (gpu_costs.py)."""

@@ -42,9 +42,9 @@ from dcp_megatron.core.out_of_memory import (MICROBATCH, MicrobatchOutOfMemory, 
 from dcp_megatron.core.plan_dump import PlanDumper
 from dcp_megatron.core.planning import check_longest_fits, check_same_plan, plan_global_batch
 from dcp_megatron.planner.ahead import PlanAhead, PlannedStep, plan_synchronously
-from dcp_megatron.planner.memory_correction import (MemoryCorrection, MemoryReading, MemoryScale, describe_scale,
-                                                    noise_floor_bytes)
-from dcp_megatron.planner.refine import TimeCorrection, relative_error
+from dcp_megatron.planner.costmodel.memory_correction import (MemoryCorrection, MemoryReading, MemoryScale,
+                                                              describe_scale, noise_floor_bytes)
+from dcp_megatron.planner.costmodel.refine import TimeCorrection, relative_error
 from dcp_megatron.runtime.group_pool import GroupPool, plan_blocks
 from dcp_megatron.runtime.measured_cost import refined_cost
 from dcp_megatron.runtime.measured_memory import PEAK, SAVED, fold_readings, refined_memory_scale
@@ -166,7 +166,7 @@ class PlannedStepLoop:
 
     @property
     def memory_scale(self) -> MemoryScale:
-        """The factors the memory count carries now (planner/memory_correction.py)."""
+        """The factors the memory count carries now (planner/costmodel/memory_correction.py)."""
         return self._memory_correction.scale()
 
     @property

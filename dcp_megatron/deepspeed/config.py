@@ -17,7 +17,7 @@ block (DeepSpeed does not know it) and sets what the planned step needs of the e
   domain) in every forward and backward, so ranks running different numbers of micro-batches would
   issue different numbers of gathers and hang (measured on 0.19.8, 2 CPU ranks: 1 vs 3 forwards time
   out, with and without `coalesce_grad_reduction`): the planner plans stage 3 in lockstep (one
-  micro-batch per group per wave, a masked filler on idle ranks; planner/param_sharding.py) with one relief
+  micro-batch per group per wave, a masked filler on idle ranks; planner/costmodel/param_sharding.py) with one relief
   per wave that every micro-batch of it, fillers included, runs (`ModelShape.wave_uniform_relief`; the
   engine step checks it, engine_step.check_wave_reliefs); what stage 3 cannot run is refused
   (`stage3_recompute`).

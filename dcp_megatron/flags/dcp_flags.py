@@ -49,7 +49,7 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--dcp-memory-budget-gb", type=float, default=None,
                        help="memory per rank the planner may fill (GiB; default on GPU: the device's, read at start, "
                             "docs/gpu.md; on CPU the cluster preset's); real bytes on "
-                            "GPU and on a CPU run (fp32, --transformer-impl local: planner/memory_spec.py CPU_FP32)")
+                            "GPU and on a CPU run (fp32, --transformer-impl local: costmodel/memory_spec.py CPU_FP32)")
     group.add_argument("--dcp-device-memory-gb", type=float, default=None, metavar="G",
                        help="the device memory this run may use (GiB): on GPU torch's allocator is capped there; "
                             "without a GPU an emulated device counts every live tensor byte and the allocation past "

@@ -7,7 +7,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from dcp_megatron.planner.cluster import ClusterSpec
+from dcp_megatron.planner.costmodel import ClusterSpec
 from dcp_megatron.planner.cp_flavour import choose_cp_attention
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, StepPlan, Wave
 from dcp_megatron.planner.timeline import plan_makespan

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 Sequence = tuple[int, int]
 
 
-# megatron-core 0.19.2's recompute_modules and offload_modules this planner models (planner/relief.py)
+# megatron-core 0.19.2's recompute_modules and offload_modules this planner models (planner/costmodel/relief.py)
 RECOMPUTE_MODULE_NAMES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts")
 OFFLOAD_MODULE_NAMES = ("core_attn", "attn_proj", "expert_fc1", "moe_act")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from dcp_megatron.planner.cluster import ClusterSpec
+from dcp_megatron.planner.costmodel import ClusterSpec
 from dcp_megatron.planner.plan import StepPlan
 
 
@@ -92,6 +92,6 @@ def validate(plan: StepPlan, batch: Sequence[tuple[int, int]], cluster: ClusterS
 
 
 def _allowed(cost, recompute) -> bool:
-    """The cost model's menu check (relief.py); a duck-typed cost model without one checks the kind."""
+    """The cost model's menu check (costmodel/relief.py); a duck-typed cost model without one checks the kind."""
     check = getattr(cost, "allows", None)
     return check(recompute) if check is not None else recompute.kind in cost.allowed_recompute

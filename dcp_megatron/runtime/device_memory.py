@@ -1,6 +1,6 @@
 """This rank's GPU, read once at start, and the per-process cap of `--dcp-device-memory-gb` (torch only).
 
-`read_device` returns what planner/device_budget.py chooses the preset and budget from: the device's name and
+`read_device` returns what planner/costmodel/device_budget.py chooses the preset and budget from: the device's name and
 total memory (`torch.cuda.get_device_properties`), its free memory (`torch.cuda.mem_get_info`, every process),
 and what this process's allocator holds (`memory_allocated`) and caches (`memory_reserved`). `cap_device_memory`
 caps torch's caching allocator on the device (`torch.cuda.set_per_process_memory_fraction`): an allocation past it
@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from dcp_megatron.planner.device_budget import GiB, DeviceReading
+from dcp_megatron.planner.costmodel.device_budget import GiB, DeviceReading
 
 
 def rank_device() -> int:

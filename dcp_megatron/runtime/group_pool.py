@@ -18,7 +18,7 @@ agree without communicating, and a step whose blocks all exist costs nothing. At
 of them are kept (each is an NCCL communicator with its own device buffers on GPU): past that, the
 least recently used ones the step does not need are destroyed, in the same order on every rank, so the
 number of communicators a rank holds is bounded and the planner reserves their memory
-(planner/gpu_costs.py) instead of a long run growing into an OOM.
+(planner/costmodel/gpu_costs.py) instead of a long run growing into an OOM.
 
 Why not `new_group(ranks, use_local_synchronization=True)` at the moment a group is needed: in
 torch 2.13 such a group's store prefix is a hash of its ranks AND of how many groups the calling
@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 
 import torch.distributed as dist
 
-from dcp_megatron.planner.gpu_costs import MAX_ODD_COMMUNICATORS
+from dcp_megatron.planner.costmodel.gpu_costs import MAX_ODD_COMMUNICATORS
 
 Block = tuple[int, int]  # (first domain rank, size)
 

@@ -1,6 +1,6 @@
 """Online refinement's one collective: every rank's measured micro-batch times, summed, into the cost model.
 
-Each rank times the micro-batches it ran (`planner/refine.py` buckets them by CP size and relief,
+Each rank times the micro-batches it ran (`planner/costmodel/refine.py` buckets them by CP size and relief,
 the buckets the plan uses); one all-reduce of the bucket sums gives every rank the same totals, so the corrected cost
 model, and therefore the next plans, stay identical everywhere. Used by the Megatron and the
 DeepSpeed adapters alike.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dcp_megatron.planner.refine import MeasuredMicroBatch, TimeCorrection, plan_buckets
+from dcp_megatron.planner.costmodel.refine import MeasuredMicroBatch, TimeCorrection, plan_buckets
 
 
 def refined_cost(correction: TimeCorrection, base_cost, plan, *, domain_rank: int, durations: list[float],

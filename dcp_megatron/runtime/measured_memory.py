@@ -12,7 +12,7 @@ Two readings, one per device (both cheap: no synchronisation, no copy):
 
 `refined_memory_scale` compares a step's readings with the uncorrected count of the same quantity
 (`counted_bytes`), takes the largest ratio per relief over the world (one MAX all-reduce: memory is about the worst
-rank) and folds it into the correction (planner/memory_correction.py); every rank gets the same scale.
+rank) and folds it into the correction (planner/costmodel/memory_correction.py); every rank gets the same scale.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dcp_megatron.planner.memory_correction import MemoryCorrection, MemoryReading, MemoryScale, relief_buckets
+from dcp_megatron.planner.costmodel.memory_correction import (MemoryCorrection, MemoryReading, MemoryScale,
+                                                              relief_buckets)
 from dcp_megatron.planner.padding import local_tokens
 from dcp_megatron.runtime.memory_probe import SavedBytes
 

@@ -64,7 +64,7 @@ def step_scalars(plan: StepPlan, *, measured_s: float, planning_s: float, expose
                  predicted_unrefined_s: float, pad_multiple: int = 1, memory_scale=None,
                  memory_margin: float = 0.0) -> dict[str, float]:
     """`plan_scalars` plus the step's measured and planning times, and the memory count's factors
-    (`memory_scale`: planner/memory_correction.MemoryScale, when the engine corrects it)."""
+    (`memory_scale`: planner/costmodel/memory_correction.MemoryScale, when the engine corrects it)."""
     out = plan_scalars(plan, pad_multiple=pad_multiple)
     out.update({TAG_PREFIX + "predicted_unrefined_s": float(predicted_unrefined_s),
                 TAG_PREFIX + "measured_step_s": float(measured_s),

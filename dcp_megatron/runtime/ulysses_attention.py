@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dcp_megatron.planner.model import kv_heads_exchanged, ulysses_supported
+from dcp_megatron.planner.costmodel.model import kv_heads_exchanged, ulysses_supported
 from dcp_megatron.planner.padding import padded_length
 from dcp_megatron.runtime.sharding import LocalShard
 

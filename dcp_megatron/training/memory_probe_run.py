@@ -28,7 +28,7 @@ from dcp_megatron.core.microbatches import build_batch
 from dcp_megatron.core.offload import offload_built, own_warmup_every_step
 from dcp_megatron.core.probe_guard import untouched_training_state
 from dcp_megatron.core.recompute import restore_recompute, snapshot_recompute
-from dcp_megatron.planner.memory_correction import MemoryReading
+from dcp_megatron.planner.costmodel.memory_correction import MemoryReading
 from dcp_megatron.planner.plan import Recompute
 from dcp_megatron.runtime.backward_queue import BackwardQueueSentinel
 from dcp_megatron.runtime.device_ceiling import active_ceiling

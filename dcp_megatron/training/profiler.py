@@ -9,7 +9,7 @@ size) is one DCP micro-batch dict (the same `build_batch` training uses) run by 
 (the domain split into groups of its CP size: every core busy, as in a step) through Megatron's own
 schedule and the user's forward step, with grad sync off: once to warm up (and count the bytes
 saved for backward), then once per timed pass over the grid (`repeats` passes, so each point's runs
-are spread over the whole profile); each point keeps its fastest run, of the world's slowest rank. Then `planner/profile_fit.py` fits the constants on the fit points and scores the
+are spread over the whole profile); each point keeps its fastest run, of the world's slowest rank. Then `costmodel/profile_fit.py` fits the constants on the fit points and scores the
 held-back ones; rank 0 writes the profile (scaled to the trained model's layers) and the report.
 """
 from __future__ import annotations
@@ -26,7 +26,8 @@ from dcp_megatron.training.forward_step import Clock, DcpForwardStep
 from dcp_megatron.core.microbatches import build_batch
 from dcp_megatron.training.profile_probes import AttentionTimer, SavedBytesMeter, all_gather_constants
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
-from dcp_megatron.planner.profile_fit import Measurement, fit_profile, format_report, scaled_to_stage, score_profile
+from dcp_megatron.planner.costmodel.profile_fit import (Measurement, fit_profile, format_report, scaled_to_stage,
+                                                        score_profile)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,7 +208,7 @@ def run_profile(forward_step_func, model_chunks, *, profile: ProfileConfig, dcp,
     from megatron.core.utils import get_model_config
 
     from dcp_megatron.core.domain import build_group_pool
-    from dcp_megatron.planner.cluster import cluster_preset
+    from dcp_megatron.planner.costmodel import cluster_preset
 
     if shape.pp != 1:
         raise ValueError("the profiler runs one pipeline stage: give --pipeline-model-parallel-size 1 and "
@@ -255,8 +256,8 @@ def run_profile(forward_step_func, model_chunks, *, profile: ProfileConfig, dcp,
                                 attention_seconds=r[1], saved_bytes=r[2], block_saved_bytes=r[3],
                                 held_back=p.held_back) for p, r in zip(grid, results)]
     preset = "cpu"
-    if has_gpu:   # the device's preset (planner/device_budget.py): its links where none were measured
-        from dcp_megatron.planner.device_budget import preset_for_device
+    if has_gpu:   # the device's preset (planner/costmodel/device_budget.py): its links where none were measured
+        from dcp_megatron.planner.costmodel.device_budget import preset_for_device
 
         preset = preset_for_device(torch.cuda.get_device_name(), torch.cuda.get_device_properties(
             torch.cuda.current_device()).total_memory)[0]

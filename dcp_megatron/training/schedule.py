@@ -41,7 +41,7 @@ from dcp_megatron.core.planning import build_cost_model
 from dcp_megatron.core.offload import offload_built, own_warmup_every_step
 from dcp_megatron.core.recompute import restore_recompute, snapshot_recompute
 from dcp_megatron.core.step_loop import PlannedStepLoop, RanBatches, Share, StepRecord
-from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.costmodel import ModelShape
 from dcp_megatron.runtime.measured_memory import memory_readings
 from dcp_megatron.training.batch_schedule import next_step_num_microbatches
 from dcp_megatron.training.forward_step import DcpForwardStep

@@ -33,7 +33,7 @@ from tests.support.deepspeed_runs import TINY_MODEL, blend_flags, ds_config, loa
 from tests.support.dist_utils import group_timeout_s, group_timeouts_s, max_rel_err, run_distributed
 from tests.support.megatron_runs import is_own_plan, microbatches_planned, microbatches_seen, read_plan_dumps
 
-# real bytes (planner/memory_spec.py CPU_FP32): tight enough that long documents need CP 2 or recompute
+# real bytes (planner/costmodel/memory_spec.py CPU_FP32): tight enough that long documents need CP 2 or recompute
 BUDGET = ["--dcp-memory-budget-gb", "0.00625"]
 # ZeRO-3 (weights gathered per layer): the longest documents need CP 2, shorter ones run alone, some waves MLP recompute
 Z3_BUDGET = ["--dcp-memory-budget-gb", "0.008"]

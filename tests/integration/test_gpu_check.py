@@ -83,10 +83,7 @@ def _parse_with_argv(parse_args, extra, flags):
 
 
 def test_the_budget_makes_long_documents_recompute_and_short_ones_not():
-    from dcp_megatron.planner.cluster import GiB, cluster_preset
-    from dcp_megatron.planner.cost import CostModel
-    from dcp_megatron.planner.gpu_costs import GpuCosts
-    from dcp_megatron.planner.model import ModelShape
+    from dcp_megatron.planner.costmodel import CostModel, GiB, GpuCosts, ModelShape, cluster_preset
 
     model = gpu_check.TRAIN_MODEL
     for fp8 in (False, True):
@@ -139,7 +136,7 @@ def test_profiles_merge_the_fp8_gemm_rate(tmp_path):
     (tmp_path / "h200_fp8.json").write_text(json.dumps({"gemm_flops": 9e14}))
     merged = json.loads(open(gpu_check.merge_profiles(str(tmp_path))).read())
     assert merged["gemm_flops"] == 5e14 and merged["fp8_gemm_flops"] == 9e14
-    from dcp_megatron.planner.cost_profile import check_profile
+    from dcp_megatron.planner.costmodel.cost_profile import check_profile
 
     check_profile(merged)
     assert os.path.basename(merged["meta"]["fp8_from"]) == "h200_fp8.json"

@@ -36,7 +36,7 @@ TOLERANCE = 1e-5
 EP1 = [*DEEPSEEK_FLAGS, "--moe-token-dispatcher-type", "alltoall", "--mtp-num-layers", "1",
        "--mtp-loss-scaling-factor", "0.1"]
 EP2 = [*EP1, "--expert-model-parallel-size", "2"]
-BUDGET = ["--dcp-memory-budget-gb", "0.015"]   # real bytes (planner/memory_spec.py CPU_FP32): EP 2 needs 0.013 to fit a --seq-length document
+BUDGET = ["--dcp-memory-budget-gb", "0.015"]   # real bytes (costmodel/memory_spec.py CPU_FP32): EP 2 needs 0.013 to fit a --seq-length document
 # The case against megatron-core: whole samples as documents, 4 per step (2 per rank)
 SAMPLES = [*(flag for flag in DEEPSEEK_TINY if flag != "--dataloader-inter-document-masking"),
            "--global-batch-size", "4"]

@@ -27,7 +27,7 @@ from tests.support.megatron_runs import (CPU_FLAGS, LLAMA_TINY, OUR_SCRIPT, is_o
 
 pytestmark = pytest.mark.timeout(1500)
 
-# 7 MiB per rank (real bytes: planner/memory_spec.py CPU_FP32): with this tiny model about 500 local tokens fit
+# 7 MiB per rank (real bytes: costmodel/memory_spec.py CPU_FP32): with this tiny model about 500 local tokens fit
 # without recompute, so 1,024-token documents need CP 2 or recompute and short ones run alone: plans mix CP sizes
 # and recompute (MLP recompute beside none; full recompute of one layer holds more).
 SMALL_BUDGET = ["--dcp-memory-budget-gb", "0.007"]

@@ -43,7 +43,7 @@ PP = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
 # recompute checkpoint as the Parameter itself (patches/tensor_parallel_random.py)
 GELU_WITH_BIASES = [flag for flag in LLAMA_TINY if flag not in ("--swiglu", "--disable-bias-linear")]
 UNREFINED_STEPS = 3
-# Budgets (real bytes: planner/memory_spec.py CPU_FP32) that make 1,024-token documents need CP 2 or recompute at
+# Budgets (real bytes: costmodel/memory_spec.py CPU_FP32) that make 1,024-token documents need CP 2 or recompute at
 # this layout (TP halves the activations per rank; 1F1B keeps two micro-batches per stage in flight).
 # The unrefined steps' plans follow from the lengths and this count alone (checked below, so the test does not depend
 # on measured times): CP 1 beside CP 2, none beside full recompute of one layer, 8 and 9 micro-batches. Found offline

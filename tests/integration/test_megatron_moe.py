@@ -55,7 +55,7 @@ SAMPLES_BUDGET = ["--dcp-memory-budget-gb", "0.04"]
 SKIPPED = 3
 SKIP = ["--iterations-to-skip", str(SKIPPED)]
 ALL_STEPS = list(range(1, ITERS + 1))
-# Real bytes (planner/memory_spec.py CPU_FP32). EP 2 (lockstep): at 0.014 dcp's own layout wins 5 of 6 steps by the
+# Real bytes (costmodel/memory_spec.py CPU_FP32). EP 2 (lockstep): at 0.014 dcp's own layout wins 5 of 6 steps by the
 # model as configured (at 0.013, 4 of 6); EP 1 and TP 2 all 6
 DOCUMENTS_BUDGET = {"ep2": ["--dcp-memory-budget-gb", "0.014"], "ep1": ["--dcp-memory-budget-gb", "0.012"],
                     "tp2": ["--dcp-memory-budget-gb", "0.0061"]}

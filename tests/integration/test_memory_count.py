@@ -11,7 +11,7 @@ saved tensors, and the peak's extra (a recomputed layer's working set, the backw
 backward; so the budget check holds the saved bytes against the room the plan had for activations: the budget
 less the static bytes.
 
-The count depends on the micro-batch's CP group (planner/memory_spec.py): our CPU attention at CP 1 keeps K/V
+The count depends on the micro-batch's CP group (planner/costmodel/memory_spec.py): our CPU attention at CP 1 keeps K/V
 repeated to every query head, each document's output and their concatenation; on a CP group it keeps the group's
 K/V gathered and their row index instead. Every micro-batch, CP 1 or 2, is held to the same tolerance.
 

@@ -54,7 +54,7 @@ def _loop_worker(rank: int, world_size: int, case: str) -> dict:
     from dcp_megatron.core.microbatches import MICROBATCH_KEY
     from patches.megatron_set import megatron_patch_registry
     from dcp_megatron.training.schedule import DcpForwardBackward
-    from dcp_megatron.planner.model import ModelShape
+    from dcp_megatron.planner.costmodel import ModelShape
     from tests.support.megatron_runs import tiny_local_gpt
 
     seen: list = []
@@ -175,7 +175,7 @@ def _deepspeed_loop_worker(rank: int, world_size: int, case: str) -> dict:
     from dcp_megatron.config import DcpConfig
     from patches.megatron_set import megatron_patch_registry
     from dcp_megatron.core.planning import build_cost_model
-    from dcp_megatron.planner.model import ModelShape
+    from dcp_megatron.planner.costmodel import ModelShape
     from dcp_megatron.runtime.group_pool import GroupPool
     from tests.support.megatron_runs import tiny_local_gpt
 

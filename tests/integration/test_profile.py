@@ -1,4 +1,4 @@
-"""The profiler: fitting (planner/profile_fit.py), the grid, the in-model probes, and one real dcp-profile run.
+"""The profiler: fitting (costmodel/profile_fit.py), the grid, the in-model probes, and one real dcp-profile run.
 
 The fit is checked against a known cost model: micro-batches "measured" by a CostModel with a known
 profile are fitted, and the fitted profile must recover its constants and predict the held-back
@@ -19,13 +19,12 @@ import pytest
 import torch
 
 from dcp_megatron.training.profiler import profile_cp_sizes, profile_grid
-from dcp_megatron.planner.cluster import cpu_cluster
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.cost_profile import check_profile, load_profile
-from dcp_megatron.planner.cost_time import CP_PASSES
-from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.costmodel import CostModel, ModelShape, cpu_cluster
+from dcp_megatron.planner.costmodel.cost_profile import check_profile, load_profile
+from dcp_megatron.planner.costmodel.cost_time import CP_PASSES
 from dcp_megatron.planner.plan import NO_RECOMPUTE
-from dcp_megatron.planner.profile_fit import Measurement, fit_profile, local_tokens, scaled_to_stage, score_profile
+from dcp_megatron.planner.costmodel.profile_fit import (Measurement, fit_profile, local_tokens, scaled_to_stage,
+                                                        score_profile)
 from tests.support.megatron_runs import CPU_FLAGS, LLAMA_TINY, REPO, run_env
 
 SHAPE = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_hidden_size=128,

@@ -19,9 +19,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from dcp_megatron.planner.cluster import cpu_cluster
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.costmodel import CostModel, ModelShape, cpu_cluster
 from dcp_megatron.planner.plan import Group, MicroBatch, StepPlan, Wave
 from dcp_megatron.planner.policies import make_plan
 from dcp_megatron.planner.validate import validate

@@ -1,7 +1,5 @@
 """Small cost models for planner tests: memory tight enough that CP size and recompute matter."""
-from dcp_megatron.planner.cluster import ClusterSpec
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.costmodel import ClusterSpec, CostModel, model_preset
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.policies import POLICIES, make_plan
 

@@ -8,11 +8,9 @@ import numpy as np
 import pytest
 
 from dcp_megatron.planner.bounds import least_rank_seconds, least_recompute_extra, lower_bound, scored_sizes
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
+from dcp_megatron.planner.costmodel import CostModel, cluster_preset, model_preset
 from dcp_megatron.planner.distributions import BYTESCALE_BUCKETS, BYTESCALE_MAX, builtin_lengths
 from dcp_megatron.planner.milp_reference import family_bound, solve_family, split_long
-from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.policies import make_plan
 from tests.support.planner_helpers import tiny_cost
 from tests.support.tool_helpers import load_tool

@@ -4,9 +4,8 @@ import random
 
 import pytest
 
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.model import ModelShape, kv_heads_exchanged, model_preset, ulysses_supported
+from dcp_megatron.planner.costmodel import CostModel, cluster_preset
+from dcp_megatron.planner.costmodel.model import ModelShape, kv_heads_exchanged, model_preset, ulysses_supported
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.policies import make_plan
 from dcp_megatron.planner.timeline import plan_makespan

@@ -12,8 +12,7 @@ import pytest
 
 from dcp_megatron.config import DEFAULT_RECOMPUTE
 from dcp_megatron.core.planning import build_cost_model
-from dcp_megatron.planner.cluster import GiB, cluster_preset
-from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.costmodel import GiB, cluster_preset, model_preset
 from dcp_megatron.planner.plan import NO_RECOMPUTE
 
 GIVEN = {"recompute": ("none", "mlp"), "memory_budget_gb": 0.25, "max_cp_size": 2, "device_memory_gb": 0.5}
@@ -71,7 +70,7 @@ def test_the_cpu_count_is_the_model_shape_of_a_cpu_fp32_local_run_only(run):
     a run it does not describe is counted with Transformer Engine's spec."""
     from dcp_megatron.core.planning import model_shape_from_args
     from dcp_megatron.flags.dcp_flags import add_dcp_arguments
-    from dcp_megatron.planner.memory_spec import CPU_FP32, TRANSFORMER_ENGINE
+    from dcp_megatron.planner.costmodel.memory_spec import CPU_FP32, TRANSFORMER_ENGINE
 
     def shape(flags):
         args = add_dcp_arguments(argparse.ArgumentParser()).parse_args(["--dcp", *flags])
@@ -93,7 +92,7 @@ def test_a_gpu_run_counts_with_the_spec_of_the_layers_it_runs(monkeypatch):
     import torch
 
     from dcp_megatron.core.planning import activation_spec_of
-    from dcp_megatron.planner.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE, TRANSFORMER_ENGINE_FP8
+    from dcp_megatron.planner.costmodel.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE, TRANSFORMER_ENGINE_FP8
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     te = dict(transformer_impl="transformer_engine", bf16=True)
@@ -111,8 +110,7 @@ def test_a_gpu_run_without_bf16_is_counted_at_4_bytes(impl, monkeypatch):
     import torch
 
     from dcp_megatron.core.planning import activation_spec_of, model_shape_from_args
-    from dcp_megatron.planner.cluster import cluster_preset
-    from dcp_megatron.planner.cost import CostModel
+    from dcp_megatron.planner.costmodel import CostModel, cluster_preset
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     flags = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "group_query_attention": False,

@@ -1,4 +1,4 @@
-"""The GPU read at start (planner/device_budget.py, runtime/device_memory.py), on CPU with made-up readings: the
+"""The GPU read at start (costmodel/device_budget.py, runtime/device_memory.py), on CPU with made-up readings: the
 cluster preset by the device's name, the default budget from the device's memory (not an H200's on every GPU), a
 --dcp-memory-budget-gb above the device kept with one line, --dcp-device-memory-gb as the cap and the budget."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from dcp_megatron.config import DcpConfig
 from dcp_megatron.core.planning import build_cost_model, model_shape_from_args
-from dcp_megatron.planner.cluster import GiB, cluster_preset
-from dcp_megatron.planner.device_budget import DeviceReading, choose_device_budget, preset_for_device
+from dcp_megatron.planner.costmodel import GiB, cluster_preset
+from dcp_megatron.planner.costmodel.device_budget import DeviceReading, choose_device_budget, preset_for_device
 
 # what torch reports for these cards (total_memory in bytes)
 H100 = DeviceReading(name="NVIDIA H100 80GB HBM3", total_bytes=85_520_809_984, free_bytes=80_000_000_000,

@@ -1,16 +1,14 @@
 """What the GPU path adds to the cost model: the FP8 GEMM rate, FP8 weight copies, TE's p2p ring, NCCL
-communicators (planner/gpu_costs.py); pure planner, no torch."""
+communicators (planner/costmodel/gpu_costs.py); pure planner, no torch."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.gpu_costs import (FP8_WEIGHT_COPY_BYTES, MAX_ODD_COMMUNICATORS, GpuCosts,
+from dcp_megatron.planner.costmodel import CostModel, cluster_preset, model_preset
+from dcp_megatron.planner.costmodel.gpu_costs import (FP8_WEIGHT_COPY_BYTES, MAX_ODD_COMMUNICATORS, GpuCosts,
                                             communicators_per_rank)
-from dcp_megatron.planner.model import model_preset
 
 
 def _costs(gpu: GpuCosts, *, profile=None, preset="h200", domain_size=8):

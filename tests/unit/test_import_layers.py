@@ -44,3 +44,34 @@ def test_the_product_never_imports_the_test_harness(tmp_path, monkeypatch):
     assert any(v.startswith("dcp_megatron.core.loop -> tests.support.engine") for v in found), found
     assert not any(v.startswith("tests.support.engine ->") for v in found), found
     assert layers.package_of("tests.support.reference.engine") == "tests.support"
+
+
+def test_the_cost_model_sits_below_what_builds_plans_and_is_asked_through_its_face(tmp_path, monkeypatch):
+    # the cost model reaching up to the layout, a policy past the face, the bound importing a policy: all flagged;
+    # the cost model importing the plan format and the layout importing the face: not
+    packages = ("dcp_megatron", "dcp_megatron/planner", "dcp_megatron/planner/costmodel", "dcp_megatron/planner/dcp",
+                "patches")
+    found = _violations_of_tree(tmp_path, monkeypatch, packages, {
+        "dcp_megatron/planner/plan.py": "",
+        "dcp_megatron/planner/layout.py": "from dcp_megatron.planner.costmodel import CostModel\n",
+        "dcp_megatron/planner/costmodel/cost.py": ("from dcp_megatron.planner.plan import Recompute\n"
+                                                   "def f():\n    from dcp_megatron.planner import layout\n"),
+        "dcp_megatron/planner/dcp/search.py": "from dcp_megatron.planner.costmodel.cost import CostModel\n",
+        "dcp_megatron/planner/bounds.py": "from dcp_megatron.planner.dcp import search\n"})
+    assert any(v.startswith("dcp_megatron.planner.costmodel.cost -> dcp_megatron.planner.layout")
+               for v in found), found
+    assert any(v.startswith("dcp_megatron.planner.dcp.search -> dcp_megatron.planner.costmodel.cost (past the")
+               for v in found), found
+    assert any(v.startswith("dcp_megatron.planner.bounds -> dcp_megatron.planner.dcp") for v in found), found
+    assert not any(v.startswith(("dcp_megatron.planner.layout ->",
+                                 "dcp_megatron.planner.costmodel.cost -> dcp_megatron.planner.plan"))
+                   for v in found), found
+
+
+def test_the_planner_imports_numpy_and_the_standard_library_alone(tmp_path, monkeypatch):
+    packages = ("dcp_megatron", "dcp_megatron/planner", "patches")
+    found = _violations_of_tree(tmp_path, monkeypatch, packages, {
+        "dcp_megatron/planner/fine.py": "import math\nimport numpy as np\n",
+        "dcp_megatron/planner/heavy.py": "def f():\n    import torch.distributed\n"})
+    assert any(v.startswith("dcp_megatron.planner.heavy imports torch") for v in found), found
+    assert not any(v.startswith("dcp_megatron.planner.fine") for v in found), found

@@ -28,7 +28,7 @@ class _Tiny(torch.nn.Module):
 def _rank(rank: int, world: int):
     from dcp_megatron.core.microbatch_facts import MICROBATCH_KEY
     from dcp_megatron.deepspeed.engine_step import run_planned_step
-    from dcp_megatron.planner.memory_correction import MemoryCorrection, MemoryReading
+    from dcp_megatron.planner.costmodel.memory_correction import MemoryCorrection, MemoryReading
     from dcp_megatron.planner.plan import NO_RECOMPUTE
     from dcp_megatron.runtime.measured_memory import SavedReadings, fold_readings
 

@@ -15,7 +15,7 @@ DRIVER = r'''
 import contextlib, json, sys
 sys.path.insert(0, "tools")
 import memcheck
-from dcp_megatron.planner import activations, cost_memory, relief
+from dcp_megatron.planner.costmodel import activations, cost_memory, relief
 
 def dropping(module, name, replace):
     @contextlib.contextmanager

@@ -10,11 +10,11 @@ import json, sys
 sys.path.insert(0, "tools")
 import memcheck
 from dcp_megatron.core.memcheck import measure
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.memory_spec import LOCAL_BF16
-from dcp_megatron.planner.mla import MlaShape
-from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.costmodel.cluster import cluster_preset
+from dcp_megatron.planner.costmodel.cost import CostModel
+from dcp_megatron.planner.costmodel.memory_spec import LOCAL_BF16
+from dcp_megatron.planner.costmodel.mla import MlaShape
+from dcp_megatron.planner.costmodel.model import ModelShape
 from dcp_megatron.planner.plan import NO_RECOMPUTE
 
 def shape(q_lora_rank, qk_layernorm):

@@ -2,11 +2,10 @@
 on every rank, and plans made with the corrected count."""
 import pytest
 
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.memory_correction import (MEMORY_FLOOR, NO_MEMORY_SCALE, MemoryCorrection, MemoryReading,
-                                                    MemoryScale, describe_scale, relief_buckets)
-from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.costmodel import CostModel, cluster_preset, model_preset
+from dcp_megatron.planner.costmodel.memory_correction import (MEMORY_FLOOR, NO_MEMORY_SCALE, MemoryCorrection,
+                                                              MemoryReading, MemoryScale, describe_scale,
+                                                              relief_buckets)
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, StepPlan, Wave
 from dcp_megatron.planner.policies import make_plan
 
@@ -140,7 +139,7 @@ def test_a_short_micro_batch_dominated_by_fixed_costs_does_not_inflate_the_facto
 
     from dcp_megatron.config import DcpConfig
     from dcp_megatron.core.planning import check_longest_fits
-    from dcp_megatron.planner.memory_correction import NOISE_SHARE, noise_floor_bytes
+    from dcp_megatron.planner.costmodel.memory_correction import NOISE_SHARE, noise_floor_bytes
 
     cost = CostModel(model_preset("llama3-8b"), dataclasses.replace(cluster_preset("h200", domain_size=8),
                                                                     mem_bytes_per_gpu=80 * 2 ** 30))
@@ -170,7 +169,7 @@ def test_cpu_readings_are_compared_with_the_count_at_their_own_cp_size():
     compared with the CP-2 count, not the CP-1 one."""
     import dataclasses
 
-    from dcp_megatron.planner.memory_spec import CPU_FP32
+    from dcp_megatron.planner.costmodel.memory_spec import CPU_FP32
     from dcp_megatron.planner.plan import NO_RECOMPUTE
     from dcp_megatron.runtime.measured_memory import PEAK, SAVED, counted_bytes
 

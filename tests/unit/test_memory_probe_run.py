@@ -1,9 +1,7 @@
 """The memory probe's micro-batches: one per relief kind on the menu, each the largest the planner allows."""
 import pytest
 
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.costmodel import CostModel, cluster_preset, model_preset
 from dcp_megatron.planner.padding import local_tokens
 from dcp_megatron.training.memory_probe_run import ProbeRow, probe_lengths, probe_line, probe_reliefs
 

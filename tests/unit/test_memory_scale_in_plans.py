@@ -15,11 +15,9 @@ import torch.distributed as dist
 from dcp_megatron.config import DcpConfig
 from dcp_megatron.core.global_batch import Documents
 from dcp_megatron.core.step_loop import PlannedStepLoop, RanBatches
-from dcp_megatron.planner.cluster import cpu_cluster
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.memory_correction import MemoryReading
-from dcp_megatron.planner.memory_spec import CPU_FP32
-from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.costmodel import CostModel, ModelShape, cpu_cluster
+from dcp_megatron.planner.costmodel.memory_correction import MemoryReading
+from dcp_megatron.planner.costmodel.memory_spec import CPU_FP32
 from dcp_megatron.planner.plan import NO_RECOMPUTE
 from dcp_megatron.runtime.measured_memory import SAVED, counted_bytes
 

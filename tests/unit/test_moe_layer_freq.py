@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from dcp_megatron.config import DcpUsageError
-from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.costmodel import model_preset
 
 
 
@@ -79,9 +79,8 @@ def test_the_megatron_adapter_counts_the_dense_layers_moe_layer_freq_names():
 def test_dense_layers_keep_a_dense_layers_activations(pp):
     """The stage's layers each counted as what it is; under PP the stage of the most bytes (the pattern unknown to
     the count: d dense layers of a stage are the most or the fewest any stage may hold)."""
-    from dcp_megatron.planner.activations import layer_tensors
-    from dcp_megatron.planner.cluster import cluster_preset
-    from dcp_megatron.planner.cost import CostModel
+    from dcp_megatron.planner.costmodel.activations import layer_tensors
+    from dcp_megatron.planner.costmodel import CostModel, cluster_preset
     from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute
 
     moe = model_preset("gpt-tiny-moe", pp=pp)

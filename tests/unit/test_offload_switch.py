@@ -22,7 +22,7 @@ from dcp_megatron.core.offload import (DCP_STEPS_ATTR, apply_offload, offload_on
                                        switch_offload, switchable_offloads)
 from dcp_megatron.flags.fp8_checks import DeviceFacts
 from dcp_megatron.planner.plan import Recompute
-from dcp_megatron.planner.relief import ATTENTION_OFFLOADS, MOE_OFFLOADS
+from dcp_megatron.planner.costmodel.relief import ATTENTION_OFFLOADS, MOE_OFFLOADS
 from dcp_megatron.training.checks.offload_checks import check_offload
 
 ATTENTION, ATTN_PROJ = frozenset({"core_attn"}), frozenset({"core_attn", "attn_proj"})

@@ -13,7 +13,7 @@ from dcp_megatron.config import DcpConfig
 from dcp_megatron.core import out_of_memory as oom
 from dcp_megatron.core.collective_watch import CollectiveWatch
 from dcp_megatron.core.planning import build_cost_model, plan_global_batch
-from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.costmodel import ModelShape
 
 SHAPE = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_hidden_size=128,
                    vocab_size=256, transformer_impl="local", sequence_parallel=False)

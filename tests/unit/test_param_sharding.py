@@ -1,4 +1,4 @@
-"""ZeRO stages in the planner (planner/param_sharding.py): static memory by stage, stage 3's per-micro-batch weight
+"""ZeRO stages in the planner (costmodel/param_sharding.py): static memory by stage, stage 3's per-micro-batch weight
 gathers, lockstep plans at stage 3, and the simulator's --zero-stage. Worked by hand on a 32B-class model."""
 import dataclasses
 import json
@@ -6,10 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.model import ModelShape, model_preset
-from dcp_megatron.planner.param_sharding import ParamGathers, largest_gathered_params, static_state_bytes
+from dcp_megatron.planner.costmodel import CostModel, ModelShape, cluster_preset, model_preset
+from dcp_megatron.planner.costmodel.param_sharding import ParamGathers, largest_gathered_params, static_state_bytes
 from dcp_megatron.planner.policies import make_plan
 from dcp_megatron.planner.validate import validate
 from dcp_megatron.simulate import main
@@ -113,9 +111,7 @@ def test_a_document_that_fits_nowhere_under_zero3_is_told_to_allow_full_recomput
 
     from dcp_megatron.config import DcpConfig, DcpUsageError
     from dcp_megatron.core.planning import check_longest_fits
-    from dcp_megatron.planner.cluster import cpu_cluster
-    from dcp_megatron.planner.cost import CostModel
-    from dcp_megatron.planner.model import model_preset
+    from dcp_megatron.planner.costmodel import CostModel, cpu_cluster, model_preset
 
     shape = dataclasses.replace(model_preset("gpt-tiny"), zero_stage=3)
     cost = CostModel(shape, cpu_cluster(2), allowed_recompute=("none",))

@@ -6,9 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcp_megatron.planner.ahead import PlanAhead, plan_synchronously
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.costmodel import CostModel, cluster_preset, model_preset
 from dcp_megatron.planner.policies import make_plan
 
 COST = CostModel(model_preset("llama3-8b"), cluster_preset("h200", domain_size=16))

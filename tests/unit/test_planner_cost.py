@@ -4,11 +4,8 @@ import json
 
 import pytest
 
-from dcp_megatron.planner.activations import layer_tensors
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.cost_profile import load_profile
-from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.costmodel.activations import layer_tensors
+from dcp_megatron.planner.costmodel import CostModel, cluster_preset, load_profile, model_preset
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 from tests.support.planner_helpers import tiny_cluster, tiny_cost
 
@@ -161,8 +158,7 @@ def test_a_profiles_measured_factors_scale_the_spec_count_and_nothing_else_moves
     """A profile's factors per hidden unit replace the layers' count (none 70, a recomputed layer 8, its RoPE table
     among them) and its output factor everything outside the layers: without relief the peak is the loss's, the
     layers' saved bytes and the output, with no backward term left over from the unscaled spec."""
-    from dcp_megatron.planner.cluster import cpu_cluster
-    from dcp_megatron.planner.model import ModelShape
+    from dcp_megatron.planner.costmodel import ModelShape, cpu_cluster
 
     shape = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_hidden_size=128,
                        vocab_size=256)

@@ -4,12 +4,9 @@ import dataclasses
 
 import pytest
 
-from dcp_megatron.planner.activations import layer_tensors
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE
-from dcp_megatron.planner.mla import MlaShape
-from dcp_megatron.planner.model import ModelShape, model_preset
+from dcp_megatron.planner.costmodel.activations import layer_tensors
+from dcp_megatron.planner.costmodel import CostModel, MlaShape, ModelShape, cluster_preset, model_preset
+from dcp_megatron.planner.costmodel.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE
 from dcp_megatron.planner.plan import NO_RECOMPUTE
 
 HEADS, HIDDEN, LAYERS = 4, 128, 4

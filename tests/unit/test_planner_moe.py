@@ -9,11 +9,7 @@ import numpy as np
 import pytest
 
 from dcp_megatron.planner.bounds import lower_bound
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.gpu_costs import GpuCosts
-from dcp_megatron.planner.model import ModelShape, model_preset
-from dcp_megatron.planner.relief import MENU_NAMES
+from dcp_megatron.planner.costmodel import CostModel, GpuCosts, MENU_NAMES, ModelShape, cluster_preset, model_preset
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
 from dcp_megatron.simulate import SimulationConfig, main, simulate
 from tests.support.planner_helpers import tiny_cluster
@@ -77,9 +73,9 @@ def test_a_shared_expert_is_a_dense_mlp_every_token_runs_beside_its_experts():
     """--moe-shared-expert-intermediate-size 6 on TINY_MOE (plain MLPs): 2 x 8 x 6 = 96 weights a layer, stored and
     multiplied by every token, not split over EP; it keeps fc1's output and fc2's input (2 B x 6 each; its input is
     the router's, kept once), which `moe` recompute frees with the experts'; FP8 adds its own 1 B input copy."""
-    from dcp_megatron.planner.activations import layer_tensors
-    from dcp_megatron.planner.memory_spec import TRANSFORMER_ENGINE_FP8
-    from dcp_megatron.planner.param_sharding import largest_gathered_params
+    from dcp_megatron.planner.costmodel.activations import layer_tensors
+    from dcp_megatron.planner.costmodel.memory_spec import TRANSFORMER_ENGINE_FP8
+    from dcp_megatron.planner.costmodel.param_sharding import largest_gathered_params
 
     shared = dataclasses.replace(TINY_MOE, moe_shared_expert_size=6)
     assert shared.shared_expert_params == 96
@@ -161,8 +157,8 @@ def test_dense_presets_keep_their_numbers():
     """Pinned before MoE entered the cost model (same values at the commit before it). Memory is the TE spec's
     count (memory_spec.py): the stage's layers and the output layer at the loss's peak, which a layer's backward
     stays below here; PP 2's stage 0 holds 2 micro-batches' layers instead when that is more."""
-    from dcp_megatron.planner.activations import layer_tensors
-    from dcp_megatron.planner.memory_spec import spec_output_bytes
+    from dcp_megatron.planner.costmodel.activations import layer_tensors
+    from dcp_megatron.planner.costmodel.memory_spec import spec_output_bytes
 
     expected = {
         "llama3-8b": (1, 1, 8030261248, 45027950592.0, 70824193024, 0.7658162336383516, 1.266326790096843),

@@ -5,10 +5,7 @@ import numpy as np
 import pytest
 
 from dcp_megatron.planner.bounds import fewest_rank_microbatches, lower_bound
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cluster import cpu_cluster
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.costmodel import CostModel, cluster_preset, cpu_cluster, model_preset
 from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, StepPlan, Wave
 from dcp_megatron.planner.policies import POLICIES, make_plan
 from dcp_megatron.planner.timeline import plan_makespan, rank_timeline

@@ -9,8 +9,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.costmodel import CostModel, model_preset
 from dcp_megatron.planner.plan import Recompute
 from dcp_megatron.planner.policies import make_plan
 from dcp_megatron.planner.layout import candidate_sizes
@@ -122,8 +121,8 @@ def check_local_tokens(domain_size, length, offset):
 def _counted_model(spec_name: str):
     """A tiny GPT under the count a run uses: CPU_FP32 per CP size (2 layers, hidden 64, GELU, a small vocabulary,
     where a layer's backward is the peak and full 2 counts more than full 1) or Transformer Engine's."""
-    from dcp_megatron.planner.memory_spec import CPU_FP32
-    from dcp_megatron.planner.model import ModelShape
+    from dcp_megatron.planner.costmodel.memory_spec import CPU_FP32
+    from dcp_megatron.planner.costmodel import ModelShape
 
     if spec_name == "te":
         return model_preset("gpt-tiny")
@@ -136,7 +135,7 @@ def _counted_model(spec_name: str):
 def start_checked_scenarios(draw):
     """A cost model at a budget the start check passes (from the least such budget up to 3x it) and a batch of
     packed samples: documents cut at --seq-length beside short ones, as the data loader hands them over."""
-    from dcp_megatron.planner.cluster import cpu_cluster
+    from dcp_megatron.planner.costmodel import cpu_cluster
     from dcp_megatron.planner.start_fit import smallest_memory_bytes
 
     spec_name = draw(st.sampled_from(["cpu", "cpu", "te"]))
@@ -163,7 +162,7 @@ def _issue_46_step_1():
     """The run of issue 46 that died at step 1: 2 CPU ranks, --seq-length 1024, --dcp-memory-budget-gb 0.007, a
     global batch of 4 packed samples (megatron-dynamic's layout packed 596 local tokens under full 1, which holds
     more than full 2 here; the relief pass found no relief for it)."""
-    from dcp_megatron.planner.cluster import GiB, cpu_cluster
+    from dcp_megatron.planner.costmodel import GiB, cpu_cluster
 
     cost = CostModel(_counted_model("cpu"), dataclasses.replace(cpu_cluster(2), mem_bytes_per_gpu=int(0.007 * GiB)),
                      allowed_recompute=("none", "selective", "full", "mlp"))

@@ -6,13 +6,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dcp_megatron.planner.activations import layer_tensors
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.model import ModelShape, model_preset
+from dcp_megatron.planner.costmodel.activations import layer_tensors
+from dcp_megatron.planner.costmodel import CostModel, ModelShape, cluster_preset, model_preset
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, MicroBatch, Recompute
 from dcp_megatron.planner.policies import make_plan
-from dcp_megatron.planner.relief import (MENU_NAMES, allows, held_bytes_per_layer, light_reliefs, menu_names,
+from dcp_megatron.planner.costmodel.relief import (MENU_NAMES, allows, held_bytes_per_layer, light_reliefs, menu_names,
                                          offloaded_bytes_per_layer)
 from dcp_megatron.planner.validate import validate
 
@@ -52,7 +50,7 @@ def test_a_shape_is_counted_with_its_own_spec_else_its_transformer_impls():
     """A shape without a spec counts TE's for a TE run (v copied by TE's layout check: q + 2kv) and the local spec
     with our CPU attention for "local"; its own spec overrides either; the measured local spec keeps the whole qkv
     block through v's view."""
-    from dcp_megatron.planner.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE
+    from dcp_megatron.planner.costmodel.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE
 
     m = model_preset("llama3-8b")
     assert m.activation_spec == TRANSFORMER_ENGINE
@@ -68,7 +66,7 @@ def test_fp8_linears_keep_their_inputs_at_one_byte_and_linear_projs_its_own_copy
     """Under --fp8-format TE's linears keep their input quantized (1 B): the norms' outputs linear_qkv and fc1
     read, fc2's input; linear_proj keeps a 1 B copy of the attention output beside the kernel's bf16 one; the
     experts' inputs likewise. Everything else is the bf16 TE count."""
-    from dcp_megatron.planner.memory_spec import TRANSFORMER_ENGINE_FP8
+    from dcp_megatron.planner.costmodel.memory_spec import TRANSFORMER_ENGINE_FP8
 
     m = model_preset("llama3-8b")
     h, f, q = 4096, 14336, 4096
@@ -226,7 +224,7 @@ def test_dcp_recompute_names_are_the_planners_menu():
 def test_our_cpu_attention_is_counted_per_cp_size_and_a_packer_without_one_gets_the_bound():
     """CP 1 keeps K/V repeated to every query head and the output twice; a CP group of c keeps its K/V gathered
     and their int64 row index (memory_spec.py). The GPU specs' count is the same for every group."""
-    from dcp_megatron.planner.memory_spec import CPU_FP32, LOCAL_BF16
+    from dcp_megatron.planner.costmodel.memory_spec import CPU_FP32, LOCAL_BF16
 
     tiny = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_hidden_size=128,
                 vocab_size=256, transformer_impl="local")

@@ -8,13 +8,10 @@ import pytest
 
 from dcp_megatron.planner.baselines import dynamic_stop, hybrid, megatron_dynamic
 from dcp_megatron.planner.batcher import GlobalBatcher
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
+from dcp_megatron.planner.costmodel import CostModel, MENU_NAMES, cluster_preset, model_preset
 from dcp_megatron.planner.distributions import iter_builtin_lengths
-from dcp_megatron.planner.model import model_preset
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.policies import make_plan
-from dcp_megatron.planner.relief import MENU_NAMES
 from dcp_megatron.planner.timeline import plan_makespan
 
 

@@ -11,8 +11,8 @@ import pytest
 from dcp_megatron.config import DcpConfig, DcpUsageError
 from dcp_megatron.core.planning import build_cost_model, check_longest_fits, plan_global_batch
 from dcp_megatron.flags.dcp_flags import add_dcp_arguments, dcp_config_from_args
-from dcp_megatron.planner.memory_spec import CPU_FP32
-from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.costmodel.memory_spec import CPU_FP32
+from dcp_megatron.planner.costmodel import ModelShape
 from dcp_megatron.planner.plan import Recompute
 from dcp_megatron.planner.baselines.settings import DynamicSetting, StaticSetting, setting_from_json
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.costmodel import model_preset
 from dcp_megatron.runtime.cp_attention import cp_attention, packed_causal_attention
 from dcp_megatron.runtime.sharding import shard_microbatch
 from tests.support.dist_utils import max_rel_err

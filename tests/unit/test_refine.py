@@ -6,12 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.costmodel import CostModel, cluster_preset, model_preset
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Group, MicroBatch, Recompute, StepPlan, Wave
 from dcp_megatron.planner.policies import make_plan
-from dcp_megatron.planner.refine import MeasuredMicroBatch, TimeCorrection, plan_buckets, relative_error
+from dcp_megatron.planner.costmodel.refine import MeasuredMicroBatch, TimeCorrection, plan_buckets, relative_error
 from dcp_megatron.core.plan_log import _factors_text
 
 COST = CostModel(model_preset("llama3-8b"), cluster_preset("h200", domain_size=8))

@@ -6,10 +6,7 @@ from functools import partial
 import pytest
 import torch
 
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cluster import cpu_cluster
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.costmodel import CostModel, cluster_preset, cpu_cluster, model_preset
 from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, StepPlan, Wave
 from dcp_megatron.runtime.cp_attention import packed_causal_attention
 from tests.support.reference.loss import IGNORE_INDEX, StepLoss, next_token_labels, reduce_step, token_loss_sum

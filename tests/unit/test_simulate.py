@@ -184,9 +184,7 @@ def test_dcp_is_never_slower_than_a_tuned_baseline_on_any_step():
 
 
 def test_baseline_settings_are_for_dcp_and_of_each_baselines_kind():
-    from dcp_megatron.planner.cluster import cluster_preset
-    from dcp_megatron.planner.cost import CostModel
-    from dcp_megatron.planner.model import model_preset
+    from dcp_megatron.planner.costmodel import CostModel, cluster_preset, model_preset
     from dcp_megatron.planner.plan import NO_RECOMPUTE
     from dcp_megatron.planner.policies import make_plan
     from dcp_megatron.planner.baselines.settings import DynamicSetting, StaticSetting

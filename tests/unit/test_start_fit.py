@@ -7,9 +7,7 @@ import dataclasses
 import pytest
 
 from dcp_megatron.config import DcpConfig, DcpUsageError
-from dcp_megatron.planner.cluster import GiB, cpu_cluster
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.costmodel import CostModel, GiB, cpu_cluster, model_preset
 from dcp_megatron.planner.start_fit import (budget_gb_that_fits, longest_fits, smallest_domain_size,
                                             smallest_max_cp_size, smallest_memory_bytes)
 

@@ -165,9 +165,7 @@ def test_megatrons_recompute_flags_are_refused_under_dcp(parser, flags, messages
 
 def test_a_budget_refusal_names_the_budget_given_and_the_margin():
     from dcp_megatron.core.planning import check_longest_fits
-    from dcp_megatron.planner.cluster import GiB, cpu_cluster
-    from dcp_megatron.planner.cost import CostModel
-    from dcp_megatron.planner.model import model_preset
+    from dcp_megatron.planner.costmodel import CostModel, GiB, cpu_cluster, model_preset
 
     cluster = dataclasses.replace(cpu_cluster(2), mem_bytes_per_gpu=int(0.005 * GiB))
     cost = CostModel(model_preset("gpt-tiny"), cluster, allowed_recompute=("none",))

@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from dcp_megatron.planner.cost import CostModel
+from dcp_megatron.planner.costmodel import CostModel
 from dcp_megatron.planner.plan import Group, MicroBatch, Recompute, StepPlan, Wave
 from dcp_megatron.planner.policies import make_plan
 from dcp_megatron.planner.rescore import rescored

@@ -8,9 +8,7 @@ import math
 import pytest
 
 from dcp_megatron.planner.baselines.sweep import sweep
-from dcp_megatron.planner.cluster import cluster_preset
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.model import model_preset
+from dcp_megatron.planner.costmodel import CostModel, cluster_preset, model_preset
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Group, MicroBatch, Recompute, StepPlan, Wave
 from dcp_megatron.planner.policies import make_plan
 from dcp_megatron.planner.layout import check_batch

@@ -10,7 +10,7 @@ setting. `planner/baselines/sweep.py` picks the setting with the lowest mean ste
 - `DynamicSetting`: `megatron-dynamic` (dev's dynamic CP) and `megatron-hybrid`: the per-rank token cap
   (`max_seqlen_per_dp_cp_rank`), the smallest dynamic CP size (`--min-dynamic-context-parallel-size`;
   `megatron-hybrid` has no such knob: 1) and the recompute, paid by every micro-batch, so it must fit the cap.
-  The recompute is any relief of the cost model's menu (planner/relief.py): none, megatron-core's
+  The recompute is any relief of the cost model's menu (planner/costmodel/relief.py): none, megatron-core's
   `recompute_modules` sets (mlp, core_attn, ...), activation offloading, full recompute of k layers.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ budget. `sweep` does that over a grid and returns every point and the winner:
   memory allows: so the untuned default is a point of the grid), the smallest dynamic CP size (1, 2), and per cap every run-wide recompute that fits it
   (the light reliefs that hold it, else the fewest full layers that fit). `megatron-hybrid`: the same caps and recompute (it has no
   smallest-size knob). A cap below the longest sequence's share of the largest CP size cannot run.
-- The run-wide reliefs come from the cost model's menu (relief.py): module recompute such as `mlp`, offload
+- The run-wide reliefs come from the cost model's menu (costmodel/relief.py): module recompute such as `mlp`, offload
   where the cluster has a host link, and full layers; every micro-batch of the run pays the one chosen.
 
 A setting is scored by the mean over the batches of the plan's modelled step time (the same cost model that

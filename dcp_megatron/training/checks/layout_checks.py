@@ -9,7 +9,7 @@ checks and before anything is built: every refusal is one line naming the flag t
   documents: refused.
 - MoE with expert parallelism: every MoE layer's dispatch/combine all-to-alls (forward and backward) pair up
   the micro-batches of the EP group's ranks. The plan runs them in lockstep (one micro-batch per group per
-  wave, planner.model.ModelShape.lockstep); full recompute would replay a layer's forward all-to-alls in
+  wave, planner.costmodel.model.ModelShape.lockstep); full recompute would replay a layer's forward all-to-alls in
   backward on recomputing ranks only, so it is taken out of --dcp-recompute's choices.
 - MoE with TP > 1 (Megatron requires sequence parallelism there): each TP rank routes its share of the rows;
   the per-document token counts are summed over the TP group and the micro-batch's CP group in turn.

@@ -18,9 +18,7 @@ import torch
 
 from dcp_megatron.config import DcpConfig
 from dcp_megatron.core.step_loop import PlannedStepLoop
-from dcp_megatron.planner.cluster import cpu_cluster
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.costmodel import CostModel, ModelShape, cpu_cluster
 from dcp_megatron.runtime.group_pool import GroupPool
 from tests.support.reference.engine import ReferenceEngine, StepResult, TokensOf
 from tests.support.reference.single_process import grad_max_rel_err, random_plan, reference_train_step, seeded_tokens

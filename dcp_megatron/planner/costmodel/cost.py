@@ -1,7 +1,7 @@
 """Cost model: time and per-rank memory of one micro-batch, and the relief it runs (docs/cost_model.md).
 
 A micro-batch is a list of documents packed THD and run by a CP group of c ranks in lock-step; each document is
-padded to a multiple of 2c (padding.py), so padding is paid. `CostModel` is the one object every policy scores
+padded to a multiple of 2c (planner/padding.py), so padding is paid. `CostModel` is the one object every policy scores
 with; it builds three parts and hands out their methods as its own:
 - cost_time.py      `TimeModel`: seconds (compute, relief, MoE all-to-alls, ZeRO-3 gathers, exposed CP comm);
 - cost_memory.py    `MemoryModel`: bytes per rank (static state, activations kept per local token, logits);
@@ -36,19 +36,20 @@ from typing import Sequence
 
 import numpy as np
 
-from dcp_megatron.planner.cluster import ClusterSpec
-from dcp_megatron.planner.cost_memory import MemoryModel
-from dcp_megatron.planner.cost_profile import PROFILE_SCALARS, RECOMPUTE_KINDS, check_cp_attention, check_profile
-from dcp_megatron.planner.cost_time import TimeModel
-from dcp_megatron.planner.gpu_costs import GpuCosts
-from dcp_megatron.planner.memory_correction import NO_MEMORY_SCALE, MemoryScale
-from dcp_megatron.planner.model import ModelShape
-from dcp_megatron.planner.moe_cost import MoeComm
+from dcp_megatron.planner.costmodel.cluster import ClusterSpec
+from dcp_megatron.planner.costmodel.cost_memory import MemoryModel
+from dcp_megatron.planner.costmodel.cost_profile import (PROFILE_SCALARS, RECOMPUTE_KINDS, check_cp_attention,
+                                                         check_profile)
+from dcp_megatron.planner.costmodel.cost_time import TimeModel
+from dcp_megatron.planner.costmodel.gpu_costs import GpuCosts
+from dcp_megatron.planner.costmodel.memory_correction import NO_MEMORY_SCALE, MemoryScale
+from dcp_megatron.planner.costmodel.model import ModelShape
+from dcp_megatron.planner.costmodel.moe_cost import MoeComm
 from dcp_megatron.planner.padding import local_tokens, padded_length
-from dcp_megatron.planner.param_sharding import ParamGathers
+from dcp_megatron.planner.costmodel.param_sharding import ParamGathers
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute
-from dcp_megatron.planner.relief import ReliefCosts, allows, light_reliefs, menu_names
-from dcp_megatron.planner.relief_choice import ReliefChoice
+from dcp_megatron.planner.costmodel.relief import ReliefCosts, allows, light_reliefs, menu_names
+from dcp_megatron.planner.costmodel.relief_choice import ReliefChoice
 
 # the parts' methods the cost model answers with (bound once: the planners call them in their hot loops)
 TIME_METHODS = ("doc_terms", "ideal_doc_seconds", "ideal_rank_seconds", "recompute_extra", "full_recompute_seconds",
@@ -77,12 +78,12 @@ class CostModel:
         self.prefer_ulysses = tuple(cp_attention) == ("ulysses",) or cp_attention == "ulysses"
         self._init_args = (model, cluster, profile)
         self.gpu = gpu   # FP8 GEMMs, TE's p2p ring, NCCL communicators (gpu_costs.py)
-        # Measured corrections (planner/refine.py): micro-batch seconds x factor per (cp size, relief name).
+        # Measured corrections (planner/costmodel/refine.py): micro-batch seconds x factor per (cp size, relief name).
         self.time_scale: dict[tuple[int, str], float] = dict(time_scale or {})
         bad = {k: v for k, v in self.time_scale.items() if not (math.isfinite(v) and v > 0)}
         if bad:
             raise ValueError(f"time_scale factors must be positive and finite, got {bad}")
-        # Measured memory (planner/memory_correction.py): activation bytes per local token x factor per relief name.
+        # Measured memory (costmodel/memory_correction.py): activation bytes per local token x factor per relief name.
         if not isinstance(memory_scale, MemoryScale):
             raise ValueError(f"memory_scale must be a MemoryScale, got {type(memory_scale).__name__}")
         self.memory_scale = memory_scale
@@ -211,5 +212,5 @@ class CostModel:
 
     @staticmethod
     def padded(lengths: np.ndarray, cp_size: int) -> np.ndarray:
-        """Each length padded to a multiple of 2·cp_size (padding.py's rule)."""
+        """Each length padded to a multiple of 2·cp_size (planner/padding.py's rule)."""
         return padded_length(lengths, cp_size)

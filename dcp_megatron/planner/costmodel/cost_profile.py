@@ -80,5 +80,5 @@ def check_cp_attention(allowed) -> tuple[str, ...]:
 def check_allowed_recompute(allowed) -> tuple[str, ...]:
     """The relief menu names a planner may choose from (relief.MENU_NAMES order); ValueError naming bad values
     for an empty set or unknown names."""
-    from dcp_megatron.planner.relief import menu_names
+    from dcp_megatron.planner.costmodel.relief import menu_names
     return menu_names(allowed)

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcp_megatron.planner.cluster import ClusterSpec
-from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.costmodel.cluster import ClusterSpec
+from dcp_megatron.planner.costmodel.model import ModelShape
 
 WEIGHT_BYTES = 2.0        # bf16 weights
 GRAD_BYTES = 4.0          # fp32 gradients

@@ -1,4 +1,4 @@
-"""Datasheet numbers of the GPUs a run picks its cluster preset by (planner/cluster.py builds the presets).
+"""Datasheet numbers of the GPUs a run picks its cluster preset by (planner/costmodel/cluster.py builds the presets).
 
 Only the H200 preset carries a measured number (its bf16 GEMM rate, ~790 of 989 TFLOP/s on a large GEMM); the
 others are datasheet values scaled the same way: achieved GEMM rate = datasheet dense rate x 0.8 (the H200's

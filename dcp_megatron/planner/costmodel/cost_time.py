@@ -1,7 +1,7 @@
 """Seconds of one micro-batch for one pipeline stage, from its documents' summed terms (docs/cost_model.md).
 
 time = overhead
-     + compute            Σ_docs (a·Lp + b(Lp)·Lp²) / c + d per document, per pipeline stage (Lp: padding.py)
+     + compute            Σ_docs (a·Lp + b(Lp)·Lp²) / c + d per document, per pipeline stage (Lp: planner/padding.py)
      + relief             full k of n layers: (k/n)·(1/3)·compute; recompute modules, offload: relief.py
      + MoE all-to-alls    EP token dispatch + combine, per MoE layer and pass, not overlapped (moe_cost.py)
      + ZeRO-3 gathers     weight all-gathers and gradient reduce-scatters, what the compute does not hide
@@ -35,7 +35,7 @@ class TimeModel:
         self.param_gathers, self._relief_costs = param_gathers, relief_costs
         self.layers_per_stage = layers_per_stage
         self.cp_attention, self.prefer_ulysses = cp_attention, prefer_ulysses
-        # Measured corrections (planner/refine.py): micro-batch seconds x factor per (cp size, relief name).
+        # Measured corrections (planner/costmodel/refine.py): micro-batch seconds x factor per (cp size, relief name).
         self.time_scale: dict[tuple[int, str], float] = time_scale
         table: dict[int, tuple[list, list]] = {}
         for L, cp, sec in sorted(attention_times):
@@ -189,7 +189,7 @@ class TimeModel:
 
     def _cp_comm_seconds(self, allgather_exposed, local_tokens, passes, cp_sizes, bw):
         """The exposed CP communication of the flavour the plan will use: the all-gather's, or Ulysses' where
-        it is allowed and faster (everywhere it can run with `prefer_ulysses`); see cp_flavour.py."""
+        it is allowed and faster (everywhere it can run with `prefer_ulysses`); see planner/cp_flavour.py."""
         if "ulysses" not in self.cp_attention:
             return allgather_exposed
         ulysses = self._ulysses_comm_seconds(local_tokens, passes, cp_sizes, bw)

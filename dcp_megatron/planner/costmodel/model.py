@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dcp_megatron.planner.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE, ActivationSpec
-from dcp_megatron.planner.mla import MlaShape
+from dcp_megatron.planner.costmodel.memory_spec import LOCAL_BF16, TRANSFORMER_ENGINE, ActivationSpec
+from dcp_megatron.planner.costmodel.mla import MlaShape
 
 
 # The spec of a shape that names none: TE's (read from its sources) for a TE run; for "local", the local spec's
@@ -45,7 +45,7 @@ class ModelShape:
     # The run's activation dtype and kernels, counted tensor by tensor (memory_spec.py); None: the default spec
     # of `transformer_impl` (`activation_spec`)
     activations: ActivationSpec | None = None
-    # Multi-latent attention (planner/mla.py; Megatron's --multi-latent-attention): None, plain attention
+    # Multi-latent attention (planner/costmodel/mla.py; Megatron's --multi-latent-attention): None, plain attention
     mla: MlaShape | None = None
     # Multi-token prediction (--mtp-num-layers): each one more transformer layer, its projection and norms, and
     # the output layer and loss once more, on the last pipeline stage

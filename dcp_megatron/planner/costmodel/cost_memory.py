@@ -22,12 +22,12 @@ import math
 
 import numpy as np
 
-from dcp_megatron.planner.activations import full_layer_bytes, layer_tensors, mtp_layer_bytes
-from dcp_megatron.planner.memory_correction import NO_MEMORY_SCALE, MemoryScale
-from dcp_megatron.planner.param_sharding import static_state_bytes
+from dcp_megatron.planner.costmodel.activations import full_layer_bytes, layer_tensors, mtp_layer_bytes
+from dcp_megatron.planner.costmodel.memory_correction import NO_MEMORY_SCALE, MemoryScale
+from dcp_megatron.planner.costmodel.param_sharding import static_state_bytes
 from dcp_megatron.planner.plan import NO_RECOMPUTE, SELECTIVE, Recompute
-from dcp_megatron.planner.memory_spec import spec_output_bytes, spec_rope_table_bytes
-from dcp_megatron.planner.relief import held_bytes_per_layer, offload_kept_bytes, stage_peak_bytes
+from dcp_megatron.planner.costmodel.memory_spec import spec_output_bytes, spec_rope_table_bytes
+from dcp_megatron.planner.costmodel.relief import held_bytes_per_layer, offload_kept_bytes, stage_peak_bytes
 
 
 class MemoryModel:

@@ -1,6 +1,6 @@
 """The memory-relief menu of one micro-batch and what each relief costs and frees (cost.py scores them).
 
-A relief is a `Recompute` (plan.py): none; a set of megatron-core `recompute_modules` (kind "selective");
+A relief is a `Recompute` (planner/plan.py): none; a set of megatron-core `recompute_modules` (kind "selective");
 full recompute of k layers; or, with kind none or selective, a set of `offload_modules` (fine-grained
 activation offloading, GPU only: the cluster needs a host link). megatron-core 0.19.2 combines them as its
 TransformerConfig allows: selective and full are one granularity or the other; `attn_proj` offload needs
@@ -25,9 +25,9 @@ from itertools import combinations
 
 import numpy as np
 
-from dcp_megatron.planner.activations import (freed_by_offload, freed_by_recompute, kept_by_recompute, layer_tensors,
-                                              moved_by_offload)
-from dcp_megatron.planner.memory_spec import spec_gradient_bytes
+from dcp_megatron.planner.costmodel.activations import (freed_by_offload, freed_by_recompute, kept_by_recompute,
+                                                        layer_tensors, moved_by_offload)
+from dcp_megatron.planner.costmodel.memory_spec import spec_gradient_bytes
 from dcp_megatron.planner.plan import NO_RECOMPUTE, RECOMPUTE_MODULE_NAMES, SELECTIVE, Recompute
 
 MENU_NAMES = ("none", "selective", "full") + tuple(m for m in RECOMPUTE_MODULE_NAMES if m != "shared_experts") \

@@ -10,8 +10,8 @@ output (needs `core_attn`); `expert_fc1` the experts' input; `moe_act` the activ
 """
 from __future__ import annotations
 
-from dcp_megatron.planner.memory_spec import spec_freed_by_recompute, spec_layer_tensors, spec_mtp_extra_bytes
-from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.costmodel.memory_spec import spec_freed_by_recompute, spec_layer_tensors, spec_mtp_extra_bytes
+from dcp_megatron.planner.costmodel.model import ModelShape
 
 
 def layer_tensors(m: ModelShape) -> dict[str, float]:

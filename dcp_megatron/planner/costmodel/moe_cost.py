@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcp_megatron.planner.cluster import ClusterSpec
-from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.costmodel.cluster import ClusterSpec
+from dcp_megatron.planner.costmodel.model import ModelShape
 
 MOE_A2A_PASSES = 4            # dispatch + combine forward, their gradients backward
 RECOMPUTE_A2A_PASSES = 2      # a recomputed layer replays its forward dispatch + combine

@@ -37,12 +37,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcp_megatron.planner.cluster import ClusterSpec
-from dcp_megatron.planner.cost import CostModel
-from dcp_megatron.planner.cost_profile import check_profile
-from dcp_megatron.planner.cost_time import CP_PASSES
+from dcp_megatron.planner.costmodel.cluster import ClusterSpec
+from dcp_megatron.planner.costmodel.cost import CostModel
+from dcp_megatron.planner.costmodel.cost_profile import check_profile
+from dcp_megatron.planner.costmodel.cost_time import CP_PASSES
 from dcp_megatron.planner.padding import padded_length
-from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.costmodel.model import ModelShape
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute
 
 

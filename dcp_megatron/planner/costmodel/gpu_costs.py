@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcp_megatron.planner.cluster import ClusterSpec
-from dcp_megatron.planner.model import ModelShape
+from dcp_megatron.planner.costmodel.cluster import ClusterSpec
+from dcp_megatron.planner.costmodel.model import ModelShape
 
 FP8_WEIGHT_COPY_BYTES = 2.0   # per linear parameter: TE's FP8 weight (1 B) and its transpose (1 B)
 # Non-aligned blocks (odd sizes, odd offsets) the group pool keeps at once (least recently used ones beyond it

@@ -5,10 +5,10 @@ import bisect
 import math
 from dataclasses import dataclass, replace
 
-from dcp_megatron.planner.cluster_cpu import (CPU_ATTN_RATE_POINTS, CPU_COLLECTIVE_LATENCY_S, CPU_GEMM_FLOPS, CPU_GLOO_BW,
-                                              CPU_MEM_BYTES_PER_RANK, CPU_MICROBATCH_OVERHEAD_S, CPU_RANKS_PER_MACHINE,
-                                              CPU_RECOMPUTE_COST_FACTOR)
-from dcp_megatron.planner.cluster_gpu import GPU_DATASHEETS, H200_BF16_FLOPS, H200_GEMM_RATIO, LAYER_SHARE
+from dcp_megatron.planner.costmodel.cluster_cpu import (CPU_ATTN_RATE_POINTS, CPU_COLLECTIVE_LATENCY_S, CPU_GEMM_FLOPS,
+                                                        CPU_GLOO_BW, CPU_MEM_BYTES_PER_RANK, CPU_MICROBATCH_OVERHEAD_S,
+                                                        CPU_RANKS_PER_MACHINE, CPU_RECOMPUTE_COST_FACTOR)
+from dcp_megatron.planner.costmodel.cluster_gpu import GPU_DATASHEETS, H200_BF16_FLOPS, H200_GEMM_RATIO, LAYER_SHARE
 
 GiB = 1024 ** 3
 
@@ -133,7 +133,7 @@ def _h200(domain_size: int = 8) -> ClusterSpec:
         # ring's two neighbours = 128 MiB per CP communicator (NVLS buffers are not set up for p2p-only use).
         communicator_bytes=128 * 2 ** 20,
         # PCIe Gen5 x16 to the host: 64 GB/s a direction datasheet, ~50 GB/s achieved (estimate, not measured
-        # here); what fine-grained activation offloading moves (planner/relief.py)
+        # here); what fine-grained activation offloading moves (planner/costmodel/relief.py)
         host_link_bw=50e9,
     )
 

@@ -59,6 +59,19 @@ def _with_dcp_schedule(original, specs):
     return get_forward_backward_func
 
 
+def _check_token_ids_against_the_tokenizer(run_args) -> None:
+    """A tokenizer other than NullTokenizer is built by Megatron's initialize (its padded vocabulary sizes the
+    embedding): the corpus's ids are checked against it here, before step 1, so an id past it is one line naming
+    it rather than a bare IndexError in the embedding (NullTokenizer's --vocab-size is checked at start)."""
+    padded = getattr(run_args, "padded_vocab_size", None)
+    if getattr(run_args, "tokenizer_type", None) == "NullTokenizer" or not padded:
+        return
+    from dcp_megatron.flags.data_files import check_token_ids
+
+    check_token_ids(run_args, vocab_size=padded,
+                    what=f"--tokenizer-type {run_args.tokenizer_type} (ids 0-{padded - 1}, padded)")
+
+
 def _with_timeout_report(original, specs):
     @functools.wraps(original)
     def train(*args, **kwargs):
@@ -86,6 +99,7 @@ def _with_timeout_report(original, specs):
                              timeout_minutes=run_args.distributed_timeout_minutes) as watch, \
                 emulated_device(specs.spec_of(run_args).dcp.device_memory_gb):
             try:
+                _check_token_ids_against_the_tokenizer(run_args)
                 return original(*args, **kwargs)
             except SystemExit as err:
                 if err.code in (0, None):   # the loop's collective exit (signal, duration, interval), after a barrier

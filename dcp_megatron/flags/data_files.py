@@ -12,8 +12,8 @@ Token ids at or above the vocabulary end step 1 with a bare `IndexError: index o
 embedding. With `--tokenizer-type NullTokenizer` the vocabulary is ids 0 to `--vocab-size` - 1 (megatron-core 0.19's
 NullTokenizer; the embedding pads it to a multiple of 128 x TP, and ids past the padding fail), known at start: `check_token_ids` reads each .bin as the flat token array it is, in chunks, up to
 `SCAN_BYTES` per file (whole files at the sizes tests and most fine-tuning corpora have; the first GiB of a larger
-one), and names the flag, the file and the largest id. Other tokenizers: the DeepSpeed script runs the same scan
-against the built tokenizer's vocabulary (deepspeed/setup.py).
+one), and names the flag, the file and the largest id. Other tokenizers: the same scan against the built tokenizer's
+vocabulary, by the DeepSpeed script (deepspeed/setup.py) and by the Megatron path's patched train() before step 1.
 """
 from __future__ import annotations
 

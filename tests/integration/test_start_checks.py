@@ -432,3 +432,41 @@ def test_a_refusal_at_the_first_step_ends_in_one_line_too(monkeypatch, capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["dcp: error: --seq-length 4096 fits no CP group under --dcp-memory-budget-gb 0.001"]
+
+
+def test_token_ids_past_a_built_tokenizer_end_in_one_line_before_step_1(monkeypatch, capsys, tmp_path):
+    """Issue 46: a tokenizer other than NullTokenizer is known once Megatron's initialize built it; the patched
+    train() checks the corpus against its padded vocabulary before the loop runs, one line and exit 2."""
+    import types
+
+    import megatron.training
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from patches import training_training
+
+    prefix = str(tmp_path / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    builder.add_document(torch.tensor([5, 300, 7], dtype=torch.uint16), [3])
+    builder.finalize(prefix + ".idx")
+    run_args = types.SimpleNamespace(dcp=True, curr_iteration=0, distributed_timeout_minutes=1.0,
+                                     tokenizer_type="GPT2BPETokenizer", padded_vocab_size=256, data_path=[prefix],
+                                     mock_data=False, data_args_path=None, per_split_data_args_path=None,
+                                     train_data_path=None, valid_data_path=None, test_data_path=None)
+    monkeypatch.setattr(megatron.training, "get_args", lambda: run_args)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
+    monkeypatch.setattr("dcp_megatron.runtime.heartbeat.connect_store", lambda: None)
+    ran = []
+    no_device = types.SimpleNamespace(dcp=types.SimpleNamespace(device_memory_gb=None))
+    train = training_training._with_timeout_report(lambda *a, **k: ran.append(1),
+                                                   types.SimpleNamespace(spec_of=lambda _: no_device))
+    with pytest.raises(SystemExit) as exited:
+        train(lambda: None, [])
+    assert exited.value.code == 2 and not ran
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds token id 300" in err[0] and "--tokenizer-type GPT2BPETokenizer" in err[0], err
+    run_args.padded_vocab_size = 512   # a vocabulary that holds the corpus: the loop runs
+    train(lambda: None, [])
+    assert ran == [1]

@@ -30,6 +30,7 @@ from dcp_megatron.planner.list_scheduling import lpt_assign_rounds
 from dcp_megatron.planner.layout import (assemble_waves, candidate_sizes, microbatches_from_sums,
                                           min_fitting_size)
 from dcp_megatron.planner.dcp.odd_groups import odd_group_alternative
+from dcp_megatron.planner.dcp.packing_rounds import MIN_BLOCKS, first_fit_rounds, python_sums
 from dcp_megatron.planner.dcp.sized_sequences import SizedSequences
 
 
@@ -124,14 +125,22 @@ def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequen
         fits = (block_local <= cap_none).tolist() if none_allowed else [False] * len(used)
         block_mbs: list = [None] * len(used)
         chunks, chunk_block = [], []            # (first rank, sequences, local, compute, attention sums), its block
-        for j, (lo, hi, first, t, mem) in enumerate(zip(lows, highs, firsts.tolist(), times.tolist(), mems)):
+        packed = []                             # blocks packed into micro-batches
+        for j, (lo, hi, t, mem) in enumerate(zip(lows, highs, times.tolist(), mems)):
             if fits[j]:
                 block_mbs[j] = (MicroBatch(tuple(ordered_pairs[lo:hi]), NO_RECOMPUTE, t, mem),)
-                continue
-            for chunk in _next_fit(ordered[lo:hi], local, cap_none):
-                chunks.append((first, tuple(map(pairs.__getitem__, chunk)), sum(map(local.__getitem__, chunk)),
-                               sum(map(compute.__getitem__, chunk)), sum(map(attn.__getitem__, chunk))))
-                chunk_block.append(j)
+            else:
+                packed.append(j)
+        if len(packed) >= MIN_BLOCKS:           # many blocks: first fit and sums in numpy rounds (the same floats)
+            chunks, chunk_block = _packed_chunks(members[by_block], np.array(packed), np.array(lows),
+                                                 np.array(highs), firsts, seqs, pairs, cap_none)
+        else:
+            for j in packed:
+                lo, hi, first = lows[j], highs[j], int(firsts[j])
+                for chunk in _next_fit(ordered[lo:hi], local, cap_none):
+                    chunks.append((first, tuple(map(pairs.__getitem__, chunk)), sum(map(local.__getitem__, chunk)),
+                                   sum(map(compute.__getitem__, chunk)), sum(map(attn.__getitem__, chunk))))
+                    chunk_block.append(j)
         per_block: dict[int, list] = {}
         for j, mb in zip(chunk_block, microbatches_from_sums(cost, chunks, size)):
             per_block.setdefault(j, []).append(mb)
@@ -146,6 +155,27 @@ def _list_schedule(ids: np.ndarray, lengths: np.ndarray, cost, seqs: SizedSequen
         else:
             finish[:num_blocks * size].reshape(num_blocks, size)[used] = end[:, None]
     return float(finish.max()), busy_rank_seconds, scheduled
+
+
+def _packed_chunks(ordered: np.ndarray, packed: np.ndarray, lows: np.ndarray, highs: np.ndarray,
+                   firsts: np.ndarray, seqs: SizedSequences, pairs: list, room: float) -> tuple[list, list[int]]:
+    """The `packed` blocks' micro-batches as `_list_schedule`'s chunks and their blocks, `_next_fit` and Python's
+    sums of each block's sequences (`ordered[lows[j]:highs[j]]`) decided in numpy rounds (packing_rounds.py)."""
+    counts = highs[packed] - lows[packed]
+    offsets = np.cumsum(counts) - counts
+    seq = ordered[np.arange(int(counts.sum())) - np.repeat(offsets - lows[packed], counts)]
+    chunk = first_fit_rounds(seqs.local[seq], offsets, counts, room)
+    block = np.repeat(np.arange(packed.size), counts)
+    by_chunk = np.argsort(block * (int(chunk.max()) + 1) + chunk, kind="stable")
+    seq, block, chunk = seq[by_chunk], block[by_chunk], chunk[by_chunk]
+    starts = np.flatnonzero(np.r_[True, (np.diff(block) != 0) | (np.diff(chunk) != 0)])
+    sizes = np.diff(np.r_[starts, seq.size])
+    sums = python_sums(np.stack([seqs.local[seq], seqs.compute[seq], seqs.attn[seq]]), starts, sizes)
+    seq_list, chunk_block = seq.tolist(), packed[block[starts]].tolist()
+    chunk_first = firsts[chunk_block].tolist()
+    chunks = [(first, tuple(map(pairs.__getitem__, seq_list[lo:lo + n])), loc, comp, att)
+              for first, lo, n, loc, comp, att in zip(chunk_first, starts.tolist(), sizes.tolist(), *sums.tolist())]
+    return chunks, chunk_block
 
 
 def _next_fit(items: list[int], local: list[float], room: float) -> list[list[int]]:

@@ -13,11 +13,13 @@ worse; it is tried only when the saved rank-seconds are at least MIN_GAIN of the
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import numpy as np
 
 from dcp_megatron.planner.plan import Group
 from dcp_megatron.planner.layout import microbatch_from_sums, microbatches_from_sums
+from dcp_megatron.planner.dcp.packing_rounds import numpy_sums
 
 MIN_GAIN = 0.002
 MAX_CANDIDATES = 8
@@ -128,12 +130,17 @@ def _fill_beside(ids, cost, seqs, rest: np.ndarray, until: float, finish: np.nda
 
 def _filler_groups(ids, lengths, cost, seqs, chunks: dict) -> list:
     pairs = list(zip(ids.tolist(), lengths.tolist()))
-    ranks, flat = [], []                # the micro-batches of every rank at once (microbatches_from_sums)
+    ranks, members = [], []             # the micro-batches of every rank at once (microbatches_from_sums)
     for r, rank_chunks in sorted(chunks.items()):
-        for chunk in rank_chunks:
-            ranks.append(r)
-            flat.append((r, tuple(map(pairs.__getitem__, chunk)), float(seqs.local[chunk].sum()),
-                         float(seqs.compute[chunk].sum()), float(seqs.attn[chunk].sum())))
+        ranks += [r] * len(rank_chunks)
+        members += rank_chunks
+    counts = np.array([len(chunk) for chunk in members], dtype=np.int64)
+    every = np.fromiter(itertools.chain.from_iterable(members), dtype=np.int64, count=int(counts.sum()))
+    # each chunk's numpy sums, float for float, without a numpy call per chunk
+    sums = numpy_sums(np.stack([seqs.local[every], seqs.compute[every], seqs.attn[every]]),
+                      np.cumsum(counts) - counts, counts).tolist()
+    flat = [(r, tuple(map(pairs.__getitem__, chunk)), loc, comp, att)
+            for r, chunk, loc, comp, att in zip(ranks, members, *sums)]
     per_rank: dict[int, list] = {}
     for r, mb in zip(ranks, microbatches_from_sums(cost, flat, 1)):
         per_rank.setdefault(r, []).append(mb)

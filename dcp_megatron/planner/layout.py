@@ -123,9 +123,17 @@ def microbatches_from_sums(cost, chunks: list, size: int) -> list[MicroBatch]:
     times = cost.times_from_sums(sums[:, 0], sums[:, 1], sums[:, 2], size, firsts, NO_RECOMPUTE).tolist()
     mems = (cost.static_bytes + np.ceil(sums[:, 0] * cost.bytes_per_local_token(NO_RECOMPUTE, size))).astype(
         np.int64).tolist()
-    return [MicroBatch(seqs, NO_RECOMPUTE, times[n], mems[n]) if fast else
-            microbatch_from_sums(cost, seqs, loc, comp, att, size, first)
-            for n, ((first, seqs, loc, comp, att), fast) in enumerate(zip(chunks, quick.tolist()))]
+    out = [MicroBatch(seqs, NO_RECOMPUTE, times[n], mems[n]) if fast else None
+           for n, ((_, seqs, _, _, _), fast) in enumerate(zip(chunks, quick.tolist()))]
+    slow = np.flatnonzero(~quick)
+    if slow.size:           # the others' relief choice at once (`best_reliefs_from_sums`: the same choices, floats)
+        reliefs, slow_times = cost.best_reliefs_from_sums(sums[slow, 0], sums[slow, 1], sums[slow, 2], size,
+                                                          firsts[slow])
+        for n, recompute, t in zip(slow.tolist(), reliefs, slow_times.tolist()):
+            first, seqs, loc, comp, att = chunks[n]
+            out[n] = (microbatch_from_sums(cost, seqs, loc, comp, att, size, first) if recompute is None else
+                      MicroBatch(seqs, recompute, t, int(cost.memory_from_tokens(loc, recompute, size))))
+    return out
 
 
 def assemble_waves(domain_size: int, scheduled: Iterable[Group]) -> tuple[Wave, ...]:

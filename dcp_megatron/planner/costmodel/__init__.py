@@ -6,7 +6,8 @@ are its own (and the runtime's and tests' where they need a constant). A policy 
   `doc_terms`, `time_from_sums` / `times_from_sums`, `ideal_doc_seconds`, `doc_alone_seconds`;
 - memory: `microbatch_memory(lengths, cp_size, recompute=)`, `fits`, `max_local_tokens`, `memory_from_tokens`,
   `bytes_per_local_token`, `static_bytes`;
-- relief: `recompute_options`, `full_recompute_options`, `choose_recompute` / `best_recompute(_from_sums)`,
+- relief: `recompute_options`, `full_recompute_options`, `choose_recompute` / `best_recompute(_from_sums)` /
+  `best_reliefs_from_sums` (many micro-batches at once),
   `fitting_reliefs`, `base_recompute`, `strongest_recompute`, `allows`, `allowed_recompute`;
 - the run: `model` (ModelShape), `cluster` (ClusterSpec), `cp_attention`, `ulysses_time`, `memoised` (run-wide
   values a policy derives from the cost model alone).

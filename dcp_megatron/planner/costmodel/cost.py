@@ -57,7 +57,7 @@ TIME_METHODS = ("doc_terms", "ideal_doc_seconds", "ideal_rank_seconds", "recompu
 MEMORY_METHODS = ("bytes_per_local_token", "held_bytes_per_local_token", "layer_bytes_per_local_token",
                   "memory_from_tokens", "max_local_tokens", "full_recompute_bytes")
 RELIEF_METHODS = ("recompute_options", "full_recompute_options", "choose_recompute", "best_recompute_from_sums",
-                  "fitting_reliefs", "doc_alone_seconds")
+                  "best_reliefs_from_sums", "fitting_reliefs", "doc_alone_seconds")
 
 
 class CostModel:

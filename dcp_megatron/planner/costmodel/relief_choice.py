@@ -103,29 +103,36 @@ class ReliefChoice:
             return local, compute, attn, self._fastest_alone_seconds(local, compute, attn, cp_size) - overhead
         need = np.flatnonzero(local > self.memory.max_local_tokens(NO_RECOMPUTE, cp_size))
         if need.size:
-            seconds[need] = self._relieved_seconds(local[need], compute[need], attn[need], cp_size) - overhead
+            seconds[need] = self.best_reliefs_from_sums(local[need], compute[need], attn[need], cp_size,
+                                                        np.zeros(need.size, dtype=np.int64))[1] - overhead
         return local, compute, attn, seconds
 
-    def _relieved_seconds(self, local, compute, attn, cp_size: int) -> np.ndarray:
-        """Per document alone at rank 0: `time_from_sums` of its `best_recompute_from_sums` (inf where none fits),
-        the same floats, over the documents at once: each option's times in one `times_from_sums` call where those
-        are time_from_sums' floats (offload across ranks adds its terms in another order: one call a document)."""
+    def best_reliefs_from_sums(self, local, compute, attn, cp_size: int,
+                               first_ranks) -> tuple[list[Recompute | None], np.ndarray]:
+        """`best_recompute_from_sums` of many micro-batches (arrays of sums) on CP groups of `cp_size` from
+        `first_ranks`, and `time_from_sums` of each with it (inf where none fits): the same choices and floats, each
+        relief's times in one `times_from_sums` call where those are time_from_sums' floats (offload across ranks
+        adds its terms in another order: one call a micro-batch)."""
         room = self.cluster.mem_budget_bytes - self.memory.static_bytes
         per_token = self.memory.for_cp_size(cp_size).bytes_per_local_token
-        best = np.full(local.shape, math.inf)
+        first_ranks = np.asarray(first_ranks, dtype=np.int64)
+        best, choice = np.full(local.shape, math.inf), np.full(local.shape, -1)
         any_light, none_first = np.zeros(local.shape, dtype=bool), np.zeros(local.shape, dtype=bool)
+        tried: list[Recompute] = []
 
         def take(fits: np.ndarray, r: Recompute) -> None:
             sel = np.flatnonzero(fits)
             if not sel.size:
                 return
             if r.offload and cp_size > 1:
-                t = np.array([self.time.time_from_sums(a, b, c, cp_size, 0, r) for a, b, c in
-                              zip(local[sel].tolist(), compute[sel].tolist(), attn[sel].tolist())])
+                t = np.array([self.time.time_from_sums(a, b, c, cp_size, f, r) for a, b, c, f in
+                              zip(local[sel].tolist(), compute[sel].tolist(), attn[sel].tolist(),
+                                  first_ranks[sel].tolist())])
             else:
-                t = self.time.times_from_sums(local[sel], compute[sel], attn[sel], cp_size,
-                                              np.zeros(sel.size, dtype=np.int64), r)
-            best[sel] = np.minimum(best[sel], t)
+                t = self.time.times_from_sums(local[sel], compute[sel], attn[sel], cp_size, first_ranks[sel], r)
+            better = t < best[sel]                   # strictly: the first fastest in the menu's order, as min()
+            best[sel[better]], choice[sel[better]] = t[better], len(tried)
+            tried.append(r)
 
         for r in self._light_options:            # fitting_reliefs' light ones, in its order
             fits = local * per_token(r) <= room
@@ -133,13 +140,13 @@ class ReliefChoice:
                 none_first |= fits & ~any_light
             any_light |= fits
             take(fits, r)
-        if "full" in self.allowed_recompute:     # and the fewest full layers that fit, unless none is the first
+        if "full" in self.allowed_recompute:     # then the fewest full layers that fit, unless none is the first
             ks = np.zeros(local.shape, dtype=np.int64)
             for j in np.flatnonzero(~none_first).tolist():
                 ks[j] = self.fewest_full_layers(float(local[j]), room, cp_size) or 0
             for k in np.unique(ks[ks > 0]).tolist():
                 take(ks == k, self._full_options[k - 1])
-        return best
+        return [tried[c] if c >= 0 else None for c in choice.tolist()], best
 
     def _fastest_alone_seconds(self, local, compute, attn, cp_size: int) -> np.ndarray:
         """Per document alone at rank 0: the least time over the allowed recompute that fit."""

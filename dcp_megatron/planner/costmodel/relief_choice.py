@@ -16,6 +16,8 @@ import numpy as np
 
 from dcp_megatron.planner.plan import NO_RECOMPUTE, Recompute
 
+MIN_BATCHED = 32       # best_reliefs_from_sums: from this many micro-batches on, one numpy call per relief
+
 
 class ReliefChoice:
     """The relief options of a run and the choice among them; CostModel builds it and hands out its methods."""
@@ -113,9 +115,15 @@ class ReliefChoice:
         `first_ranks`, and `time_from_sums` of each with it (inf where none fits): the same choices and floats, each
         relief's times in one `times_from_sums` call where those are time_from_sums' floats (offload across ranks
         adds its terms in another order: one call a micro-batch)."""
+        first_ranks = np.asarray(first_ranks, dtype=np.int64)
+        if local.size < MIN_BATCHED:           # a few: one at a time is cheaper than a numpy call per relief
+            reliefs = [self.best_recompute_from_sums(a, b, c, cp_size) for a, b, c in
+                       zip(local.tolist(), compute.tolist(), attn.tolist())]
+            return reliefs, np.array([math.inf if r is None else self.time.time_from_sums(a, b, c, cp_size, f, r)
+                                      for r, a, b, c, f in zip(reliefs, local.tolist(), compute.tolist(),
+                                                               attn.tolist(), first_ranks.tolist())])
         room = self.cluster.mem_budget_bytes - self.memory.static_bytes
         per_token = self.memory.for_cp_size(cp_size).bytes_per_local_token
-        first_ranks = np.asarray(first_ranks, dtype=np.int64)
         best, choice = np.full(local.shape, math.inf), np.full(local.shape, -1)
         any_light, none_first = np.zeros(local.shape, dtype=bool), np.zeros(local.shape, dtype=bool)
         tried: list[Recompute] = []

@@ -36,7 +36,7 @@ test: venv
 test-unit: venv
 	$(PYTEST) -m "not slow" tests/unit
 
-# CI runs it after `make test`: the planner properties at 10,000 hypothesis examples and the 4-8 rank launches.
+# CI runs it after `make test`: the planner properties at 3,000 hypothesis examples (DCP_SLOW_EXAMPLES for more) and the 4-8 rank launches.
 test-slow: venv
 	$(PYTEST) -m slow tests
 

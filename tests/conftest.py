@@ -24,7 +24,7 @@ _PROFILE = os.environ.get("DCP_TEST_PROFILE")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long runs (10,000 hypothesis examples, 4-8 rank launches); "
+    config.addinivalue_line("markers", "slow: long runs (3,000 hypothesis examples, 4-8 rank launches); "
                                        "make test-slow")
 
 

@@ -393,6 +393,8 @@ def _tracked(directory) -> int:
     return int((directory / "latest_checkpointed_iteration.txt").read_text())
 
 
+# make test-slow (three 2-rank launches, ~90 s): the --dcp resume of the trace stays in make test
+@pytest.mark.slow
 def test_checkpoints_cross_the_dcp_boundary_both_ways_in_torch_format(runs, work):
     """--ckpt-format torch, plain -> --dcp -> plain, each resuming the previous one's checkpoint: the weights
     (validation loss after every step), grad norms and the comparable training losses continue the uninterrupted
@@ -429,6 +431,9 @@ def test_checkpoints_cross_the_dcp_boundary_both_ways_in_torch_format(runs, work
         assert losses[step] == pytest.approx(full.losses[step], rel=TOLERANCE), ("training", step)
 
 
+# make test-slow (two launches, ~70 s); make test keeps the out-of-memory unit tests (tests/unit/test_out_of_memory.py,
+# test_device_ceiling.py, test_failed_pass_release.py); test_out_of_memory_runs.py (slow) survives real ones end to end
+@pytest.mark.slow
 def test_an_out_of_memory_stops_the_step_and_the_resumed_run_plans_under_it(runs, work):
     """A micro-batch that runs out of memory (the test hook raises torch.OutOfMemoryError when its rank takes it):
     the run stops at that step with one line naming it (tokens, CP size, relief, the bytes counted for it), saves

@@ -58,11 +58,13 @@ def scenarios(draw):
     return cost, batch, cap
 
 
-# examples in the slow run (`make test-slow`, run by CI after the suite); DCP_SLOW_EXAMPLES only for timing runs
-_SLOW = int(os.environ.get("DCP_SLOW_EXAMPLES", 10_000))
-# each start-checked example searches its least budget and plans every policy (~0.16 s): 1,000 keep make test-slow
+# examples in the slow run (`make test-slow`, run by CI after the suite): 3,000 keep make test-slow inside its
+# 15 minutes beside this round's out-of-memory and DeepSeek launches (10,000 took ~650 s of one worker, 2026-12-07);
+# DCP_SLOW_EXAMPLES=10000 for the longer soak
+_SLOW = int(os.environ.get("DCP_SLOW_EXAMPLES", 3_000))
+# each start-checked example searches its least budget and plans every policy (~0.16 s): 300 keep make test-slow
 # inside its 15 minutes (10,000 took ~27 min); DCP_SLOW_START_EXAMPLES for a longer soak
-_SLOW_START_CHECKED = int(os.environ.get("DCP_SLOW_START_EXAMPLES", 1_000))
+_SLOW_START_CHECKED = int(os.environ.get("DCP_SLOW_START_EXAMPLES", 300))
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
 
@@ -76,7 +78,7 @@ def test_policies_hold_every_invariant(scenario):
 @pytest.mark.timeout(3600)
 @settings(max_examples=_SLOW, deadline=None, suppress_health_check=_QUIET)
 @given(scenarios())
-def test_policies_hold_every_invariant_at_10k_examples(scenario):
+def test_policies_hold_every_invariant_at_slow_examples(scenario):
     check_every_invariant(scenario)
 
 
@@ -104,7 +106,7 @@ def test_local_tokens_cover_each_document(domain_size, length, offset):
 @pytest.mark.slow
 @settings(max_examples=_SLOW, deadline=None)
 @given(st.sampled_from(DOMAINS), st.integers(1, 1 << 20), st.integers(0, 1000))
-def test_local_tokens_cover_each_document_at_10k_examples(domain_size, length, offset):
+def test_local_tokens_cover_each_document_at_slow_examples(domain_size, length, offset):
     check_local_tokens(domain_size, length, offset)
 
 
@@ -180,7 +182,7 @@ def test_every_policy_plans_any_batch_at_a_budget_the_start_check_passes(scenari
 @pytest.mark.timeout(3600)
 @settings(max_examples=_SLOW_START_CHECKED, deadline=None, suppress_health_check=_QUIET)
 @given(start_checked_scenarios())
-def test_every_policy_plans_any_batch_at_a_budget_the_start_check_passes_at_1k_examples(scenario):
+def test_every_policy_plans_any_batch_at_a_budget_the_start_check_passes_at_slow_examples(scenario):
     check_plans_at_start_checked_budget(scenario)
 
 

@@ -70,35 +70,32 @@ def _records(root, name):
     return sorted(glob.glob(os.path.join(root, name, "dcp_memory_limits", "*.json")))
 
 
-def test_a_run_planned_above_its_device_trains_every_step_as_one_rank(runs):
-    reference, run = runs("reference").check(), runs("restarts")
+def _survived(runs, reference_name, run_name, checkpoints):
+    """The run trained every step, named and recorded each out-of-memory it survived, restarted under the records
+    with no traceback, and its weights after every step (validation loss) are the reference's; its events."""
+    reference, run = runs(reference_name).check(), runs(run_name)
     assert run.returncode == 0, run.output[-3000:]
     assert sorted(run.losses) == list(range(1, ITERS + 1))
     events = [line for line in run.output.splitlines() if "out of memory in micro-batch" in line]
-    records = _records(runs.root, "ckpt")
+    records = _records(runs.root, checkpoints)
     assert events and len(events) == len(records), (events, records)   # each event survived is named and recorded
-    assert all("live past the" in line and "device" in line for line in events)
     assert "out-of-memory record(s) under dcp_memory_limits/" in run.output   # a restart planned under them
     assert "Traceback" not in run.output
-    # the weights after every step (validation loss) and every step's grad norm are the reference's
     assert sorted(run.eval_losses) == sorted(reference.eval_losses)
     for step, loss in reference.eval_losses.items():
         assert run.eval_losses[step] == pytest.approx(loss, rel=TOLERANCE), ("validation", step)
+    return reference, run, events
+
+
+def test_a_run_planned_above_its_device_trains_every_step_as_one_rank(runs):
+    reference, run, events = _survived(runs, "reference", "restarts", "ckpt")
+    assert all("live past the" in line and "device" in line for line in events)
+    # and every step's grad norm is the reference's
     assert run.grad_norms == pytest.approx(reference.grad_norms, abs=1e-3)
     assert run.losses[ITERS] == pytest.approx(reference.losses[ITERS], rel=TOLERANCE)
 
 
 def test_the_same_on_deepspeed_zero1(runs):
-    reference, run = runs("ds_reference").check(), runs("ds_restarts")
-    assert run.returncode == 0, run.output[-3000:]
-    assert sorted(run.losses) == list(range(1, ITERS + 1))
-    events = [line for line in run.output.splitlines() if "out of memory in micro-batch" in line]
-    records = _records(runs.root, "ds_ckpt")
-    assert events and len(events) == len(records), (events, records)
-    assert "out-of-memory record(s) under dcp_memory_limits/" in run.output
-    assert "Traceback" not in run.output
-    assert sorted(run.eval_losses) == sorted(reference.eval_losses)
-    for step, loss in reference.eval_losses.items():
-        assert run.eval_losses[step] == pytest.approx(loss, rel=TOLERANCE), ("validation", step)
+    reference, run, _ = _survived(runs, "ds_reference", "ds_restarts", "ds_ckpt")
     for step, loss in reference.losses.items():
         assert run.losses[step] == pytest.approx(loss, rel=TOLERANCE), ("training", step)

@@ -28,6 +28,10 @@ class DcpUsageError(ValueError):
     """A flag or input that --dcp cannot honour; the message says what to change."""
 
 
+AUTO_PART_RANKS = 1024          # --dcp-plan-part-ranks' default part ...
+AUTO_SPLIT_FROM = 8192          # ... from domains of this many ranks (smaller domains plan whole: docs/simulator.md)
+
+
 @dataclass(frozen=True, kw_only=True)
 class DcpConfig:
     """What the DCP adapter needs of a run (validated; built from Megatron's args once)."""
@@ -48,6 +52,9 @@ class DcpConfig:
     seq_length: int
     log_interval: int = 1
     plan_ahead: bool = True          # plan step k+1 while step k trains (planner/ahead.py)
+    # --dcp-plan-part-ranks: plan a large domain in parts of this many ranks, each rank its own part
+    # (core/split_planning.py); 0: every rank plans the whole domain; None: parts of 1,024 from 8,192 ranks on
+    plan_part_ranks: int | None = None
     train_iters: int | None = None   # the last step: nothing to read ahead after it
     iterations_to_skip: frozenset[int] = frozenset()   # --iterations-to-skip: Megatron reads those steps itself
     refine: bool = True              # correct the cost model from measured times (planner/costmodel/refine.py)
@@ -80,6 +87,10 @@ class DcpConfig:
     def __post_init__(self) -> None:
         if self.policy not in DCP_POLICIES:
             raise DcpUsageError(f"--dcp-policy {self.policy!r} is not one of {DCP_POLICIES}")
+        if self.plan_part_ranks is not None and (not isinstance(self.plan_part_ranks, int)
+                                                 or isinstance(self.plan_part_ranks, bool) or self.plan_part_ranks < 0):
+            raise DcpUsageError(f"--dcp-plan-part-ranks must be an int >= 0 (0: plan the whole domain on every rank), "
+                                f"got {self.plan_part_ranks!r}")
         if self.max_cp_size is not None and self.max_cp_size < 1:
             raise DcpUsageError(f"--dcp-max-cp-size must be >= 1, got {self.max_cp_size}")
         if self.memory_budget_gb is not None and not (math.isfinite(self.memory_budget_gb)
@@ -191,3 +202,10 @@ def check_gpus_per_node(gpus_per_node: int | None, *, flag: str = "--dcp-gpus-pe
     if local_size is None and world_size > 0 and world_size % gpus_per_node:
         raise DcpUsageError(f"{flag} {gpus_per_node} does not describe this job: the world of {world_size} ranks "
                             f"is not a whole number of nodes of {gpus_per_node}")
+
+
+def part_ranks_of(config: DcpConfig, domain_size: int) -> int:
+    """The ranks per part split planning uses on this domain (0: plan it whole)."""
+    if config.plan_part_ranks is not None:
+        return config.plan_part_ranks
+    return AUTO_PART_RANKS if domain_size >= AUTO_SPLIT_FROM else 0

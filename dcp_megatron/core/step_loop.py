@@ -33,13 +33,14 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from dcp_megatron.config import DcpConfig
+from dcp_megatron.config import DcpConfig, part_ranks_of
 from dcp_megatron.core.global_batch import DocumentIndex, Documents, exchange_documents, gather_lengths
 from dcp_megatron.core.microbatch_trace import MicrobatchTrace
 from dcp_megatron.core.microbatches import MICROBATCH_KEY, rank_batches
 from dcp_megatron.core.out_of_memory import (MICROBATCH, MicrobatchOutOfMemory, TrackedBatches, describe,
                                              injected_microbatch, phase_of)
 from dcp_megatron.core.plan_dump import PlanDumper
+from dcp_megatron.core.split_planning import SplitPlanner, planning_groups
 from dcp_megatron.core.planning import check_longest_fits, check_same_plan, plan_global_batch
 from dcp_megatron.planner.ahead import PlanAhead, PlannedStep, plan_synchronously
 from dcp_megatron.planner.costmodel.memory_correction import (MemoryCorrection, MemoryReading, MemoryScale,
@@ -128,7 +129,7 @@ class PlannedStepLoop:
         self.device = device
         self.pad_multiple = pad_multiple   # each document's rows a multiple of TP under sequence parallelism
         self.equal_rows = equal_rows       # one row count per lockstep wave (MoE token gathers over EP peers)
-        self._plan_function = plan_function or (lambda sequences, cost: plan_global_batch(config, sequences, cost))
+        self._plan_function = plan_function or self._default_plan_function(config, pool)
         self._base_cost, self._cost = cost, scaled
         self._correction = (TimeCorrection()
                             if config.refine and refine else None)
@@ -144,6 +145,17 @@ class PlannedStepLoop:
         self.memory_kind = PEAK if torch.device(device).type == "cuda" else SAVED
         self._errors: list[float] = []
         self.last_record: StepRecord | None = None
+
+    @staticmethod
+    def _default_plan_function(config: DcpConfig, pool: GroupPool) -> Callable:
+        """The whole plan on every rank, or this rank's part of a large domain (core/split_planning.py): the
+        planner's gloo groups are created here, by every rank of the world alike."""
+        part_ranks = part_ranks_of(config, pool.domain_size)
+        if config.policy != "dcp" or not part_ranks or pool.domain_size < 2 * part_ranks:
+            return lambda sequences, cost: plan_global_batch(config, sequences, cost)
+        group = planning_groups(pool.domains, timeout=pool.timeout)
+        return SplitPlanner(policy=config.policy, max_seq_len=config.seq_length, part_ranks=part_ranks,
+                            domain_rank=pool.domain_rank, group=group)
 
     # ---- what engines and tools read ----------------------------------------------------------------------
     @property

@@ -46,6 +46,7 @@ _BLOCK_KEYS = {
     "check_plans": ("check_plans", bool),
     "gpus_per_node": ("gpus_per_node", int),
     "plan_ahead": ("plan_ahead", bool),
+    "plan_part_ranks": ("plan_part_ranks", int),
     "refine": ("refine", bool),
     "memory_refine": ("memory_refine", bool),
     "memory_refine_steps": ("memory_refine_steps", int),

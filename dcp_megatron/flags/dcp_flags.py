@@ -69,6 +69,10 @@ def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--dcp-sync-planning", action="store_true",
                        help="plan each step on the training thread when it starts (default: plan it while the "
                             "previous step trains, one step ahead)")
+    group.add_argument("--dcp-plan-part-ranks", type=int, default=None, metavar="N",
+                       help="plan the DCP domain in parts of N ranks (whole nodes), each rank planning its own part "
+                            "and gathering the others' (0: every rank plans the whole domain; default: parts of "
+                            "1024 ranks from domains of 8192 on; PP 1, EP 1 and ZeRO below 3 only)")
     group.add_argument("--dcp-no-refine", action="store_true",
                        help="keep the cost model as given (default: correct it every step from measured "
                             "micro-batch times; PP 1 only)")
@@ -143,6 +147,7 @@ def dcp_flag_settings(args: argparse.Namespace) -> dict:
             "check_plans": False if no_check_plans else (True if getattr(args, "dcp_check_plans", False) else None),
             "gpus_per_node": args.dcp_gpus_per_node,
             "plan_ahead": False if getattr(args, "dcp_sync_planning", False) else None,
+            "plan_part_ranks": getattr(args, "dcp_plan_part_ranks", None),
             "refine": False if getattr(args, "dcp_no_refine", False) else None,
             "memory_refine": _on_off(args, "dcp_memory_refine", "dcp_no_memory_refine"),
             "memory_refine_steps": getattr(args, "dcp_memory_refine_steps", None),

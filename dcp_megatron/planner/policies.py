@@ -24,15 +24,30 @@ POLICIES: tuple[str, ...] = tuple(BASELINES) + ("dcp",)
 
 def make_plan(policy: str, batch: Sequence[tuple[int, int]], cost, *, max_seq_len: int,
               setting: StaticSetting | DynamicSetting | None = None,
-              baseline_settings: dict | None = None) -> StepPlan:
+              baseline_settings: dict | None = None, part_ranks: int = 0) -> StepPlan:
     """Plan one global batch [(sample_id, length)] with the named policy.
 
     max_seq_len is the run's length cap (the static layouts are chosen from it once per run);
     `setting` a baseline's run-wide setting (None: its default; `dcp` takes none);
     `baseline_settings` ({baseline: setting}, `dcp` only) the run-wide settings of baselines dcp must not lose
     to besides their defaults (seeds named `<baseline>@tuned`; one that cannot run this batch is no contender);
+    `part_ranks` (`dcp` only) > 0 plans a large domain in parts of that many ranks where it may (dcp/split.py);
     ValueError for an unknown policy, bad lengths, repeated ids, a sequence over the cap, or a
     setting of the wrong kind or that cannot run."""
+    ids, lengths, max_seq_len, tuned, bound = checked_inputs(policy, batch, cost, max_seq_len=max_seq_len,
+                                                             setting=setting, baseline_settings=baseline_settings,
+                                                             part_ranks=part_ranks)
+    if policy == "dcp":
+        return plan_dcp_search(ids, lengths, cost, max_seq_len=max_seq_len, tuned=tuned, bound=bound,
+                               part_ranks=part_ranks)
+    return finish_plan(policy, BASELINES[policy](ids, lengths, cost, max_seq_len=max_seq_len, setting=setting),
+                       cost, bound)
+
+
+def checked_inputs(policy: str, batch: Sequence[tuple[int, int]], cost, *, max_seq_len: int,
+                   setting: StaticSetting | DynamicSetting | None = None, baseline_settings: dict | None = None,
+                   part_ranks: int = 0) -> tuple[np.ndarray, np.ndarray, int, dict, float]:
+    """make_plan's checks (its docstring): (ids, lengths, max_seq_len, tuned settings, the batch's lower bound)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     ids, lengths = check_batch(batch)
@@ -47,6 +62,10 @@ def make_plan(policy: str, batch: Sequence[tuple[int, int]], cost, *, max_seq_le
         kind = SETTING_KINDS.get(policy)
         raise ValueError(f"policy {policy!r} takes " + (f"a {kind.__name__}" if kind else "no setting")
                          + f", got {setting!r}")
+    if not isinstance(part_ranks, (int, np.integer)) or isinstance(part_ranks, bool) or part_ranks < 0:
+        raise ValueError(f"part_ranks must be an int >= 0 (0: plan the domain whole), got {part_ranks!r}")
+    if part_ranks and policy != "dcp":
+        raise ValueError(f"part_ranks is for policy 'dcp' (a baseline plans its domain whole), not {policy!r}")
     tuned = dict(baseline_settings or {})
     if tuned and policy != "dcp":
         raise ValueError(f"baseline_settings are for policy 'dcp' (what it must not lose to), not {policy!r}")
@@ -55,8 +74,4 @@ def make_plan(policy: str, batch: Sequence[tuple[int, int]], cost, *, max_seq_le
             raise ValueError(f"baseline_settings[{name!r}]: expected a setting of one of {', '.join(SETTING_KINDS)}, "
                              f"got {value!r}")
     min_fitting_size(lengths, ids, candidate_sizes(cost.cluster), cost)   # names a sequence that fits nowhere
-    bound = lower_bound_of_lengths(lengths, cost)
-    if policy == "dcp":
-        return plan_dcp_search(ids, lengths, cost, max_seq_len=max_seq_len, tuned=tuned, bound=bound)
-    return finish_plan(policy, BASELINES[policy](ids, lengths, cost, max_seq_len=max_seq_len, setting=setting),
-                       cost, bound)
+    return ids, lengths, max_seq_len, tuned, lower_bound_of_lengths(lengths, cost)

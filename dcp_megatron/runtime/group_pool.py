@@ -112,6 +112,11 @@ class GroupPool:
         return len(self._domains[0])
 
     @property
+    def domains(self) -> list[list[int]]:
+        """Every domain's global ranks (the same list on every rank)."""
+        return [list(d) for d in self._domains]
+
+    @property
     def domain_ranks(self) -> list[int]:
         """Global ranks of this rank's domain, in domain-rank order."""
         return list(self._domains[self._domain_index])

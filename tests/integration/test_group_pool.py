@@ -1,5 +1,7 @@
 """GroupPool: the right members in every group, one global creation order, lazily created blocks,
-several domains side by side, the configured timeout, and clear errors for bad domains.
+several domains side by side, the configured timeout, and clear errors for bad domains. Split planning
+(core/split_planning.py): each rank plans its own part and gathers the others' into the one-process plan; ranks
+of a part that disagree stop every rank at the plan hash check.
 
 One 4-rank gloo launch runs every case (launches are import-bound on this machine).
 """
@@ -89,6 +91,7 @@ def _pool_worker(rank: int, world_size: int) -> dict:
         _raises(lambda: GroupPool([[0, 1]] if rank >= 2 else [[2, 3]], timeout=TIMEOUT)),
         _raises(lambda: GroupPool([[0, 1, 2, 3]], timeout=timedelta(0))),
     ]
+    out["split"] = _split_cases(rank)
     # Every group gets the pool's timeout: a peer that never arrives fails the collective in ~1 s.
     short = GroupPool([[0, 1], [2, 3]], timeout=timedelta(seconds=1))
     if rank == 1:
@@ -97,6 +100,35 @@ def _pool_worker(rank: int, world_size: int) -> dict:
             out["timeout"] = "completed"
         except RuntimeError as err:
             out["timeout"] = str(err)
+    return out
+
+
+def _split_batch():
+    lengths = [300, 2500, 90, 1200, 700, 40, 3000, 800, 150, 60, 1900, 420]
+    return list(enumerate(lengths))
+
+
+def _split_cost(time_scale=None):
+    from tests.support.planner_helpers import tiny_cost
+    cost = tiny_cost(4, gpus_per_node=2)
+    return cost.with_time_scale(time_scale) if time_scale else cost
+
+
+def _split_cases(rank: int) -> dict:
+    from dcp_megatron.core.planning import check_same_plan
+    from dcp_megatron.core.split_planning import SplitPlanner, planning_groups
+
+    group = planning_groups([[0, 1, 2, 3]], timeout=TIMEOUT)
+    planner = SplitPlanner(policy="dcp", max_seq_len=4096, part_ranks=2, domain_rank=rank, group=group)
+    out = {"plan": planner(_split_batch(), _split_cost()).dumps()}
+    # rank 3 plans part 1 with another cost model than rank 2 (as a rank started with other flags would)
+    other = _split_cost({(1, "none"): 3.0}) if rank == 3 else _split_cost()
+    plan = planner(_split_batch(), other)
+    try:
+        check_same_plan(plan, iteration=7, group=None, device="cpu")
+        out["mismatch"] = "no error"
+    except RuntimeError as err:
+        out["mismatch"] = str(err)
     return out
 
 
@@ -157,3 +189,15 @@ def test_groups_use_the_pool_timeout(pool_results):
     message = pool_results[1]["timeout"]
     assert message != "completed"
     assert "imed out" in message or "timeout" in message.lower()
+
+
+def test_split_planning_gathers_the_one_process_plan(pool_results):
+    from dcp_megatron.planner.policies import make_plan
+    expected = make_plan("dcp", _split_batch(), _split_cost(), max_seq_len=4096, part_ranks=2)
+    assert expected.extra["split"]["parts"] == 2          # the split path, not a whole plan
+    assert [r["split"]["plan"] for r in pool_results] == [expected.dumps()] * 4
+
+
+def test_ranks_of_a_part_that_disagree_stop_every_rank(pool_results):
+    for r in pool_results:
+        assert r["split"]["mismatch"].startswith("iteration 7: ranks computed different plans"), r["split"]

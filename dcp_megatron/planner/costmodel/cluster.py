@@ -42,6 +42,9 @@ class ClusterSpec:
     fp8_gemm_flops: float = 0.0            # achieved FP8 GEMM rate; 0: none known (FP8 runs are charged gemm_flops)
     communicator_bytes: int = 0            # device memory one NCCL communicator holds (gpu_costs.py)
     host_link_bw: float = 0.0              # bytes/s per GPU to host memory, one way; 0: no activation offload
+    # 0: the domain is the whole DCP domain. Else this spec plans a part of a domain of this many ranks
+    # (planner/dcp/split.py): state sharded over the domain and the communicators a rank holds count all of them.
+    whole_domain_size: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.domain_size, int) or self.domain_size <= 0:
@@ -72,6 +75,14 @@ class ClusterSpec:
             raise ValueError(f"ClusterSpec.host_link_bw must be >= 0, got {self.host_link_bw}")
         if self.max_cp_size < 0:
             raise ValueError(f"ClusterSpec.max_cp_size must be >= 0, got {self.max_cp_size}")
+        if self.whole_domain_size and self.whole_domain_size < self.domain_size:
+            raise ValueError(f"ClusterSpec.whole_domain_size must be 0 or at least domain_size "
+                             f"({self.domain_size}), got {self.whole_domain_size}")
+
+    @property
+    def sharding_domain_size(self) -> int:
+        """The ranks ZeRO shards state over and the group pool makes communicators for: the whole DCP domain."""
+        return self.whole_domain_size or self.domain_size
 
     @property
     def cp_size_limit(self) -> int:

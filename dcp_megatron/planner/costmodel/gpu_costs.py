@@ -48,7 +48,7 @@ class GpuCosts:
         if self.fp8:
             extra += FP8_WEIGHT_COPY_BYTES * model.params_per_rank(model.linear_params)   # experts / ep
         if self.communicators:
-            extra += cluster.communicator_bytes * communicators_per_rank(cluster.domain_size, cluster.cp_size_limit)
+            extra += cluster.communicator_bytes * communicators_per_rank(*_pool_of(cluster))
         return int(extra)
 
     def overlapped_share(self, cp_sizes):
@@ -63,6 +63,12 @@ class GpuCosts:
         if not self.cp_ring:
             return 1.0
         return np.maximum(np.asarray(cp_sizes, dtype=np.float64) - 1.0, 1.0)
+
+
+def _pool_of(cluster: ClusterSpec) -> tuple[int, int]:
+    """(domain size, CP size limit) of the group pool a rank holds: the whole domain's, also when planning a part."""
+    whole = cluster.sharding_domain_size
+    return whole, min(cluster.max_cp_size or whole, whole)
 
 
 def communicators_per_rank(domain_size: int, max_cp_size: int, *, max_odd_blocks: int = MAX_ODD_COMMUNICATORS) -> int:

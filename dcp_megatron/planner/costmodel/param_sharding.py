@@ -61,7 +61,7 @@ def _sharded(stage: int, shards: int) -> tuple[float, float, float]:
 
 def static_state_bytes(model: ModelShape, cluster: ClusterSpec) -> int:
     """Bytes per rank of weights, gradients and optimizer states (the stage's sharding; module docstring)."""
-    stage, domain = zero_stage(model, cluster), cluster.domain_size
+    stage, domain = zero_stage(model, cluster), cluster.sharding_domain_size
     split = model.tp * model.pp
     params = (model.num_params - model.expert_params) / split
     expert_params = model.expert_params / (split * model.ep)    # num_experts / ep experts per rank
@@ -96,9 +96,9 @@ class ParamGathers:
 
     @classmethod
     def of(cls, model: ModelShape, cluster: ClusterSpec) -> "ParamGathers":
-        if zero_stage(model, cluster) < 3 or cluster.domain_size == 1:
+        if zero_stage(model, cluster) < 3 or cluster.sharding_domain_size == 1:
             return cls()
-        domain = cluster.domain_size
+        domain = cluster.sharding_domain_size
         bw = cluster.intra_node_bw if domain <= cluster.gpus_per_node else cluster.inter_node_bw
         weights = model.params_per_rank(model.num_params)   # the stage's weights, experts / ep
         moved = COMM_BYTES * weights * (domain - 1) / domain

@@ -42,10 +42,16 @@ def main(argv=None) -> int:
     parser.add_argument("--policy", default="dcp")
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--part-ranks", type=int, default=0, metavar="N",
+                        help="split planning (--dcp-plan-part-ranks N): time one rank's share, the slowest part's "
+                             "rank (its part, the others' bytes decoded, the plan composed; the gather itself is "
+                             "not timed), and print the split plan's step against the whole plan's")
     parser.add_argument("--json", default=None, metavar="OUT")
     args = parser.parse_args(argv)
     if args.batches < 2:
         parser.error(f"--batches must be at least 2 (planning ahead needs a next step), got {args.batches}")
+    if args.part_ranks < 0 or (args.part_ranks and args.policy != "dcp"):
+        parser.error(f"--part-ranks must be >= 0, and is for --policy dcp, got {args.part_ranks} ({args.policy})")
 
     from dcp_megatron.planner.costmodel import CostModel, MENU_NAMES
     from dcp_megatron.planner.policies import make_plan
@@ -57,43 +63,82 @@ def main(argv=None) -> int:
     batches = list(itertools.islice(batcher.batches(docs), args.batches))
     max_seq_len = max(b.max_length for b in batches)
 
-    make_plan(args.policy, batches[0].sequences, cost, max_seq_len=max_seq_len)   # warm-up
+    if args.part_ranks:
+        plan_functions, split_gain = split_plan_functions(batches, cost, max_seq_len, args.part_ranks)
+    else:
+        def whole(sequences):
+            return make_plan(args.policy, sequences, cost, max_seq_len=max_seq_len)
+        plan_functions, split_gain = [whole] * len(batches), []
+    plan_functions[0](batches[0].sequences)   # warm-up
     plan_ms, cpu_ms = [], []
-    for batch in batches:
+    for batch, plan_function in zip(batches, plan_functions):
         started, cpu_started = time.perf_counter(), time.process_time()
-        make_plan(args.policy, batch.sequences, cost, max_seq_len=max_seq_len)
+        plan_function(batch.sequences)
         plan_ms.append(1e3 * (time.perf_counter() - started))
         cpu_ms.append(1e3 * (time.process_time() - cpu_started))
-    exposed_ms, overlapped_plan_ms, step_ms = overlapped_run(args.policy, batches, cost, max_seq_len)
-    result = {f"{name}_p{q}": float(np.percentile(values, q))
-              for name, values in (("plan_ms", plan_ms), ("cpu_ms", cpu_ms), ("exposed_ms", exposed_ms),
-                                   ("overlapped_plan_ms", overlapped_plan_ms), ("step_ms", step_ms))
-              for q in (50, 99)}
+    exposed_ms, overlapped_plan_ms, step_ms = overlapped_run(plan_functions, batches)
+    series = [("plan_ms", plan_ms), ("cpu_ms", cpu_ms), ("exposed_ms", exposed_ms),
+              ("overlapped_plan_ms", overlapped_plan_ms), ("step_ms", step_ms)]
+    if split_gain:
+        series.append(("split_over_whole_step", split_gain))
+    result = {f"{name}_p{q}": float(np.percentile(values, q)) for name, values in series for q in (50, 99)}
     for key, value in result.items():
         print(f"{key} {value:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(result, policy=args.policy, domain_size=args.gpus, batches=args.batches,
+                           part_ranks=args.part_ranks,
                            tokens_per_step=args.tokens_per_step, distribution=args.distribution), f, indent=2)
             f.write("\n")
     return 0
 
 
-def overlapped_run(policy, batches, cost, max_seq_len):
+def split_plan_functions(batches, cost, max_seq_len, part_ranks):
+    """Per batch, the plan function of its slowest part's rank (core/split_planning.SplitPlanner with the other
+    parts' bytes handed in as the gather would return them), and split / whole step per batch."""
+    from dcp_megatron.core.split_planning import SplitPlanner
+    from dcp_megatron.planner.dcp.search import plan_part
+    from dcp_megatron.planner.dcp.split import assign_shares, split_parts
+    from dcp_megatron.planner.plan_bytes import plan_to_bytes
+    from dcp_megatron.planner.policies import checked_inputs, make_plan
+
+    functions, gains = [], []
+    for batch in batches:
+        whole = make_plan("dcp", batch.sequences, cost, max_seq_len=max_seq_len)
+        split = make_plan("dcp", batch.sequences, cost, max_seq_len=max_seq_len, part_ranks=part_ranks)
+        gains.append(split.est_step_time_s / whole.est_step_time_s)
+        ids, lengths, _, _, bound = checked_inputs("dcp", batch.sequences, cost, max_seq_len=max_seq_len)
+        size = split_parts(lengths, cost, part_ranks, bound)
+        if not size:                 # planned whole on every rank
+            functions.append(lambda sequences: make_plan("dcp", sequences, cost, max_seq_len=max_seq_len,
+                                                         part_ranks=part_ranks))
+            continue
+        part_of = assign_shares(ids, lengths, cost, cost.cluster.domain_size // size)
+        seconds, encoded = [], []
+        for p in range(cost.cluster.domain_size // size):
+            started = time.process_time()
+            encoded.append(plan_to_bytes(plan_part(ids, lengths, cost, part_of, p, max_seq_len=max_seq_len,
+                                                   part_ranks=size, bound=bound)))
+            seconds.append(time.process_time() - started)
+        slowest = int(np.argmax(seconds))
+        planner = SplitPlanner(policy="dcp", max_seq_len=max_seq_len, part_ranks=part_ranks,
+                               domain_rank=slowest * size, group=None,
+                               gather=lambda mine, *, part_ranks, num_parts, encoded=encoded: list(encoded))
+        functions.append(lambda sequences, planner=planner: planner(sequences, cost))
+    return functions, gains
+
+
+def overlapped_run(plan_functions, batches):
     """Exposed planning per step when step k+1 is planned while step k trains for its estimated time."""
     from dcp_megatron.planner.ahead import PlanAhead, plan_synchronously
-    from dcp_megatron.planner.policies import make_plan
 
-    def plan(sequences):
-        return make_plan(policy, sequences, cost, max_seq_len=max_seq_len)
-
-    ahead = PlanAhead(plan)
+    ahead = PlanAhead(lambda k, sequences: plan_functions[k](sequences))
     try:
-        current = plan_synchronously(0, plan, batches[0].sequences)
+        current = plan_synchronously(0, lambda: plan_functions[0](batches[0].sequences))
         exposed_ms, plan_ms, step_ms = [], [], []
         for k in range(len(batches)):
             if k + 1 < len(batches):
-                ahead.submit(k + 1, batches[k + 1].sequences)
+                ahead.submit(k + 1, k + 1, batches[k + 1].sequences)
             step_s = current.plan.est_step_time_s
             time.sleep(step_s)                           # step k trains
             step_ms.append(1e3 * step_s)

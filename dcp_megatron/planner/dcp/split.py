@@ -13,40 +13,59 @@ domain into `num_parts` contiguous parts of `part_ranks` ranks (whole nodes) and
 Each part's plan depends only on its share and the part's cost model, so a rank may plan its own part only and
 gather the others' (core/split_planning.py): the same bytes as planning every part in one process.
 
-Parts grow (x2) while the batch's longest document, alone on a part, would end after the batch's lower bound: a
-part never makes the longest document the step's limit where the whole domain might not. A batch is planned whole
+Parts grow (x2) while the batch's longest document, alone on a part, would end over 1% after both the batch's lower
+bound and its own fastest time on the domain's groups: a part does not make it the step's limit where the whole
+domain would not. A batch is planned whole
 when `part_ranks` is 0 (off), the domain is not a multiple of it or it is not whole nodes, parts would have to
 grow past half the domain, or the run is lockstep (PP > 1, EP > 1, ZeRO-3: every rank of the domain runs the same
 micro-batch count).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from dcp_megatron.planner.bounds import fastest_alone_time, least_rank_seconds
+from dcp_megatron.planner.bounds import least_rank_seconds
+from dcp_megatron.planner.layout import candidate_sizes
 from dcp_megatron.planner.list_scheduling import lpt_assign
 from dcp_megatron.planner.plan import Group, StepPlan, Wave
 
 # Documents dealt by exact LPT per part before the rest is dealt in snake rows (assign_shares).
 HEAD_ROWS = 64
-# A part's longest document may end this much after the batch's lower bound before parts grow (split_parts).
-LONGEST_SLACK = 1e-9
+# A part's longest document may end this much after the batch's lower bound, and after its fastest time on the whole
+# domain, before parts grow (split_parts): past ~1,000 ranks a long document's time is flat in its group size
+# (a 1.2M-token document on h200: 9.51 s on 1,024 ranks, 9.48 s on 2,048, 9.49-9.55 s on 4,096-16,384).
+LONGEST_SLACK = 0.01
 
 
 def split_parts(lengths: np.ndarray, cost, part_ranks: int, bound: float) -> int:
     """The ranks per part this batch is planned in (0: whole; module docstring): `part_ranks`, doubled while the
-    longest document alone on a part would end after the batch's lower bound `bound` (it may need more ranks than a
-    part has: whole-domain plans run it on up to the whole domain)."""
+    longest document alone on a part would end more than LONGEST_SLACK after both the batch's lower bound `bound`
+    and the document's own fastest time on any group of the domain."""
     cluster, model = cost.cluster, cost.model
     D = cluster.domain_size
     if part_ranks <= 0 or D % part_ranks or part_ranks % cluster.gpus_per_node or model.lockstep:
         return 0
-    longest = int(lengths.max())
+    alone = alone_times(int(lengths.max()), cost)
+    limit = max(bound, min(alone.values())) * (1.0 + LONGEST_SLACK)
     while 2 * part_ranks <= D:
-        if fastest_alone_time(longest, part_cost(cost, part_ranks)) <= bound * (1.0 + LONGEST_SLACK):
+        if min((t for size, t in alone.items() if size <= part_ranks), default=math.inf) <= limit:
             return part_ranks
         part_ranks *= 2
     return 0
+
+
+def alone_times(length: int, cost) -> dict[int, float]:
+    """The document alone in a micro-batch on each of dcp's group sizes (first rank 0, the fastest relief that
+    fits; sizes it fits none of left out): what its group costs it in a whole plan and in a part."""
+    doc, times = np.array([length]), {}
+    for size in candidate_sizes(cost.cluster):
+        local, compute, attn = (float(x[0]) for x in cost.doc_terms(doc, size))
+        relief = cost.best_recompute_from_sums(local, compute, attn, size)
+        if relief is not None:
+            times[size] = cost.time_from_sums(local, compute, attn, size, 0, relief)
+    return times
 
 
 def part_cost(cost, part_ranks: int):

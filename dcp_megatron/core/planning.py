@@ -1,7 +1,8 @@
 """The cost model of a Megatron run and one StepPlan per global batch.
 
 Every rank builds the same cost model from the same flags and plans the same global batch, so
-all ranks hold the same plan without communicating (docs/design.md); one all-reduced hash per
+all ranks hold the same plan without communicating (docs/design.md; on large domains each rank plans a part and
+the parts are gathered: core/split_planning.py); one all-reduced hash per
 step proves it (on by default; `--dcp-no-check-plans` turns it off).
 """
 from __future__ import annotations

@@ -121,6 +121,12 @@ def _split_cases(rank: int) -> dict:
     group = planning_groups([[0, 1, 2, 3]], timeout=TIMEOUT)
     planner = SplitPlanner(policy="dcp", max_seq_len=4096, part_ranks=2, domain_rank=rank, group=group)
     out = {"plan": planner(_split_batch(), _split_cost()).dumps()}
+    # the step loop's own plan function: split with --dcp-plan-part-ranks 2, whole with 0
+    from dcp_megatron.config import DcpConfig
+    from dcp_megatron.core.step_loop import PlannedStepLoop
+    pool = GroupPool([[0, 1, 2, 3]], timeout=TIMEOUT)
+    out["loop"] = [PlannedStepLoop._default_plan_function(DcpConfig(seq_length=4096, plan_part_ranks=part), pool)(
+        _split_batch(), _split_cost()).dumps() for part in (2, 0)]
     # rank 3 plans part 1 with another cost model than rank 2 (as a rank started with other flags would)
     other = _split_cost({(1, "none"): 3.0}) if rank == 3 else _split_cost()
     plan = planner(_split_batch(), other)
@@ -196,6 +202,9 @@ def test_split_planning_gathers_the_one_process_plan(pool_results):
     expected = make_plan("dcp", _split_batch(), _split_cost(), max_seq_len=4096, part_ranks=2)
     assert expected.extra["split"]["parts"] == 2          # the split path, not a whole plan
     assert [r["split"]["plan"] for r in pool_results] == [expected.dumps()] * 4
+    whole = make_plan("dcp", _split_batch(), _split_cost(), max_seq_len=4096)
+    assert "split" not in whole.extra
+    assert [r["split"]["loop"] for r in pool_results] == [[expected.dumps(), whole.dumps()]] * 4
 
 
 def test_ranks_of_a_part_that_disagree_stop_every_rank(pool_results):

@@ -151,3 +151,13 @@ def test_slices_of_two_plans_are_refused(split_runs):
         if mixed != a and mixed != b:
             with pytest.raises(ValueError, match="plan's bytes"):
                 plan_from_bytes(mixed)
+
+
+def test_default_part_size_splits_large_domains_only():
+    from dcp_megatron.config import DcpConfig, DcpUsageError, part_ranks_of
+    config = DcpConfig(seq_length=4096)
+    assert [part_ranks_of(config, d) for d in (1024, 4096, 8192, 16384)] == [0, 0, 1024, 1024]
+    assert part_ranks_of(DcpConfig(seq_length=4096, plan_part_ranks=0), 16384) == 0
+    assert part_ranks_of(DcpConfig(seq_length=4096, plan_part_ranks=512), 1024) == 512
+    with pytest.raises(DcpUsageError, match="--dcp-plan-part-ranks must be an int >= 0"):
+        DcpConfig(seq_length=4096, plan_part_ranks=-1)

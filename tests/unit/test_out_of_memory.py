@@ -189,7 +189,7 @@ def test_the_loop_counts_in_the_recorded_units():
     config = DcpConfig(seq_length=1024, memory_budget_gb=0.008, recorded_memory_factors=(("none", 1.5),),
                        plan_ahead=False)
     cost = build_cost_model(config, SHAPE, domain_size=2, has_gpu=False)
-    pool = type("Pool", (), {"domain_rank": 0})()
+    pool = type("Pool", (), {"domain_rank": 0, "domain_size": 1})()
     loop = PlannedStepLoop(config=config, pool=pool, cost=cost, device="cpu", is_logging_rank=False)
     assert loop.memory_scale.of("none") == 1.5 and loop.cost.memory_scale.of("none") == 1.5
     assert loop.base_cost.memory_scale.is_identity

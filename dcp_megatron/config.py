@@ -208,4 +208,9 @@ def part_ranks_of(config: DcpConfig, domain_size: int) -> int:
     """The ranks per part split planning uses on this domain (0: plan it whole)."""
     if config.plan_part_ranks is not None:
         return config.plan_part_ranks
+    return default_part_ranks(domain_size)
+
+
+def default_part_ranks(domain_size: int) -> int:
+    """--dcp-plan-part-ranks' default on a domain of this many ranks (0: whole)."""
     return AUTO_PART_RANKS if domain_size >= AUTO_SPLIT_FROM else 0

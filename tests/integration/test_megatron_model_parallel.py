@@ -35,7 +35,13 @@ from tests.support.megatron_runs import (LLAMA_TINY, OUR_SCRIPT, LazyRuns, is_ow
 
 pytestmark = pytest.mark.timeout(1500)
 
-ITERS = 6   # refinement starts at step 4: three refined steps; one evaluation (step 5) besides the last
+# make test's runs (TP 2 + SP, PP 2): steps 1-3 are planned from the lengths alone (their shapes are checked below),
+# step 4 with the cost model refined by the measured times of steps 2-3; an evaluation after step 3 (EVAL), then step
+# 4 trains on, besides the last (validation and test sets). Six steps added nothing these checks catch: launch
+# start-up and the steps are the file's time (docs/benchmarks.md, "The test suite").
+ITERS = 4
+EVAL = ["--eval-interval", "3"]   # LLAMA_TINY's 5 would leave only the last
+SLOW_ITERS = 6   # the slow runs (virtual stages, upstream's static CP 2): refinement from step 4, three refined steps
 TOLERANCE = 1e-5
 TP_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 PP = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
@@ -77,22 +83,22 @@ def runs(tmp_path_factory):
     runs = LazyRuns(tmp_path_factory.mktemp("megatron_mp"))
     root = runs.root
     runs.specs = specs = {
-        "tp_plain": lambda: run_training(OUR_SCRIPT, TP_SP, nproc=2, iters=ITERS),
-        "tp_dcp": lambda: run_training(OUR_SCRIPT, [*TP_SP, "--dcp", *TP_BUDGET, "--dcp-check-plans",
+        "tp_plain": lambda: run_training(OUR_SCRIPT, [*TP_SP, *EVAL], nproc=2, iters=ITERS),
+        "tp_dcp": lambda: run_training(OUR_SCRIPT, [*TP_SP, *EVAL, "--dcp", *TP_BUDGET, "--dcp-check-plans",
                                                     "--dcp-dump-plans", str(root / "tp_plans")],
                                        nproc=4, iters=ITERS),
-        "pp_plain": lambda: run_training(OUR_SCRIPT, PP, nproc=2, iters=ITERS, base=GELU_WITH_BIASES),
-        "pp_dcp": lambda: run_training(OUR_SCRIPT, [*PP, "--dcp", *PP_BUDGET, "--dcp-check-plans",
+        "pp_plain": lambda: run_training(OUR_SCRIPT, [*PP, *EVAL], nproc=2, iters=ITERS, base=GELU_WITH_BIASES),
+        "pp_dcp": lambda: run_training(OUR_SCRIPT, [*PP, *EVAL, "--dcp", *PP_BUDGET, "--dcp-check-plans",
                                                     "--dcp-dump-plans", str(root / "pp_plans")],
                                        nproc=4, iters=ITERS, base=GELU_WITH_BIASES),
     }
     specs.update({
-        "vpp_plain": lambda: run_training(OUR_SCRIPT, VPP, nproc=2, iters=ITERS),
+        "vpp_plain": lambda: run_training(OUR_SCRIPT, VPP, nproc=2, iters=SLOW_ITERS),
         "vpp_dcp": lambda: run_training(OUR_SCRIPT, [*VPP, "--dcp", *VPP_BUDGET, "--dcp-check-plans",
-                                                     "--dcp-dump-plans", str(root / "vpp_plans")], nproc=4, iters=ITERS),
-        "pp4vpp2_plain": lambda: run_training(OUR_SCRIPT, PP4_VPP2, nproc=4, iters=ITERS),
+                                                     "--dcp-dump-plans", str(root / "vpp_plans")], nproc=4, iters=SLOW_ITERS),
+        "pp4vpp2_plain": lambda: run_training(OUR_SCRIPT, PP4_VPP2, nproc=4, iters=SLOW_ITERS),
         "pp4vpp2_dcp": lambda: run_training(OUR_SCRIPT, [*PP4_VPP2, "--dcp", *PP4_BUDGET, "--dcp-dump-plans",
-                                                         str(root / "pp4vpp2_plans")], nproc=8, iters=ITERS,
+                                                         str(root / "pp4vpp2_plans")], nproc=8, iters=SLOW_ITERS,
                                             timeout_s=1200),
     })
     no_masking = [flag for flag in LLAMA_TINY if flag != "--dataloader-inter-document-masking"]
@@ -103,23 +109,23 @@ def runs(tmp_path_factory):
                                                   str(root / "init"), "--save-interval", "1"],
                                      nproc=1, launcher=False, iters=1, base=no_masking),
         "cp_reference": lambda: runs.after("init", lambda: run_training(
-            OUR_SCRIPT, from_init, nproc=1, launcher=False, iters=ITERS, base=no_masking)),
+            OUR_SCRIPT, from_init, nproc=1, launcher=False, iters=SLOW_ITERS, base=no_masking)),
         "cp_static": lambda: runs.after("init", lambda: run_training(
-            OUR_SCRIPT, [*from_init, "--context-parallel-size", "2"], nproc=2, iters=ITERS, base=no_masking)),
+            OUR_SCRIPT, [*from_init, "--context-parallel-size", "2"], nproc=2, iters=SLOW_ITERS, base=no_masking)),
     })
     return runs
 
 
-def _plans(directory) -> list[StepPlan]:
-    return read_plan_dumps(directory, count=ITERS)
+def _plans(directory, iters: int = ITERS) -> list[StepPlan]:
+    return read_plan_dumps(directory, count=iters)
 
 
-def _assert_same_training(run, reference, what: str) -> None:
+def _assert_same_training(run, reference, what: str, iters: int = ITERS) -> None:
     """Loss trace within TOLERANCE (printed: pytest -s), grad norms equal."""
     trace, expected = run.loss_trace(), reference.loss_trace()
-    assert len(trace) == len(expected) == ITERS
+    assert len(trace) == len(expected) == iters
     worst = max(abs(a - b) / abs(b) for a, b in zip(trace, expected))
-    print(f"\n{what}: max relative loss difference {worst:.2e} over {ITERS} steps")
+    print(f"\n{what}: max relative loss difference {worst:.2e} over {iters} steps")
     assert worst <= TOLERANCE, f"{what}: trace differs by {worst:.2e}\n{trace}\n{expected}"
     for step, norm in run.grad_norms.items():
         assert norm == pytest.approx(reference.grad_norms[step], rel=2e-3, abs=2e-3), (what, step)
@@ -216,7 +222,7 @@ def test_every_microbatch_replayed_its_plans_recompute_under_tp_and_pp(runs):
 def test_megatrons_static_cp2_trains_the_one_rank_trace_from_the_same_weights(runs):
     static, reference = runs("cp_static"), runs("cp_reference")
     assert "successfully loaded checkpoint" in static.output and not static.dcp_steps
-    _assert_same_training(static, reference, "Megatron --context-parallel-size 2 vs 1 rank")
+    _assert_same_training(static, reference, "Megatron --context-parallel-size 2 vs 1 rank", SLOW_ITERS)
 
 
 # both in `make test-slow` (the suite's time): PP 2 x VPP 2 on 4 ranks, PP 4 x VPP 2 on 8
@@ -224,8 +230,8 @@ def test_megatrons_static_cp2_trains_the_one_rank_trace_from_the_same_weights(ru
 @pytest.mark.parametrize("layout", ["vpp", "pp4vpp2"])
 def test_virtual_pipeline_stages_dcp_equals_megatrons_plain_path(runs, layout):
     dcp, plain = runs(f"{layout}_dcp"), runs(f"{layout}_plain")
-    _assert_same_training(dcp, plain, f"{layout}: --dcp vs plain")
-    plans = _plans(runs.root / f"{layout}_plans")
+    _assert_same_training(dcp, plain, f"{layout}: --dcp vs plain", SLOW_ITERS)
+    plans = _plans(runs.root / f"{layout}_plans", SLOW_ITERS)
     assert all(is_own_plan(plan) for plan in plans), [plan.extra for plan in plans]
     assert all(len(g.microbatches) == 1 for plan in plans for wave in plan.waves for g in wave.groups)
     sizes = {g.size for plan in plans for wave in plan.waves for g in wave.groups}

@@ -35,13 +35,12 @@ from tests.support.megatron_runs import (LLAMA_TINY, OUR_SCRIPT, LazyRuns, is_ow
 
 pytestmark = pytest.mark.timeout(1500)
 
-# make test's runs (TP 2 + SP, PP 2): steps 1-3 are planned from the lengths alone (their shapes are checked below),
-# step 4 with the cost model refined by the measured times of steps 2-3; an evaluation after step 3 (EVAL), then step
-# 4 trains on, besides the last (validation and test sets). Six steps added nothing these checks catch: launch
-# start-up and the steps are the file's time (docs/benchmarks.md, "The test suite").
-ITERS = 4
-EVAL = ["--eval-interval", "3"]   # LLAMA_TINY's 5 would leave only the last
-SLOW_ITERS = 6   # the slow runs (virtual stages, upstream's static CP 2): refinement from step 4, three refined steps
+ITERS = 6   # refinement starts at step 4: three refined steps; one evaluation (step 5) besides the last
+# PP 2 plans without refinement (it needs PP 1): every step's plan follows from its lengths and the budget, so steps
+# 5-6 would only repeat what steps 1-4 check; an evaluation after step 3, then step 4 trains on, besides the last.
+# (TP keeps 6: a cost model refined differently on TP peers once surfaced only at step 6, --dcp-check-plans.)
+PP_ITERS = 4
+PP_EVAL = ["--eval-interval", "3"]   # LLAMA_TINY's 5 would leave only the last
 TOLERANCE = 1e-5
 TP_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 PP = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
@@ -83,22 +82,22 @@ def runs(tmp_path_factory):
     runs = LazyRuns(tmp_path_factory.mktemp("megatron_mp"))
     root = runs.root
     runs.specs = specs = {
-        "tp_plain": lambda: run_training(OUR_SCRIPT, [*TP_SP, *EVAL], nproc=2, iters=ITERS),
-        "tp_dcp": lambda: run_training(OUR_SCRIPT, [*TP_SP, *EVAL, "--dcp", *TP_BUDGET, "--dcp-check-plans",
+        "tp_plain": lambda: run_training(OUR_SCRIPT, TP_SP, nproc=2, iters=ITERS),
+        "tp_dcp": lambda: run_training(OUR_SCRIPT, [*TP_SP, "--dcp", *TP_BUDGET, "--dcp-check-plans",
                                                     "--dcp-dump-plans", str(root / "tp_plans")],
                                        nproc=4, iters=ITERS),
-        "pp_plain": lambda: run_training(OUR_SCRIPT, [*PP, *EVAL], nproc=2, iters=ITERS, base=GELU_WITH_BIASES),
-        "pp_dcp": lambda: run_training(OUR_SCRIPT, [*PP, *EVAL, "--dcp", *PP_BUDGET, "--dcp-check-plans",
+        "pp_plain": lambda: run_training(OUR_SCRIPT, [*PP, *PP_EVAL], nproc=2, iters=PP_ITERS, base=GELU_WITH_BIASES),
+        "pp_dcp": lambda: run_training(OUR_SCRIPT, [*PP, *PP_EVAL, "--dcp", *PP_BUDGET, "--dcp-check-plans",
                                                     "--dcp-dump-plans", str(root / "pp_plans")],
-                                       nproc=4, iters=ITERS, base=GELU_WITH_BIASES),
+                                       nproc=4, iters=PP_ITERS, base=GELU_WITH_BIASES),
     }
     specs.update({
-        "vpp_plain": lambda: run_training(OUR_SCRIPT, VPP, nproc=2, iters=SLOW_ITERS),
+        "vpp_plain": lambda: run_training(OUR_SCRIPT, VPP, nproc=2, iters=ITERS),
         "vpp_dcp": lambda: run_training(OUR_SCRIPT, [*VPP, "--dcp", *VPP_BUDGET, "--dcp-check-plans",
-                                                     "--dcp-dump-plans", str(root / "vpp_plans")], nproc=4, iters=SLOW_ITERS),
-        "pp4vpp2_plain": lambda: run_training(OUR_SCRIPT, PP4_VPP2, nproc=4, iters=SLOW_ITERS),
+                                                     "--dcp-dump-plans", str(root / "vpp_plans")], nproc=4, iters=ITERS),
+        "pp4vpp2_plain": lambda: run_training(OUR_SCRIPT, PP4_VPP2, nproc=4, iters=ITERS),
         "pp4vpp2_dcp": lambda: run_training(OUR_SCRIPT, [*PP4_VPP2, "--dcp", *PP4_BUDGET, "--dcp-dump-plans",
-                                                         str(root / "pp4vpp2_plans")], nproc=8, iters=SLOW_ITERS,
+                                                         str(root / "pp4vpp2_plans")], nproc=8, iters=ITERS,
                                             timeout_s=1200),
     })
     no_masking = [flag for flag in LLAMA_TINY if flag != "--dataloader-inter-document-masking"]
@@ -109,9 +108,9 @@ def runs(tmp_path_factory):
                                                   str(root / "init"), "--save-interval", "1"],
                                      nproc=1, launcher=False, iters=1, base=no_masking),
         "cp_reference": lambda: runs.after("init", lambda: run_training(
-            OUR_SCRIPT, from_init, nproc=1, launcher=False, iters=SLOW_ITERS, base=no_masking)),
+            OUR_SCRIPT, from_init, nproc=1, launcher=False, iters=ITERS, base=no_masking)),
         "cp_static": lambda: runs.after("init", lambda: run_training(
-            OUR_SCRIPT, [*from_init, "--context-parallel-size", "2"], nproc=2, iters=SLOW_ITERS, base=no_masking)),
+            OUR_SCRIPT, [*from_init, "--context-parallel-size", "2"], nproc=2, iters=ITERS, base=no_masking)),
     })
     return runs
 
@@ -134,7 +133,7 @@ def _assert_same_training(run, reference, what: str, iters: int = ITERS) -> None
 @pytest.mark.parametrize("layout", ["tp", "pp"])
 def test_dcp_loss_trace_and_grad_norms_equal_megatrons_plain_path_at_the_same_layout(runs, layout):
     dcp, plain = runs(f"{layout}_dcp"), runs(f"{layout}_plain")
-    _assert_same_training(dcp, plain, f"{layout}: --dcp vs plain")
+    _assert_same_training(dcp, plain, f"{layout}: --dcp vs plain", PP_ITERS if layout == "pp" else ITERS)
     assert dcp.eval_losses.keys() == plain.eval_losses.keys() and dcp.eval_losses
     for step, loss in dcp.eval_losses.items():
         assert loss == pytest.approx(plain.eval_losses[step], rel=TOLERANCE), (layout, "validation", step)
@@ -167,14 +166,14 @@ def test_tp_dcp_path_ran_dcps_own_plans_with_mixed_cp_recompute_and_counts(runs)
 
 def test_pp_dcp_path_ran_one_microbatch_per_group_per_wave_with_mixed_cp(runs):
     dcp = runs("pp_dcp")
-    assert sorted(dcp.dcp_steps) == list(range(1, ITERS + 1))
+    assert sorted(dcp.dcp_steps) == list(range(1, PP_ITERS + 1))
     # Every step planned by dcp. In lockstep on two ranks a baseline's layout is sometimes faster by the model:
     # dcp then runs it (labelled), through the same PP path. Most steps are dcp's own layout, and the shapes
     # are checked on those.
     assert all(step["policy"].startswith("dcp") for step in dcp.dcp_steps.values())
-    plans = _plans(runs.root / "pp_plans")
+    plans = _plans(runs.root / "pp_plans", PP_ITERS)
     own = [plan for plan in plans if is_own_plan(plan)]
-    assert len(own) >= ITERS - 2, [plan.extra for plan in plans]
+    assert len(own) >= PP_ITERS - 2, [plan.extra for plan in plans]
     for plan in plans:
         assert plan.policy == "dcp" and plan.domain_size == 2
         assert all(len(g.microbatches) == 1 for wave in plan.waves for g in wave.groups)
@@ -213,7 +212,7 @@ def test_every_microbatch_replayed_its_plans_recompute_under_tp_and_pp(runs):
     # none and full k run in the unrefined steps (TP_BUDGET); what later, refined, steps choose is checked as it ran
     assert "none" in ran and any(kind.startswith("full") for kind in ran), ran
     runs("pp_dcp")
-    ran = _assert_every_microbatch_ran_as_planned(runs.root / "pp_plans", _plans(runs.root / "pp_plans"),
+    ran = _assert_every_microbatch_ran_as_planned(runs.root / "pp_plans", _plans(runs.root / "pp_plans", PP_ITERS),
                                                   coordinates=(0, 1), to_global=lambda r, stage: r + 2 * stage)
     assert {"mlp", "full1"} <= ran, ran
 
@@ -222,7 +221,7 @@ def test_every_microbatch_replayed_its_plans_recompute_under_tp_and_pp(runs):
 def test_megatrons_static_cp2_trains_the_one_rank_trace_from_the_same_weights(runs):
     static, reference = runs("cp_static"), runs("cp_reference")
     assert "successfully loaded checkpoint" in static.output and not static.dcp_steps
-    _assert_same_training(static, reference, "Megatron --context-parallel-size 2 vs 1 rank", SLOW_ITERS)
+    _assert_same_training(static, reference, "Megatron --context-parallel-size 2 vs 1 rank")
 
 
 # both in `make test-slow` (the suite's time): PP 2 x VPP 2 on 4 ranks, PP 4 x VPP 2 on 8
@@ -230,8 +229,8 @@ def test_megatrons_static_cp2_trains_the_one_rank_trace_from_the_same_weights(ru
 @pytest.mark.parametrize("layout", ["vpp", "pp4vpp2"])
 def test_virtual_pipeline_stages_dcp_equals_megatrons_plain_path(runs, layout):
     dcp, plain = runs(f"{layout}_dcp"), runs(f"{layout}_plain")
-    _assert_same_training(dcp, plain, f"{layout}: --dcp vs plain", SLOW_ITERS)
-    plans = _plans(runs.root / f"{layout}_plans", SLOW_ITERS)
+    _assert_same_training(dcp, plain, f"{layout}: --dcp vs plain")
+    plans = _plans(runs.root / f"{layout}_plans")
     assert all(is_own_plan(plan) for plan in plans), [plan.extra for plan in plans]
     assert all(len(g.microbatches) == 1 for plan in plans for wave in plan.waves for g in wave.groups)
     sizes = {g.size for plan in plans for wave in plan.waves for g in wave.groups}

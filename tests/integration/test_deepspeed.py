@@ -416,7 +416,7 @@ def test_the_dynamic_path_ran(runs):
     assert all(mb.attention == "allgather" for p in plans for w in p.waves for g in w.groups for mb in g.microbatches)
 
 
-# ZeRO-1's uninterrupted trace is one device's (the same to 1e-5 for every layout: test_loss_traces_agree_across_layouts)
+# ZeRO-1's uninterrupted trace: one device's (every layout's to 1e-5, test_loss_traces_agree_across_layouts)
 @pytest.mark.parametrize("resumed_run, full_run", [("resumed", "one_rank"), ("resumed_z3", "dcp_z3")])
 def test_resume_continues_the_trace(runs, resumed_run, full_run):
     resumed = runs[resumed_run].check()

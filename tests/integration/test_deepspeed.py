@@ -15,7 +15,8 @@
   layout and a 1-rank run give the same loss trace and grad norms; the plans dumped
   by `--dcp-dump-plans` mix CP sizes and give ranks different micro-batch counts, and every micro-batch ran
   the CP group and the recompute its plan named (the trace beside the plans); ZeRO-3's plans are lockstep;
-  a resume from DeepSpeed's checkpoint (ZeRO-1 and ZeRO-3) continues the trace; every run trains on Megatron's
+  a resume from DeepSpeed's checkpoint (ZeRO-1 and ZeRO-3) continues the trace (the ZeRO-1 run stops at step 3 by
+  --exit-interval, which saves, and its resumed run is the rest of its trace); every run trains on Megatron's
   schedule flags (`--lr-decay-style cosine --lr-warmup-iters 2 --min-lr`, no JSON scheduler) and logs the
   learning rate Megatron's loop logs, the resumed ones too (the scheduler's step count resumes); evaluation (Megatron's
   --eval-interval / --eval-iters) gives every layout one device's validation loss, also after a resume. (Bad settings and faults: tests/integration/test_fault_matrix.py.)
@@ -31,7 +32,8 @@ import pytest
 
 from tests.support.deepspeed_runs import TINY_MODEL, blend_flags, ds_config, load_ds_script, run_deepspeed, write_blend
 from tests.support.dist_utils import group_timeout_s, group_timeouts_s, max_rel_err, run_distributed
-from tests.support.megatron_runs import is_own_plan, microbatches_planned, microbatches_seen, read_plan_dumps
+from tests.support.megatron_runs import (is_own_plan, microbatches_planned, microbatches_seen, parse_output,
+                                         read_plan_dumps)
 
 # real bytes (planner/costmodel/memory_spec.py CPU_FP32): tight enough that long documents need CP 2 or recompute
 BUDGET = ["--dcp-memory-budget-gb", "0.00625"]
@@ -165,8 +167,13 @@ def _parity_worker(rank, world_size, directory):
         # Two steps: with lr 1e3 a third would start from weights so large that attention saturates and fp32
         # summation order (CP attention merges blocks) decides the gradient, for any layout.
         for step in range(2):
-            before = _parameters(engine)
-            expected, expected_loss = _reference_gradients(script, args, before, references.next_share())
+            before = _parameters(engine)   # both ranks: ZeRO-3 gathers the partitions
+            share = references.next_share()
+            if rank != 0:   # the parity is rank 0's: the reference is computed there only
+                training.steps.train_step(engine)
+                _parameters(engine)
+                continue
+            expected, expected_loss = _reference_gradients(script, args, before, share)
             outcome = training.steps.train_step(engine)
             plan = training.steps.last_plan
             errors = [max_rel_err((before[name] - after) / SGD_LR, expected[name])
@@ -285,9 +292,14 @@ def _run(config: dict, flags: list[str], **options):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
     plans, save = root / "plans", root / "ckpt"
-    dcp_z1 = _run(_scheduled(stage=1), ["--dcp", *BUDGET, *EVAL, "--dcp-dump-plans", str(plans), "--save", str(save),
-                                        "--save-interval", str(HALF)], directory=str(root))
-    half = _half_checkpoint(dcp_z1, save, root / "ckpt_half")
+    # ZeRO-1 with --dcp in two launches: steps 1-3, stopped by --exit-interval, which saves (--save-interval is past
+    # the stop), then the rest resumed from that checkpoint, dumping its plans and micro-batch traces beside the first
+    # half's. Together they are the ZeRO-1 trace ("dcp_z1"); ZeRO-3 below runs its 6 steps in one launch.
+    dcp_flags = ["--dcp", *BUDGET, *EVAL, "--dcp-dump-plans", str(plans)]
+    first_half = _run(_scheduled(stage=1), [*dcp_flags, "--save", str(save), "--save-interval", str(ITERS),
+                                            "--exit-interval", str(HALF)], directory=str(root))
+    resumed = _run(_scheduled(stage=1), [*dcp_flags, "--load", str(save)], directory=str(root))
+    dcp_z1 = parse_output(first_half.returncode or resumed.returncode, first_half.output + "\n" + resumed.output)
     # ZeRO-3 (lockstep plans, weights gathered per layer) with Ulysses on every CP micro-batch whose heads split
     # (the cost model never prefers it on 2 CPU ranks with GQA: the all-gather moves fewer bytes and hides them);
     # also DeepSpeed's TensorBoard monitor (the dcp/* scalars go through it) and ZeRO-3's checkpoint, resumed below
@@ -298,10 +310,10 @@ def runs(tmp_path_factory):
                    str(root / "plans_z3"), "--save", str(save_z3), "--save-interval", str(HALF)], directory=str(root))
     half_z3 = _half_checkpoint(dcp_z3, save_z3, root / "ckpt_z3_half")
     return {
-        "root": root, "plans": plans, "save": save, "dcp_z1": dcp_z1, "dcp_z3": dcp_z3,
+        "root": root, "plans": plans, "save": save, "dcp_z1": dcp_z1, "dcp_z1_first_half": first_half,
+        "resumed": resumed, "dcp_z3": dcp_z3,
         "static": _run(_scheduled(stage=1), EVAL, directory=str(root)),
         "one_rank": _run(_scheduled(stage=0), EVAL, nproc=1, directory=str(root), torchrun=False),
-        "resumed": _run(_scheduled(stage=1), ["--dcp", *BUDGET, *EVAL, "--load", str(half)], directory=str(root)),
         "resumed_z3": _run(_scheduled(stage=3), ["--dcp", *Z3_BUDGET, *EVAL, "--dcp-cp-attention", "ulysses",
                                                  "--load", str(half_z3)], directory=str(root)),
     }
@@ -332,7 +344,7 @@ def test_learning_rate_is_megatrons_schedule(runs):
     scheduler's step count from DeepSpeed's checkpoint."""
     expected = _megatron_logged_rates()
     assert expected[1] == pytest.approx(PEAK_LR / 2) and expected[ITERS] == pytest.approx(MIN_LR)
-    for name in ("dcp_z1", "dcp_z3", "static", "one_rank", "resumed", "resumed_z3"):
+    for name in ("dcp_z1", "dcp_z3", "static", "one_rank", "resumed", "resumed_z3"):   # dcp_z1: both halves
         logged = {int(m[1]): float(m[2]) for m in _LEARNING_RATE.finditer(runs[name].check().output)}
         first = HALF + 1 if name.startswith("resumed") else 1
         assert sorted(logged) == list(range(first, ITERS + 1)), (name, logged)
@@ -404,7 +416,8 @@ def test_the_dynamic_path_ran(runs):
     assert all(mb.attention == "allgather" for p in plans for w in p.waves for g in w.groups for mb in g.microbatches)
 
 
-@pytest.mark.parametrize("resumed_run, full_run", [("resumed", "dcp_z1"), ("resumed_z3", "dcp_z3")])
+# ZeRO-1's uninterrupted trace: one device's (every layout's to 1e-5, test_loss_traces_agree_across_layouts)
+@pytest.mark.parametrize("resumed_run, full_run", [("resumed", "one_rank"), ("resumed_z3", "dcp_z3")])
 def test_resume_continues_the_trace(runs, resumed_run, full_run):
     resumed = runs[resumed_run].check()
     assert "resumed from" in resumed.output and f"at iteration {HALF}" in resumed.output
@@ -450,17 +463,16 @@ def test_deepspeed_monitor_holds_the_dcp_scalars(runs):
     assert [e.value for e in events.Scalars("dcp/microbatches_per_rank_max")] == counts
 
 
-def test_exit_interval_saves_and_stops_as_megatrons_loop(tmp_path):
-    """--exit-interval (issue 46: ran past it): the run saves and stops after the first step the interval divides,
-    and each iteration line says which iteration's learning rate it shows (the engine's scheduler steps after the
-    update, so the rate read after iteration N is iteration N + 1's). One plain process."""
-    save = tmp_path / "ckpt"
-    run = run_deepspeed(ds_config(stage=0, total_steps=6), ["--dcp", "--exit-interval", "2", "--save", str(save),
-                                                            "--save-interval", "5"],
-                        nproc=1, iters=6, directory=str(tmp_path), torchrun=False).check()
-    assert sorted(run.losses) == [1, 2], run.output[-3000:]
-    assert "exiting at iteration 2 (--exit-interval 2)" in run.output
-    assert "saving checkpoint at iteration 2" in run.output and (save / "latest").is_file()
+def test_exit_interval_saves_and_stops_as_megatrons_loop(runs):
+    """--exit-interval (issue 46: ran past it): the ZeRO-1 run saves and stops after the first step the interval
+    divides (its --save-interval is past it: the save is the exit's; the resumed run loads it), and each iteration
+    line says which iteration's learning rate it shows (the engine's scheduler steps after the update, so the rate
+    read after iteration N is iteration N + 1's)."""
+    run = runs["dcp_z1_first_half"].check()
+    assert sorted(run.losses) == list(range(1, HALF + 1)), run.output[-3000:]
+    assert f"exiting at iteration {HALF} (--exit-interval {HALF})" in run.output
+    assert f"saving checkpoint at iteration {HALF}" in run.output and (runs["save"] / "latest").is_file()
+    assert "at the end of training" not in run.output   # as Megatron's loop: no final evaluation after an exit
     labels = re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?learning rate: [0-9.E+-]+ \| \(the rate of iteration (\d+)\)",
                         run.output)
-    assert [(int(a), int(b)) for a, b in labels] == [(1, 2), (2, 3)], run.output[-3000:]
+    assert [(int(a), int(b)) for a, b in labels] == [(i, i + 1) for i in range(1, HALF + 1)], run.output[-3000:]

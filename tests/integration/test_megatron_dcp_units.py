@@ -424,8 +424,19 @@ def _biased_mlp_recompute(tokens, params) -> dict:
     return out
 
 
-def test_the_recompute_a_microbatch_asks_for_really_runs_in_backward():
-    results = run_distributed(_recompute_worker, 1)[0]
+def _one_rank_cases_worker(rank: int, world_size: int) -> dict:
+    """The file's one-rank cases in one launch, one after the other (each sets up and tears down its own state)."""
+    return {"recompute": _recompute_worker(rank, world_size), "middle_stage": _middle_stage_worker(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def one_rank_results() -> dict:
+    """case -> its result (a launch's start-up is most of its cost: one for both cases)."""
+    return run_distributed(_one_rank_cases_worker, 1)[0]
+
+
+def test_the_recompute_a_microbatch_asks_for_really_runs_in_backward(one_rank_results):
+    results = one_rank_results["recompute"]
     none, full, selective = results["none"], results["full2"], results["selective"]
     assert not any(k.startswith("backward:") for k in none)
     # full k=2: the first two layers run their forward again in backward, the third does not.
@@ -558,7 +569,7 @@ def _middle_stage_worker(rank: int, world_size: int) -> dict:
     return results
 
 
-def test_a_middle_pipeline_stage_gets_the_microbatchs_cp_size_and_group():
+def test_a_middle_pipeline_stage_gets_the_microbatchs_cp_size_and_group(one_rank_results):
     """patches/models_gpt_gpt_model.py: Megatron-LM's get_batch gives middle stages params without them."""
-    results = run_distributed(_middle_stage_worker, 1)[0]
+    results = one_rank_results["middle_stage"]
     assert results == {"outside": (None, False), "dcp_cp2": (2, True)}, results

@@ -34,7 +34,7 @@ def _router_worker(rank: int, world_size: int, kind: str) -> dict:
                                                            init_num_microbatches_calculator)
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -118,6 +118,7 @@ def _router_worker(rank: int, world_size: int, kind: str) -> dict:
         dist.all_reduce(tp_grad, group=pair)   # Megatron sums a sequence-parallel router's gradient over TP
         global_vars._GLOBAL_ARGS = None
         destroy_num_microbatches_calculator()
+        destroy_moe_metrics_tracker()   # the next case in this launch records its own metrics
         parallel_state.destroy_model_parallel()
     # Plain lists: a tensor crosses the report queue as a shared-memory fd, which the parent cannot open once
     # this worker process has exited (ConnectionResetError).
@@ -126,15 +127,27 @@ def _router_worker(rank: int, world_size: int, kind: str) -> dict:
             "tp": tp_grad.tolist(), "tp_metrics": tp_metrics, "tp_rows": int(tp_tokens.numel())}
 
 
-@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
-def test_moe_balancing_and_z_losses_of_a_packed_cp2_microbatch_are_upstreams_per_document(kind):
+def _every_kind_worker(rank: int, world_size: int) -> dict:
+    """Both balancing kinds in one launch, one after the other (each sets up and tears down its own state)."""
+    return {kind: _router_worker(rank, world_size, kind) for kind in METRICS}
+
+
+@pytest.fixture(scope="module")
+def router_results() -> dict[str, list[dict]]:
+    """kind -> each rank's result (a launch's start-up is most of its cost: one for both kinds)."""
+    per_rank = run_distributed(_every_kind_worker, 2)
+    return {kind: [ranks[kind] for ranks in per_rank] for kind in METRICS}
+
+
+@pytest.mark.parametrize("kind", list(METRICS))
+def test_moe_balancing_and_z_losses_of_a_packed_cp2_microbatch_are_upstreams_per_document(router_results, kind):
     """patches/transformer_moe_router.py + transformer_transformer_layer.py: a CP-2 micro-batch of three documents
     (with padding and a filler document) gives the router the gradient of upstream's router run on each document
     alone, weighted per token; the logged metrics are the token-weighted means of upstream's per-document values.
     Fails with a per-micro-batch loss (the documents balanced together), without the group's all-reduce (each
     rank's rows alone), or with padding or filler rows counted. The same at TP 2 with sequence parallelism
     (moe_aux.RouterDocuments.sequence_parallel_share): fails without the token counts summed over the TP group."""
-    results = run_distributed(_router_worker, 2, kind)
+    results = router_results[kind]
     assert [r["rows"] for r in results] == [16, 16] and sum(r["real"] for r in results) == sum(LENGTHS)
     assert [r["tp_rows"] for r in results] == [32, 32]   # each TP rank routes 16
     expected = results[0]["reference_metrics"]

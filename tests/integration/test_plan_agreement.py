@@ -13,6 +13,9 @@ takes a rank's own time), with Megatron's model-parallel state and a tiny GPT mo
 
 DeepSpeed's (`DcpSteps`, around a stand-in ZeRO-0 engine): the same disagreement stops it the same way, and ranks
 timing differently keep one cost model.
+
+All four cases run in one launch (`results`), one after the other, each setting up and tearing down its own
+model-parallel state: a launch's start-up (imports) is most of its cost.
 """
 from __future__ import annotations
 
@@ -100,16 +103,32 @@ def _loop_worker(rank: int, world_size: int, case: str) -> dict:
     return result
 
 
-def test_a_rank_with_another_plan_stops_every_rank_in_one_line_naming_it():
-    results = run_distributed(_loop_worker, 2, "disagree", timeout_s=240, group_timeout_s=30)
+# (loop, case) in the order the launch runs them: the cases that train first, then the ones that stop
+CASES = (("megatron", "refine"), ("deepspeed", "refine"), ("megatron", "disagree"), ("deepspeed", "disagree"))
+
+
+def _all_cases_worker(rank: int, world_size: int) -> dict:
+    workers = {"megatron": _loop_worker, "deepspeed": _deepspeed_loop_worker}
+    return {f"{loop}/{case}": workers[loop](rank, world_size, case) for loop, case in CASES}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, list[dict]]:
+    """"loop/case" -> each rank's result."""
+    per_rank = run_distributed(_all_cases_worker, 2, timeout_s=480, group_timeout_s=30)
+    return {key: [ranks[key] for ranks in per_rank] for key in per_rank[0]}
+
+
+def test_a_rank_with_another_plan_stops_every_rank_in_one_line_naming_it(results):
+    results = results["megatron/disagree"]
     for rank, result in enumerate(results):
         error = result.get("error", "")
         assert error.startswith("iteration 1: ranks computed different plans") and "\n" not in error, (rank, result)
         assert result["calls"] == [], "a step ran on plans the ranks disagree on"
 
 
-def test_ranks_timing_differently_keep_one_cost_model_and_a_rerun_replays_its_plan():
-    results = run_distributed(_loop_worker, 2, "refine", timeout_s=240, group_timeout_s=30)
+def test_ranks_timing_differently_keep_one_cost_model_and_a_rerun_replays_its_plan(results):
+    results = results["megatron/refine"]
     for rank, result in enumerate(results):
         assert "error" not in result, (rank, result.get("error"))
         assert len(result["calls"]) == len(STEPS)
@@ -212,15 +231,15 @@ def _deepspeed_loop_worker(rank: int, world_size: int, case: str) -> dict:
     return result
 
 
-def test_deepspeed_steps_a_rank_with_another_plan_stops_every_rank_in_one_line_naming_it():
-    results = run_distributed(_deepspeed_loop_worker, 2, "disagree", timeout_s=240, group_timeout_s=30)
+def test_deepspeed_steps_a_rank_with_another_plan_stops_every_rank_in_one_line_naming_it(results):
+    results = results["deepspeed/disagree"]
     for rank, result in enumerate(results):
         error = result.get("error", "")
         assert error.startswith("iteration 1: ranks computed different plans") and "\n" not in error, (rank, result)
         assert result["steps"] == 0
 
 
-def test_deepspeed_steps_ranks_timing_differently_keep_one_cost_model():
-    results = run_distributed(_deepspeed_loop_worker, 2, "refine", timeout_s=240, group_timeout_s=30)
+def test_deepspeed_steps_ranks_timing_differently_keep_one_cost_model(results):
+    results = results["deepspeed/refine"]
     assert all("error" not in r and r["steps"] == 4 for r in results), results
     assert results[0]["factors"] and results[0]["factors"] == results[1]["factors"], results

@@ -17,8 +17,10 @@ budget. `sweep` does that over a grid and returns every point and the winner:
   where the cluster has a host link, and full layers; every micro-batch of the run pays the one chosen.
 
 A setting is scored by the mean over the batches of the plan's modelled step time (the same cost model that
-scores every policy). The untuned default is scored first; a point whose running sum passes the best full sum
-so far is stopped there (it cannot win; printed as such). Ties keep the grid's first point.
+scores every policy; `sweep_scoring.SettingScorer` gives that float without building the plan, each layout made
+once per batch and layout knob and timed under every relief). The untuned default is scored first; a point whose
+running sum passes the best full sum so far is stopped there (it cannot win; printed as such). Ties keep the
+grid's first point.
 """
 from __future__ import annotations
 

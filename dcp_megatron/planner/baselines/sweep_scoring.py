@@ -15,12 +15,16 @@ planner's own (ValueError: the setting cannot run the batch), raised again for e
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
 
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.timeline import one_microbatch_makespan, plan_makespan
+
+
+KEPT_KNOBS = 4      # layout knobs whose layouts stay cached (each holds one layout per batch)
 
 
 class SettingScorer:
@@ -32,7 +36,9 @@ class SettingScorer:
         self.policy, self.cost, self.max_seq_len = policy, cost, int(max_seq_len)
         self.batches = batches
         self.arrays = [check_batch(b) for b in batches]
-        self.layouts: dict = {}          # (batch, layout knob) -> layout, or the ValueError making it raised
+        # layout knob -> {batch: layout, or the ValueError making it raised}; the grid tries a knob's reliefs one
+        # after another, so only the last few knobs are kept (a knob asked for again is made again: the same layout)
+        self.layouts: OrderedDict = OrderedDict()
         self.checked: dict = {}          # batch -> None, or make_plan's ValueError for the batch itself
 
     def __call__(self, j: int, setting) -> float:
@@ -43,13 +49,17 @@ class SettingScorer:
             return self._hybrid(j, setting)
         return self._static(j, setting)
 
-    def _layout(self, key, make):
-        if key not in self.layouts:
+    def _layout(self, j: int, knob, make):
+        per_batch = self.layouts.setdefault(knob, {})
+        self.layouts.move_to_end(knob)
+        while len(self.layouts) > KEPT_KNOBS:
+            self.layouts.popitem(last=False)
+        if j not in per_batch:
             try:
-                self.layouts[key] = make()
+                per_batch[j] = make()
             except ValueError as err:
-                self.layouts[key] = err
-        found = self.layouts[key]
+                per_batch[j] = err
+        found = per_batch[j]
         if isinstance(found, ValueError):
             raise found
         return found
@@ -92,7 +102,7 @@ class SettingScorer:
             schedule = dynamic_schedule(lengths, cost, setting)
             return schedule, schedule_sums(schedule, lengths, cost)
 
-        schedule, sums = self._layout((j, setting.token_cap, setting.min_cp_size), make)
+        schedule, sums = self._layout(j, (setting.token_cap, setting.min_cp_size), make)
         if not cost.model.lockstep:       # `waves_of_schedule` times its groups with `times_from_sums` too
             return self._makespan(sums, setting.recompute)
         waves = waves_of_schedule(schedule, ids, lengths, cost, setting.recompute, sums)
@@ -108,7 +118,7 @@ class SettingScorer:
             return make_plan(self.policy, self.batches[j], cost, max_seq_len=self.max_seq_len,
                              setting=setting).est_step_time_s
         check_recompute_fits(cost, setting.token_cap, setting.recompute, f"megatron-hybrid ({setting})")
-        layout = self._layout((j, setting.token_cap), lambda: hybrid_layout(self.arrays[j][1], cost, setting))
+        layout = self._layout(j, setting.token_cap, lambda: hybrid_layout(self.arrays[j][1], cost, setting))
         check_bucket_memory(cost, layout, setting)
         size, first, wave = (np.asarray(x, dtype=np.int64) for x in (layout.size_of, layout.first_of, layout.wave_of))
         recompute, sums = setting.recompute, layout.sums
@@ -129,7 +139,7 @@ class SettingScorer:
         cost = self.cost
         ids, lengths = self.arrays[j]
         layout = static_layout(cost, self.max_seq_len, setting)      # ValueError: the setting cannot run
-        _, items = self._layout((j, setting.cp_size), lambda: static_packing(ids, lengths, cost, self.max_seq_len,
+        _, items = self._layout(j, setting.cp_size, lambda: static_packing(ids, lengths, cost, self.max_seq_len,
                                                                              setting))
         waves = BASELINES[self.policy](ids, lengths, cost, max_seq_len=self.max_seq_len, setting=setting,
                                        packing=(layout, items))

@@ -19,6 +19,7 @@ a wave run an empty micro-batch with PP > 1 and nothing with PP = 1.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,18 +31,64 @@ from dcp_megatron.planner.baselines.settings import DynamicSetting, check_recomp
 from dcp_megatron.planner.timeline import one_microbatch_makespan
 
 
+class HybridLayout(NamedTuple):
+    """Where a batch's buckets run under a token cap; the run-wide recompute changes their times, not this."""
+    bucket_of: np.ndarray        # bucket of each sequence
+    wave_of: list[int]           # per bucket: wave, first rank, CP size once placed (doubled into free blocks)
+    first_of: list[int]
+    size_of: list[int]
+    sums: np.ndarray             # (3, buckets): summed local tokens per rank, compute and attention seconds
+
+
 def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None, must_beat: float | None = None,
                          setting: DynamicSetting | None = None) -> tuple[Wave, ...] | None:
     """The plan's waves; None when `must_beat` is given and the plan would not be faster.
     `packing` (the static layout dcp's fallback shares) is not used: this scheduler has its own setting."""
     cluster = cost.cluster
     D = cluster.domain_size
-    sizes = hybrid_cp_sizes(D, cluster.cp_size_limit)
     if setting is None:
-        setting = cost.memoised(("hybrid_default", int(max_seq_len)),
-                                lambda: default_dynamic_setting(cost, max_seq_len, sizes))
+        setting = cost.memoised(("hybrid_default", int(max_seq_len)), lambda: default_dynamic_setting(
+            cost, max_seq_len, hybrid_cp_sizes(D, cluster.cp_size_limit)))
+    check_recompute_fits(cost, setting.token_cap, setting.recompute, f"megatron-hybrid ({setting})")
+    layout = hybrid_layout(lengths, cost, setting, must_beat)
+    if layout is None:
+        return None
+    bucket_of, wave_of, first_of, size_of, sums = layout
+    recompute = setting.recompute            # run-wide; buckets hold at most `cap` tokens per rank
+    check_bucket_memory(cost, layout, setting)
+    wave_arr, first_arr, size_arr = (np.asarray(x, dtype=np.int64) for x in (wave_of, first_of, size_of))
+    run_order = np.lexsort((first_arr, wave_arr)).tolist()
+    if must_beat is not None:
+        times = cost.times_from_sums(sums[0], sums[1], sums[2], size_arr, first_arr, recompute)
+        if one_microbatch_makespan(wave_arr, first_arr, size_arr, times, D) >= must_beat * (1 + 1e-9):
+            return None
+    local_s, compute_s, attn_s = (row.tolist() for row in sums)
+    by_bucket = np.argsort(bucket_of, kind="stable")
+    cuts = np.flatnonzero(np.diff(bucket_of[by_bucket])) + 1
+    seqs = list(zip(ids.tolist(), lengths.tolist()))
+    contents = [part.tolist() for part in np.split(by_bucket, cuts)]
+    out: list[list[Group]] = [[] for _ in range(max(wave_of, default=0) + 1)]
+    next_rank = [0] * len(out)
+    for b in run_order:
+        w, first, size = wave_of[b], first_of[b], size_of[b]
+        out[w].extend(_idle(rank, cost, recompute) for rank in range(next_rank[w], first))
+        mb = microbatch_from_sums(cost, tuple(map(seqs.__getitem__, contents[b])), local_s[b], compute_s[b],
+                                  attn_s[b], size, first, recompute)
+        out[w].append(Group(first, size, (mb,)))
+        next_rank[w] = first + size
+    for w, groups in enumerate(out):
+        groups.extend(_idle(rank, cost, recompute) for rank in range(next_rank[w], D))
+    return tuple(Wave(tuple(groups)) for groups in out)
+
+
+def hybrid_layout(lengths, cost, setting: DynamicSetting, must_beat: float | None = None) -> HybridLayout | None:
+    """The buckets of a batch and where they run (ValueError: a sequence fits no CP size under the cap); None
+    when `must_beat` is given and the plan would not be faster. Without `must_beat` only the setting's cap
+    matters (baselines/sweep.py times one layout under each recompute of a cap)."""
+    cluster = cost.cluster
+    D = cluster.domain_size
+    sizes = hybrid_cp_sizes(D, cluster.cp_size_limit)
     cap = setting.token_cap
-    check_recompute_fits(cost, cap, setting.recompute, f"megatron-hybrid ({setting})")
     cp = np.zeros(lengths.shape, dtype=np.int64)
     for s in reversed(sizes):
         cp[local_tokens(lengths, s) <= cap] = s
@@ -84,33 +131,15 @@ def plan_megatron_hybrid(ids, lengths, cost, *, max_seq_len: int, packing=None, 
         sel = np.flatnonzero(final_size == size)
         for row, part in zip(sums, cost.doc_terms(lengths[sel], size)):
             row += np.bincount(bucket_of[sel], weights=part, minlength=num)
-    recompute = setting.recompute            # run-wide; buckets hold at most `cap` tokens per rank
-    if cost.memory_from_tokens(float(sums[0].max()), recompute) > cluster.mem_budget_bytes:
-        raise ValueError(f"megatron-hybrid: a bucket of {int(sums[0].max())} tokens per rank does not fit "
-                         f"with recompute {recompute} (cap {cap})")
-    wave_arr, first_arr, size_arr = (np.asarray(x, dtype=np.int64) for x in (wave_of, first_of, size_of))
-    run_order = np.lexsort((first_arr, wave_arr)).tolist()
-    if must_beat is not None:
-        times = cost.times_from_sums(sums[0], sums[1], sums[2], size_arr, first_arr, recompute)
-        if one_microbatch_makespan(wave_arr, first_arr, size_arr, times, D) >= must_beat * (1 + 1e-9):
-            return None
-    local_s, compute_s, attn_s = (row.tolist() for row in sums)
-    by_bucket = np.argsort(bucket_of, kind="stable")
-    cuts = np.flatnonzero(np.diff(bucket_of[by_bucket])) + 1
-    seqs = list(zip(ids.tolist(), lengths.tolist()))
-    contents = [part.tolist() for part in np.split(by_bucket, cuts)]
-    out: list[list[Group]] = [[] for _ in range(max(wave_of, default=0) + 1)]
-    next_rank = [0] * len(out)
-    for b in run_order:
-        w, first, size = wave_of[b], first_of[b], size_of[b]
-        out[w].extend(_idle(rank, cost, recompute) for rank in range(next_rank[w], first))
-        mb = microbatch_from_sums(cost, tuple(map(seqs.__getitem__, contents[b])), local_s[b], compute_s[b],
-                                  attn_s[b], size, first, recompute)
-        out[w].append(Group(first, size, (mb,)))
-        next_rank[w] = first + size
-    for w, groups in enumerate(out):
-        groups.extend(_idle(rank, cost, recompute) for rank in range(next_rank[w], D))
-    return tuple(Wave(tuple(groups)) for groups in out)
+    return HybridLayout(bucket_of, wave_of, first_of, size_of, sums)
+
+
+def check_bucket_memory(cost, layout: HybridLayout, setting: DynamicSetting) -> None:
+    """ValueError unless the fullest bucket fits the memory budget with the setting's recompute."""
+    recompute, most = setting.recompute, float(layout.sums[0].max())
+    if cost.memory_from_tokens(most, recompute) > cost.cluster.mem_budget_bytes:
+        raise ValueError(f"megatron-hybrid: a bucket of {int(most)} tokens per rank does not fit "
+                         f"with recompute {recompute} (cap {setting.token_cap})")
 
 
 def hybrid_cp_sizes(domain_size: int, limit: int) -> list[int]:

@@ -237,23 +237,39 @@ def _one_microbatch(order, t: _Tables, D: int, cap: int, stop=None):
     return list(zip(size, members)), leftovers
 
 
-def waves_of_schedule(waves_of_groups, ids, lengths, cost, recompute) -> tuple[Wave, ...]:
-    """The waves of a schedule with one run-wide recompute (the schedule does not depend on it)."""
+class ScheduleSums(NamedTuple):
+    """A schedule's groups in wave order as arrays (what does not depend on the recompute)."""
+    local: np.ndarray           # summed local tokens per rank
+    compute: np.ndarray         # summed compute seconds
+    attn: np.ndarray            # summed attention seconds
+    size: np.ndarray            # CP size
+    first: np.ndarray           # first rank (groups laid out from rank 0 in order)
+    wave: np.ndarray            # wave index
+
+
+def schedule_sums(waves_of_groups, lengths, cost) -> ScheduleSums:
+    """Every group's summed terms, elementwise per CP size used, so a group's slice sums to the same floats."""
+    terms = {s: cost.doc_terms(lengths, s) for s in {s for groups in waves_of_groups for s, _ in groups}}
+    sums = [tuple(float(x[members].sum()) for x in terms[s]) for groups in waves_of_groups for s, members in groups]
+    flat = [(s, first) for groups in waves_of_groups for s, first in zip(*_firsts(groups))]
+    loc, comp, attn = (np.array([t[n] for t in sums], dtype=np.float64) for n in range(3))
+    wave = np.repeat(np.arange(len(waves_of_groups)), [len(groups) for groups in waves_of_groups])
+    return ScheduleSums(loc, comp, attn, np.array([s for s, _ in flat], dtype=np.int64),
+                        np.array([f for _, f in flat], dtype=np.int64), wave.astype(np.int64))
+
+
+def waves_of_schedule(waves_of_groups, ids, lengths, cost, recompute, sums: ScheduleSums | None = None
+                      ) -> tuple[Wave, ...]:
+    """The waves of a schedule with one run-wide recompute (the schedule does not depend on it; `sums`: its
+    `schedule_sums` when already known)."""
     D = cost.cluster.domain_size
     seqs = list(zip(ids.tolist(), lengths.tolist()))
-    # per document, once per CP size used (elementwise, so a group's slice sums to the same floats)
-    terms = {s: cost.doc_terms(lengths, s) for s in {s for groups in waves_of_groups for s, _ in groups}}
-    sums = []                                         # per wave, per group: (local, compute, attn)
-    for groups in waves_of_groups:
-        sums.append([tuple(float(x[members].sum()) for x in terms[s]) for s, members in groups])
+    sums = schedule_sums(waves_of_groups, lengths, cost) if sums is None else sums
     # every group's estimates at once (`times_from_sums`: the same floats as one micro-batch at a time)
-    flat = [(s, first) for groups in waves_of_groups for s, first in zip(*_firsts(groups))]
-    loc, comp, attn = (np.array([t[n] for wave_sums in sums for t in wave_sums], dtype=np.float64) for n in range(3))
-    size_arr = np.array([s for s, _ in flat], dtype=np.int64)
-    times = cost.times_from_sums(loc, comp, attn, size_arr, np.array([f for _, f in flat], dtype=np.int64),
-                                 recompute).tolist()
-    per_token = {s: cost.bytes_per_local_token(recompute, s) for s in set(size_arr.tolist())}
-    mems = [cost.static_bytes + int(math.ceil(x * per_token[s])) for x, (s, _) in zip(loc.tolist(), flat)]
+    times = cost.times_from_sums(sums.local, sums.compute, sums.attn, sums.size, sums.first, recompute).tolist()
+    per_token = {s: cost.bytes_per_local_token(recompute, s) for s in set(sums.size.tolist())}
+    mems = [cost.static_bytes + int(math.ceil(x * per_token[s])) for x, s in zip(sums.local.tolist(),
+                                                                                 sums.size.tolist())]
     waves, n = [], 0
     for groups in waves_of_groups:
         out = []

@@ -17,8 +17,10 @@ budget. `sweep` does that over a grid and returns every point and the winner:
   where the cluster has a host link, and full layers; every micro-batch of the run pays the one chosen.
 
 A setting is scored by the mean over the batches of the plan's modelled step time (the same cost model that
-scores every policy). The untuned default is scored first; a point whose running sum passes the best full sum
-so far is stopped there (it cannot win; printed as such). Ties keep the grid's first point.
+scores every policy; `sweep_scoring.SettingScorer` gives that float without building the plan, each layout made
+once per batch and layout knob and timed under every relief). The untuned default is scored first; a point whose
+running sum passes the best full sum so far is stopped there (it cannot win; printed as such). Ties keep the
+grid's first point.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dcp_megatron.planner.plan import NO_RECOMPUTE, StepPlan
+from dcp_megatron.planner.plan import NO_RECOMPUTE
 from dcp_megatron.planner.baselines.settings import DynamicSetting, StaticSetting, check_recompute_fits, token_caps  # noqa: F401
 
 STATIC_POLICIES = ("static", "static-balanced")
@@ -105,32 +107,16 @@ def sweep(policy: str, batches: Sequence[Sequence[tuple[int, int]]], cost, *, ma
     """The setting of `grid` (default `grid_of`) with the lowest mean step over `batches`, and every point.
     `score(j, setting)`: batch j's step time under the setting (default: its plan's, by the cost model;
     ValueError: the setting cannot run it)."""
-    from dcp_megatron.planner.policies import make_plan
-    from dcp_megatron.planner.layout import check_batch
-    from dcp_megatron.planner.cp_flavour import choose_cp_attention
-    from dcp_megatron.planner.baselines.megatron_dynamic import dynamic_schedule, waves_of_schedule
-    from dcp_megatron.planner.timeline import plan_makespan
+    from dcp_megatron.planner.baselines.sweep_scoring import SettingScorer
 
     if not batches:
         raise ValueError("sweep needs at least one batch")
     grid = list(grid_of(policy, cost, max_seq_len) if grid is None else grid)
     if not grid:
         raise ValueError(f"{policy}: no setting of the grid can hold max_seq_len {max_seq_len} in memory")
-    arrays = [check_batch(b) for b in batches]
-    schedules: dict = {}          # (batch index, cap, min cp) -> dynamic schedule (the recompute does not change it)
-
-    def step_time(j: int, setting) -> float:
-        if policy == "megatron-dynamic":
-            key = (j, setting.token_cap, setting.min_cp_size)
-            # the memory check of every setting, also when its cap's schedule is already known
-            check_recompute_fits(cost, setting.token_cap, setting.recompute, f"megatron-dynamic ({setting})")
-            if key not in schedules:
-                schedules[key] = dynamic_schedule(arrays[j][1], cost, setting)
-            waves = waves_of_schedule(schedules[key], *arrays[j], cost, setting.recompute)
-            return plan_makespan(StepPlan(domain_size=cost.cluster.domain_size, waves=choose_cp_attention(waves, cost)))
-        return make_plan(policy, batches[j], cost, max_seq_len=max_seq_len, setting=setting).est_step_time_s
-
-    step_time = score or step_time
+    # make_plan's step time, each layout made once per batch and layout knob (sweep_scoring.py)
+    scorer = SettingScorer(policy, batches, cost, max_seq_len=max_seq_len)     # checks the batches
+    step_time = score or scorer
     # The untuned default first when it is a grid point: its total then stops slower points early.
     first = grid.index(default) if (default := _default_setting(policy, cost, max_seq_len)) in grid else 0
     best_total, best, points = math.inf, None, [None] * len(grid)

@@ -17,6 +17,11 @@ is the bound's; where it sits near the bound, the plan is loose.
 Per workload also: dcp over `milp_reference.family_bound` (the LP relaxation of that family on the
 full-size steps), which says how much of the gap only other group sizes could close.
 
+`--exact-longest` adds dcp over max(lower bound, the longest document's exact alone time over every group size,
+`bounds.exact_alone_time`: the bound's floor leaves CP communication out of the sizes between its grid's, which at
+thousands of ranks is most of a long document's time). `--part-ranks N` plans as a run with
+`--dcp-plan-part-ranks N` does (planner/dcp/split.py).
+
 Every number printed is measured in this run.
 """
 import argparse
@@ -49,23 +54,27 @@ def summary(ratios) -> dict:
             "max": float(r.max())}
 
 
-def measure_workload(name: str, cost, tokens_per_step: int, steps: int, seed: int) -> dict:
+def measure_workload(name: str, cost, tokens_per_step: int, steps: int, seed: int, *, part_ranks: int = 0,
+                     exact_longest: bool = False) -> dict:
+    from dcp_megatron.planner.bounds import exact_alone_time
     from dcp_megatron.planner.milp_reference import family_bound
     from dcp_megatron.planner.policies import make_plan
 
     batches = batches_of(name, tokens_per_step, steps, seed)
     max_seq_len = max(b.max_length for b in batches)
-    ratios, family, longest, fallbacks, plan_ms = [], [], [], 0, []
+    ratios, family, longest, fallbacks, plan_ms, exact = [], [], [], 0, [], []
     for batch in batches:
         started = time.perf_counter()
-        plan = make_plan("dcp", batch.sequences, cost, max_seq_len=max_seq_len)
+        plan = make_plan("dcp", batch.sequences, cost, max_seq_len=max_seq_len, part_ranks=part_ranks)
         plan_ms.append(1e3 * (time.perf_counter() - started))
         ratios.append(plan.est_step_time_s / plan.lower_bound_s)
+        if exact_longest:
+            exact.append(plan.est_step_time_s / max(plan.lower_bound_s, exact_alone_time(batch.max_length, cost)))
         family.append(plan.est_step_time_s / family_bound([length for _, length in batch.sequences], cost))
         longest.append(batch.max_length)
         fallbacks += "fallback" in plan.extra
     out = dict(summary(ratios), fallbacks=fallbacks, plan_ms_p50=float(np.median(plan_ms)), bins={},
-               vs_family=summary(family))
+               vs_family=summary(family), vs_exact_longest=summary(exact) if exact else None)
     longest = np.asarray(longest)
     for lo, hi, label in zip(BIN_EDGES, BIN_EDGES[1:], BIN_NAMES):
         inside = [r for r, L in zip(ratios, longest) if lo <= L < hi]
@@ -109,8 +118,13 @@ def main(argv=None) -> int:
     p.add_argument("--milp-gpus", type=int, default=16)
     p.add_argument("--milp-scale", type=float, default=0.25, help="length scale of the reduced instances")
     p.add_argument("--milp-time-limit", type=float, default=20.0, help="seconds per MILP solve")
+    p.add_argument("--exact-longest", action="store_true",
+                   help="also dcp over max(bound, the longest document's exact alone time); ~0.6 s a step at 16384")
+    p.add_argument("--part-ranks", type=int, default=0, metavar="N", help="plan as --dcp-plan-part-ranks N does")
     p.add_argument("--json", default=None, metavar="OUT")
     args = p.parse_args(argv)
+    if args.part_ranks < 0:
+        p.error(f"--part-ranks must be >= 0, got {args.part_ranks}")
     from dcp_megatron.planner.distributions import BUILTIN_NAMES
     from dcp_megatron.planner.milp_reference import highspy_available
 
@@ -134,9 +148,13 @@ def main(argv=None) -> int:
     print("   micro-batch can do, the MILP family's LP bound; the lower bound also allows other group sizes)")
     print(f"{'workload':<12}{'steps':>6}{'p50':>8}{'p95':>8}{'max':>8}{'fam_p95':>9}{'fallbk':>7}{'plan_ms':>9}")
     for name in workloads:
-        r = report["workloads"][name] = measure_workload(name, cost, args.tokens_per_step, args.steps, args.seed)
+        r = report["workloads"][name] = measure_workload(name, cost, args.tokens_per_step, args.steps, args.seed,
+                                                         part_ranks=args.part_ranks, exact_longest=args.exact_longest)
         print(f"{name:<12}{r['steps']:>6}{r['p50']:>8.3f}{r['p95']:>8.3f}{r['max']:>8.3f}{r['vs_family']['p95']:>9.4f}{r['fallbacks']:>7}"
               f"{r['plan_ms_p50']:>9.1f}")
+        if r["vs_exact_longest"]:
+            e = r["vs_exact_longest"]
+            print(f"  vs max(bound, exact longest alone): p50 {e['p50']:.4f} p95 {e['p95']:.4f} max {e['max']:.4f}")
         if name == "bytescale" or len(r["bins"]) > 1:
             for label, b in r["bins"].items():
                 print(f"  longest {label:<10}{b['steps']:>4}{b['p50']:>8.3f}{b['p95']:>8.3f}{b['max']:>8.3f}")

@@ -96,6 +96,22 @@ def fastest_alone_time(length: int, cost) -> float:
     return fastest
 
 
+def exact_alone_time(length: int, cost) -> float:
+    """Seconds no plan runs the document in: alone in a micro-batch on every group size 1..cp_size_limit (first rank 0,
+    each size's fastest placement: inside a node where it fits one), the fastest relief that fits (inf: it fits none).
+    `fastest_alone_time` scores the sizes between its grid's without their CP communication; at scale that
+    communication is most of a long document's time (each rank receives about its whole K/V whatever the group size:
+    a 1.2M-token document takes at least 9.4 s on any of 16,384 ranks' group sizes where that floor says 1.7-2.3 s).
+    ~40 µs a size, 0.6 s at 16,384 ranks: for offline tools (tools/bound_gap.py --exact-longest), not per plan."""
+    doc, fastest = np.array([length]), math.inf
+    for size in range(1, cost.cluster.cp_size_limit + 1):
+        local, compute, attn = (float(x[0]) for x in cost.doc_terms(doc, size))
+        relief = cost.best_recompute_from_sums(local, compute, attn, size)
+        if relief is not None:
+            fastest = min(fastest, cost.time_from_sums(local, compute, attn, size, 0, relief))
+    return fastest
+
+
 def fewest_rank_microbatches(lengths, cost) -> int:
     """Rank-micro-batches any plan needs: the batch's tokens over the most local tokens one fits."""
     room = (cost.cluster.mem_budget_bytes - cost.static_bytes) * FIT_SLACK

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from dcp_megatron.planner.bounds import least_rank_seconds, least_recompute_extra, lower_bound, scored_sizes
+from dcp_megatron.planner.bounds import (exact_alone_time, fastest_alone_time, least_rank_seconds,
+                                         least_recompute_extra, lower_bound, scored_sizes)
 from dcp_megatron.planner.costmodel import CostModel, cluster_preset, model_preset
 from dcp_megatron.planner.distributions import BYTESCALE_BUCKETS, BYTESCALE_MAX, builtin_lengths
 from dcp_megatron.planner.milp_reference import family_bound, solve_family, split_long
@@ -70,6 +71,22 @@ def test_bound_of_one_document_never_beats_brute_force(domain_size):
         if cost.best_recompute([length], domain_size) is None:
             continue
         assert lower_bound([(0, length)], cost) <= fastest_alone(length, cost) * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("domain_size", [8, 12, 64])
+def test_exact_alone_time_is_the_brute_force_over_every_size_and_offset(domain_size):
+    cost = h200_cost(domain_size)
+    for length in (20_000, 90_000, 333_333, 650_872):
+        assert exact_alone_time(length, cost) == pytest.approx(fastest_alone(length, cost), rel=1e-12)
+
+
+def test_exact_alone_time_counts_the_communication_the_bound_floor_leaves_out():
+    # at thousands of ranks a long document's K/V all-gather is most of its time on any group size
+    cost = h200_cost(4096)
+    relaxed, exact = fastest_alone_time(1_197_350, cost), exact_alone_time(1_197_350, cost)
+    assert exact > 3 * relaxed
+    assert exact <= min(cost.microbatch_time([1_197_350], c, recompute=cost.best_recompute([1_197_350], c))
+                        for c in (1024, 2048, 4096))
 
 
 def family_instance(seed: int, cost):
@@ -140,12 +157,13 @@ def test_bytescale_shape():
 def test_bound_gap_tool_end_to_end(tmp_path, capsys):
     tool = load_tool("bound_gap")
     out = tmp_path / "gap.json"
-    assert tool.main(["--workloads", "bytescale", "--steps", "2", "--milp-instances", "1",
+    assert tool.main(["--workloads", "bytescale", "--steps", "2", "--milp-instances", "1", "--exact-longest",
                       "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     workload = report["workloads"]["bytescale"]
     assert workload["steps"] == 2 and 1.0 <= workload["p50"] <= workload["p95"] <= workload["max"]
     assert sum(b["steps"] for b in workload["bins"].values()) == 2
+    assert 1.0 <= workload["vs_exact_longest"]["p50"] <= workload["p50"] * (1 + 1e-12)   # a tighter bound
     row = report["milp"][0]
     assert row["bound_s"] <= row["milp_dual_s"] * (1 + 1e-9) and row["milp_s"] <= row["dcp_s"] * 1.01
     assert "reduced bytescale instances" in capsys.readouterr().out

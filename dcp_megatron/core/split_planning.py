@@ -73,7 +73,13 @@ class SplitPlanner:
         mine = plan_part(ids, lengths, cost, part_of, part, max_seq_len=max_seq_len, part_ranks=part_ranks,
                          bound=bound)
         encoded = plan_to_bytes(mine)
-        gathered = self._gather(encoded, part_ranks=part_ranks, num_parts=num_parts)
+        try:
+            gathered = self._gather(encoded, part_ranks=part_ranks, num_parts=num_parts)
+        except RuntimeError as err:   # gloo's timeout or a peer gone: say what this rank was doing
+            raise RuntimeError(f"split planning: domain rank {self.domain_rank} (part {part} of {num_parts}, "
+                               f"{part_ranks} ranks each) could not gather the parts' plans: another rank of the "
+                               f"domain stopped, or planned this batch differently (every rank needs the same "
+                               f"flags, --dcp-profile and code): {err}") from err
         parts, unreadable = [], False
         with _collection_paused():
             for p, data in enumerate(gathered):

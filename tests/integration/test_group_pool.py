@@ -100,6 +100,16 @@ def _pool_worker(rank: int, world_size: int) -> dict:
             out["timeout"] = "completed"
         except RuntimeError as err:
             out["timeout"] = str(err)
+    # Split planning where part 1's ranks plan the batch whole (another flag): part 0's gather times out, named.
+    from dcp_megatron.core.split_planning import SplitPlanner, planning_groups
+    group = planning_groups([[0, 1, 2, 3]], timeout=timedelta(seconds=1))
+    if rank < 2:
+        planner = SplitPlanner(policy="dcp", max_seq_len=4096, part_ranks=2, domain_rank=rank, group=group)
+        try:
+            planner(_split_batch(), _split_cost())
+            out["split_timeout"] = "completed"
+        except RuntimeError as err:
+            out["split_timeout"] = str(err)
     return out
 
 
@@ -210,3 +220,10 @@ def test_split_planning_gathers_the_one_process_plan(pool_results):
 def test_ranks_of_a_part_that_disagree_stop_every_rank(pool_results):
     for r in pool_results:
         assert r["split"]["mismatch"].startswith("iteration 7: ranks computed different plans"), r["split"]
+
+
+def test_a_part_whose_peers_plan_whole_times_out_with_a_message(pool_results):
+    for rank in (0, 1):
+        message = pool_results[rank]["split_timeout"]
+        assert message.startswith(f"split planning: domain rank {rank} (part 0 of 2, 2 ranks each) could not gather"), \
+            message

@@ -42,6 +42,7 @@ from dcp_megatron.planner.timeline import plan_makespan
 
 WORKLOAD_SLACK = 0.05   # Megatron's allowance over the busiest-rank workload bound
 FIRST_CHECK = 64        # sequences placed in a micro-batch before `EndsTooLate.unfinished` is first asked
+CHECK_GROWTH = 0.5      # then again after half as many more placements: O(sequences) checking in all
 
 
 def dynamic_cp_sizes(domain_size: int, limit: int, smallest: int = 1) -> list[int]:
@@ -214,7 +215,7 @@ def _one_microbatch(order, t: _Tables, D: int, cap: int, stop=None):
             if stop.unfinished([(sizes[k], m) for k, m in zip(size, members)], D - used, sizes, order,
                                share[-1] if sizes[-1] == D else None, cap):
                 return None, None
-            next_check = 2 * p
+            next_check = p + max(FIRST_CHECK, int(p * CHECK_GROWTH))
     size = [sizes[k] for k in size]
     by_size = [(s, g) for g, s in enumerate(size)]    # the first smallest group is the heap's least
     heapq.heapify(by_size)

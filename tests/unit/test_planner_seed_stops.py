@@ -75,6 +75,28 @@ def test_the_early_stop_ends_the_schedule_inside_a_wave_it_cannot_win(monkeypatc
     assert placed and placed[-1] < lengths.size / 4
 
 
+def test_the_stop_is_asked_often_enough_to_end_a_wave_it_can_only_prove_late(monkeypatch):
+    # bench_planner's p99 batch at D=1,024 (4M Wikipedia-like tokens, batch 15): the proof needs ~3,000 of the 4,004
+    # placements (ranks stay free to grow into until then); asked only at each doubling (2,048, then the end) the
+    # scheduler placed every sequence before losing: 31 of the plan's 51 ms
+    cost = CostModel(model_preset("llama3-8b"), cluster_preset("h200", domain_size=1024), allowed_recompute=MENU_NAMES)
+    batcher = GlobalBatcher(tokens_per_step=4_194_304, max_seq_len=4_194_304, overlong="split")
+    batch = next(itertools.islice(batcher.batches(enumerate(iter_builtin_lengths("wikipedia", 0))), 15, None))
+    ids, lengths = np.array([i for i, _ in batch.sequences]), np.array([n for _, n in batch.sequences])
+    answers = []
+    unfinished = dynamic_stop.EndsTooLate.unfinished
+
+    def recorded(self, groups, *args):
+        answers.append((sum(len(m) for _, m in groups), unfinished(self, groups, *args)))
+        return answers[-1][1]
+    monkeypatch.setattr(dynamic_stop.EndsTooLate, "unfinished", recorded)
+    dcp = make_plan("dcp", batch.sequences, cost, max_seq_len=batch.max_length)
+    assert megatron_dynamic.plan_megatron_dynamic(ids, lengths, cost, max_seq_len=batch.max_length,
+                                                  must_beat=dcp.est_step_time_s) is None
+    placed, stopped = answers[-1]
+    assert stopped and placed < lengths.size, answers     # it stopped inside the schedule, before the last placement
+
+
 def test_hybrid_stops_before_bucketing_the_short_sequences_when_the_longest_bucket_cannot_win(monkeypatch):
     # D=1,024 Wikipedia-like: the longest document's bucket (CP 4, first made) cannot double (no free buddy block)
     # and alone outlasts dcp's step: the CP-1 class, thousands of sequences, is never bucketed

@@ -7,8 +7,8 @@ belongs to, and the parts are gathered on a gloo group of the domain, in two col
 - one MAX all-reduce of the parts' encoded sizes (planner/plan_bytes.py);
 - one all-gather in which rank j of a part sends the j-th slice of its part's bytes, so the domain moves each
   part's bytes once (not once per rank of the part).
-Every rank then composes the same plan `make_plan(..., part_ranks=N)` returns in one process. A rank whose own part
-came back different from what it planned (its part's ranks disagree) marks its plan, so the step's plan hash check
+Every rank then composes the same plan `make_plan(..., part_ranks=N)` returns in one process, its own part as it
+planned it: where a part's ranks planned it differently, their plans differ, and the step's plan hash check
 (core/planning.check_same_plan) stops every rank with its one-line message.
 
 The gloo group is the planner's own: planning runs on the plan-ahead thread (planner/ahead.py) while training's
@@ -27,14 +27,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dcp_megatron.planner.dcp.search import plan_part
+from dcp_megatron.planner.dcp.search import plan_dcp_search, plan_part
 from dcp_megatron.planner.dcp.split import assign_shares, compose, split_parts
 from dcp_megatron.planner.plan import StepPlan
 from dcp_megatron.planner.plan_bytes import plan_from_bytes, plan_to_bytes
-from dcp_megatron.planner.policies import checked_inputs, make_plan
-
-MISMATCH_KEY = "split_mismatch"
-
+from dcp_megatron.planner.policies import checked_inputs
 
 def planning_groups(domains, *, timeout: timedelta):
     """One gloo group per DCP domain, created by every rank of the world in the same order; this rank's or None."""
@@ -66,7 +63,7 @@ class SplitPlanner:
                                                              max_seq_len=self.max_seq_len, part_ranks=self.part_ranks)
         part_ranks = split_parts(lengths, cost, self.part_ranks, bound)
         if not part_ranks:   # every rank decides alike from the same lengths: no collective either way
-            return make_plan(self.policy, list(sequences), cost, max_seq_len=self.max_seq_len)
+            return plan_dcp_search(ids, lengths, cost, max_seq_len=max_seq_len, tuned={}, bound=bound)
         num_parts = cost.cluster.domain_size // part_ranks
         part = self.domain_rank // part_ranks
         part_of = assign_shares(ids, lengths, cost, num_parts)
@@ -80,18 +77,16 @@ class SplitPlanner:
                                f"{part_ranks} ranks each) could not gather the parts' plans: another rank of the "
                                f"domain stopped, or planned this batch differently (every rank needs the same "
                                f"flags, --dcp-profile and code): {err}") from err
-        parts, unreadable = [], False
+        # a rank composes its own part as it planned it and the others as gathered: if a part's ranks disagree,
+        # their plans differ from each other's and from the other ranks', and the step's hash check stops every rank
+        parts = []
         with _collection_paused():
             for p, data in enumerate(gathered):
                 try:
                     parts.append(mine if p == part else plan_from_bytes(data))
                 except ValueError:           # a part whose ranks sent slices of different plans: idle in this plan
                     parts.append(StepPlan(domain_size=part_ranks, waves=()))
-                    unreadable = True
-            plan = compose(parts, cost, bound)
-        if unreadable or gathered[part] != encoded:   # a plan no other rank holds: the hash check stops every rank
-            plan.extra[MISMATCH_KEY] = self.domain_rank
-        return plan
+            return compose(parts, cost, bound)
 
 
 @contextlib.contextmanager

@@ -69,13 +69,7 @@ def fastest_alone_time(length: int, cost) -> float:
     recompute that fits); any other scored size at least the overhead plus its rank-seconds (compute and
     least recompute, no communication) over its ranks; a size in a gap [lo, hi] at least the overhead plus
     the gap's rank-seconds floor (_least_over_sizes' relaxed form) over hi ranks."""
-    fastest = math.inf
-    doc = np.array([length])
-    for size in candidate_sizes(cost.cluster):
-        local, compute, attn = (float(x[0]) for x in cost.doc_terms(doc, size))
-        recompute = cost.best_recompute_from_sums(local, compute, attn, size)
-        if recompute is not None:
-            fastest = min(fastest, cost.time_from_sums(local, compute, attn, size, 0, recompute))
+    fastest = min(alone_times(length, candidate_sizes(cost.cluster), cost).values(), default=math.inf)
     sizes = np.asarray(scored_sizes(cost.cluster), dtype=np.int64)
     overhead = cost.cluster.microbatch_overhead_s
     scale = min([1.0] + list(cost.time_scale.values()))        # measured factors below 1 shorten any time
@@ -103,13 +97,19 @@ def exact_alone_time(length: int, cost) -> float:
     communication is most of a long document's time (each rank receives about its whole K/V whatever the group size:
     a 1.2M-token document takes at least 9.4 s on any of 16,384 ranks' group sizes where that floor says 1.7-2.3 s).
     ~40 µs a size, 0.6 s at 16,384 ranks: for offline tools (tools/bound_gap.py --exact-longest), not per plan."""
-    doc, fastest = np.array([length]), math.inf
-    for size in range(1, cost.cluster.cp_size_limit + 1):
+    return min(alone_times(length, range(1, cost.cluster.cp_size_limit + 1), cost).values(), default=math.inf)
+
+
+def alone_times(length: int, sizes, cost) -> dict[int, float]:
+    """The document alone in a micro-batch on a group of each of `sizes` at first rank 0 with the fastest relief
+    that fits (sizes it fits none of left out)."""
+    doc, times = np.array([length]), {}
+    for size in sizes:
         local, compute, attn = (float(x[0]) for x in cost.doc_terms(doc, size))
         relief = cost.best_recompute_from_sums(local, compute, attn, size)
         if relief is not None:
-            fastest = min(fastest, cost.time_from_sums(local, compute, attn, size, 0, relief))
-    return fastest
+            times[size] = cost.time_from_sums(local, compute, attn, size, 0, relief)
+    return times
 
 
 def fewest_rank_microbatches(lengths, cost) -> int:

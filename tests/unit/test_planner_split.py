@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from dcp_megatron.planner.batcher import GlobalBatcher
-from dcp_megatron.planner.bounds import least_rank_seconds
+from dcp_megatron.planner.bounds import alone_times, least_rank_seconds
 from dcp_megatron.planner.costmodel import GpuCosts, MENU_NAMES, CostModel, cluster_preset, model_preset
 from dcp_megatron.planner.dcp.search import plan_part
-from dcp_megatron.planner.dcp.split import alone_times, assign_shares, compose, part_cost, split_parts
+from dcp_megatron.planner.dcp.split import assign_shares, compose, part_cost, split_parts
 from dcp_megatron.planner.distributions import iter_builtin_lengths
-from dcp_megatron.planner.layout import check_batch
+from dcp_megatron.planner.layout import candidate_sizes, check_batch
 from dcp_megatron.planner.plan_bytes import plan_from_bytes, plan_to_bytes
 from dcp_megatron.planner.policies import checked_inputs, make_plan
 from dcp_megatron.planner.timeline import plan_makespan
@@ -105,7 +105,7 @@ def test_when_a_batch_is_planned_whole():
     # parts grow while the longest document alone on one would end over 1% after the bound and its fastest time
     cost = _cost()
     long_doc = np.array([4096] * 63 + [400_000])
-    alone = alone_times(400_000, cost)
+    alone = alone_times(400_000, candidate_sizes(cost.cluster), cost)
     assert alone[32] < alone[16] / 1.01 and min(alone.values()) < alone[32] / 1.01
     assert split_parts(long_doc, cost, PART, alone[16]) == 16
     assert split_parts(long_doc, cost, PART, alone[32]) == 32

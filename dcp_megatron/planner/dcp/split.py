@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from dcp_megatron.planner.bounds import least_rank_seconds
+from dcp_megatron.planner.bounds import alone_times, least_rank_seconds
 from dcp_megatron.planner.layout import candidate_sizes
 from dcp_megatron.planner.list_scheduling import lpt_assign
 from dcp_megatron.planner.plan import Group, StepPlan, Wave
@@ -47,25 +47,13 @@ def split_parts(lengths: np.ndarray, cost, part_ranks: int, bound: float) -> int
     D = cluster.domain_size
     if part_ranks <= 0 or D % part_ranks or part_ranks % cluster.gpus_per_node or model.lockstep:
         return 0
-    alone = alone_times(int(lengths.max()), cost)
+    alone = alone_times(int(lengths.max()), candidate_sizes(cost.cluster), cost)   # dcp's group sizes
     limit = max(bound, min(alone.values())) * (1.0 + LONGEST_SLACK)
     while 2 * part_ranks <= D:
         if min((t for size, t in alone.items() if size <= part_ranks), default=math.inf) <= limit:
             return part_ranks
         part_ranks *= 2
     return 0
-
-
-def alone_times(length: int, cost) -> dict[int, float]:
-    """The document alone in a micro-batch on each of dcp's group sizes (first rank 0, the fastest relief that
-    fits; sizes it fits none of left out): what its group costs it in a whole plan and in a part."""
-    doc, times = np.array([length]), {}
-    for size in candidate_sizes(cost.cluster):
-        local, compute, attn = (float(x[0]) for x in cost.doc_terms(doc, size))
-        relief = cost.best_recompute_from_sums(local, compute, attn, size)
-        if relief is not None:
-            times[size] = cost.time_from_sums(local, compute, attn, size, 0, relief)
-    return times
 
 
 def part_cost(cost, part_ranks: int):
